@@ -1,0 +1,40 @@
+"""The ``megatron-grpo`` command line: one subcommand per job.
+
+Each subcommand lives in its own module and registers itself in ``SUBCOMMANDS`` with
+``add_parser(subparsers)``, which sets ``func`` on its parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# module path -> subcommand name; modules are imported lazily so `--help` stays fast.
+SUBCOMMANDS = {
+    "megatron_grpo.cli.demo_cmd": "demo",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-grpo",
+        description="Off-policy GRPO on Megatron-core with a TP/PP -> vLLM resharding bridge.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in SUBCOMMANDS:
+        importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

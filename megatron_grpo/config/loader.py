@@ -1,0 +1,157 @@
+"""Load the config tree from YAML plus dotted ``key=value`` overrides, and write it back.
+
+Values are coerced to the field's declared type, so ``grpo.group_size=16`` is an int and
+``parallel.vpp=null`` is None. Unknown keys raise, listing the keys that exist there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+from megatron_grpo.config.schema import Config, ConfigError
+
+
+def _field_types(cls: type) -> dict[str, object]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(key: str, value: object, tp: object) -> object:
+    """Convert ``value`` (from YAML or a command-line string) to the annotated type ``tp``."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            if type(None) in args:
+                return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}={value!r}: cannot be null.")
+    if origin is typing.Literal:
+        # Literal choices are validated by the section's __post_init__, with its message.
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={value!r} is not a boolean: use true or false.")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not an integer.")
+        try:
+            as_float = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r} is not an integer.") from None
+        if as_float != int(as_float):
+            raise ConfigError(f"{key}={value!r} is not an integer.")
+        return int(as_float)
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not a number.")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r} is not a number.") from None
+    if tp is str:
+        if value is None:
+            raise ConfigError(f"{key} cannot be null.")
+        return str(value)
+    return value
+
+
+def _build(cls: type, data: dict, prefix: str) -> object:
+    """Build dataclass ``cls`` from a nested dict, checking every key."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {type(data).__name__}.")
+    hints = _field_types(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key {full!r}: {prefix or 'the top level'} has {names}.")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value or {}, f"{full}.")
+        else:
+            kwargs[key] = _coerce(full, value, tp)
+    return cls(**kwargs)
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """Turn ``["a.b=1", "c=x"]`` into ``{"a": {"b": "1"}, "c": "x"}`` (values typed later)."""
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (example: grpo.group_size=16).")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section.")
+        # YAML parsing gives lists, null and numbers their usual meaning on the command line.
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node[parts[-1]] = value
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Load ``path`` (YAML; None = the defaults), apply ``overrides``, validate, return it."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist: pass a YAML file (see configs/).")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    if overrides:
+        data = _merge(data, parse_overrides(overrides))
+    return _build(Config, data, "")
+
+
+def save_config(cfg: Config, run_dir: str | os.PathLike) -> Path:
+    """Write the resolved config to ``run_dir/config.yaml`` (and return the path)."""
+    out = Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "config.yaml"
+    tmp = target.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    os.replace(tmp, target)
+    return target
+
+
+def format_config(cfg: Config) -> str:
+    """The resolved config as indented JSON, for printing at start."""
+    return json.dumps(dataclasses.asdict(cfg), indent=2)

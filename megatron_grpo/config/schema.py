@@ -1,0 +1,390 @@
+"""The one typed config tree of megatron-grpo.
+
+Every default lives here and nowhere else: YAML files and ``key=value`` overrides only
+change fields, and code reads fields (never ``cfg.get(key, default)``). Each section
+validates itself in ``__post_init__``; checks that need several sections live in
+``Config.__post_init__``. Errors are ``ConfigError`` and say what is wrong, why, and how
+to fix it, naming the values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message names the key, the value and the fix."""
+
+
+def _check_choice(key: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {list(choices)}: set {key} to one of them.")
+
+
+def _check_positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key}={value!r} must be {bound}.")
+
+
+@dataclass
+class ModelConfig:
+    hf_path: str = "tiny"
+    """Hugging Face model directory (config.json, *.safetensors, tokenizer files), or a preset
+    name (``tiny``, ``Qwen2.5-0.5B``, ``Qwen2.5-1.5B``, ``Qwen2.5-7B``) that builds random
+    weights of that shape in the run directory."""
+    load: str | None = None
+    """Optional megatron-core dist checkpoint to load the weights from instead of the HF
+    safetensors (the HF directory still provides config and tokenizer)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Training parameter dtype. ``auto``: float32 on CPU, bfloat16 on GPU."""
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Megatron layer spec. ``auto``: Transformer-Engine when installed and on GPU, else local."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron pads the vocabulary to a multiple of this times the tensor-parallel size."""
+
+    def __post_init__(self) -> None:
+        _check_choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _check_choice(
+            "model.transformer_impl", self.transformer_impl, ("auto", "local", "transformer_engine")
+        )
+        _check_positive("model.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Trainer tensor-parallel size."""
+    pp: int = 1
+    """Trainer pipeline-parallel size."""
+    dp: int = 0
+    """Trainer data-parallel size; 0 derives it as WORLD_SIZE / (tp * pp * cp)."""
+    vpp: int | None = None
+    """Virtual pipeline stages per pipeline rank (interleaved schedule, GPU); None disables."""
+    cp: int = 1
+    """Context-parallel size (GPU only)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (requires tp > 1; GPU)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend. ``auto``: nccl when CUDA is present, else gloo."""
+    timeout_s: float = 600.0
+    """Timeout of every collective, after which the run fails with an error instead of hanging."""
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "pp", "cp"):
+            _check_positive(f"parallel.{key}", getattr(self, key))
+        _check_positive("parallel.dp", self.dp, allow_zero=True)
+        if self.vpp is not None:
+            _check_positive("parallel.vpp", self.vpp)
+            if self.pp < 2:
+                raise ConfigError(
+                    f"parallel.vpp={self.vpp} needs parallel.pp >= 2 (got {self.pp}): "
+                    "set parallel.vpp=null or raise parallel.pp."
+                )
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError(
+                "parallel.sequence_parallel=true needs parallel.tp > 1 (got 1): "
+                "set parallel.sequence_parallel=false or raise parallel.tp."
+            )
+        _check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
+        _check_positive("parallel.timeout_s", self.timeout_s)
+
+
+@dataclass
+class RolloutConfig:
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """``colocated``: each trainer rank hosts its vLLM rank in-process (external_launcher).
+    ``disaggregated``: vLLM engines run on their own ranks/devices, fed over the network."""
+    tp: int = 1
+    """vLLM tensor-parallel size."""
+    num_engines: int = 0
+    """Disaggregated only: number of vLLM engines (0 = one per rollout group). Colocated
+    placement derives the engine count from the world size."""
+    max_new_tokens: int = 16
+    """Maximum response length in tokens."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_model_len: int = 256
+    """vLLM context length (prompt + response)."""
+    gpu_memory_utilization: float = 0.3
+    """GPU only: fraction of device memory vLLM may take (weights + KV cache)."""
+    cpu_kv_cache_gb: float = 1.0
+    """CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    enforce_eager: bool = True
+    sleep_between_rollouts: bool = True
+    """GPU colocated only: free vLLM's memory while the trainer trains."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("rollout.placement", self.placement, ("colocated", "disaggregated"))
+        _check_positive("rollout.tp", self.tp)
+        _check_positive("rollout.num_engines", self.num_engines, allow_zero=True)
+        _check_positive("rollout.max_new_tokens", self.max_new_tokens)
+        _check_positive("rollout.temperature", self.temperature, allow_zero=True)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1].")
+        _check_positive("rollout.max_model_len", self.max_model_len)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]."
+            )
+
+
+@dataclass
+class GRPOConfig:
+    group_size: int = 8
+    """G: responses sampled per prompt."""
+    prompts_per_step: int = 8
+    """Prompts sampled per trainer step (the batch is prompts_per_step * group_size)."""
+    sgd_iterations: int = 1
+    """i: SGD passes over each batch (paper's Algorithm 1)."""
+    mini_batch_size: int = 0
+    """Sequences per optimizer step within one SGD pass; 0 = the whole batch."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward micro-batch."""
+    advantage: Literal["grpo", "drgrpo", "red_weight"] = "grpo"
+    """``grpo``: (r - mean)/sqrt(std^2 + eps); ``drgrpo``: r - mean; ``red_weight``:
+    A * exp(A / tau) on unnormalized advantages."""
+    advantage_eps: float = 1e-6
+    red_weight_tau: float = 1.0
+    red_drop: bool = False
+    """RED-Drop: drop surplus negatives in groups with more negatives than positives."""
+    zero_variance_mask: bool = True
+    """Groups whose G rewards are all equal contribute nothing (paper eq. 8 mask)."""
+    policy_loss: Literal["off_policy_clip", "rec", "gspo"] = "off_policy_clip"
+    """``off_policy_clip``: f_eps(r, r', A) (PPO/DAPO/dual-clip family); ``rec``: group-relative
+    REINFORCE with clip masks and weights (Yao et al.); ``gspo``: sequence-level ratio."""
+    ratio_mode: Literal["one", "exact"] = "one"
+    """r' = pi_k/alpha: ``one`` approximates r' = 1 (paper's runs); ``exact`` recomputes pi_k's
+    log-probs on the trainer and keeps alpha's from the rollout."""
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip_c: float | None = None
+    """Dual-clip bound c (> 1) for negative advantages; None disables."""
+    rec_clip: Literal["none", "one_side", "two_side", "ring"] = "one_side"
+    rec_weight: Literal["none", "is", "tis"] = "none"
+    rec_ring_eps_low: float = 0.6
+    rec_ring_eps_high: float = 2.0
+    rec_tis_cap: float = 2.0
+    regularizer: Literal["none", "asymre", "opmd"] = "none"
+    regularizer_coef: float = 0.0
+    tis: Literal["none", "token_truncate", "token_mask", "seq_truncate", "seq_mask"] = "none"
+    """Correction for the rollout-vs-trainer log-prob mismatch (needs ratio_mode=exact)."""
+    tis_cap: float = 2.0
+    kl_coef: float = 0.0
+    """beta: KL(pi || pi_ref) coefficient; 0 disables the reference policy."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in_reward: bool = False
+    """Subtract beta*KL from the reward instead of adding it to the loss."""
+    ref_update_interval: int = 0
+    """Reset pi_ref <- pi_theta every this many steps (0 = never)."""
+    loss_agg: Literal[
+        "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"
+    ] = "token_mean"
+    loss_agg_constant: float = 0.0
+    """Normalizer for loss_agg=constant (Dr.GRPO); 0 = rollout.max_new_tokens."""
+    entropy_coef: float = 0.0
+    overlong_buffer: int = 0
+    """DAPO overlong shaping: linear penalty over the last this-many tokens; 0 disables."""
+    overlong_penalty: float = 1.0
+    overlong_filter: bool = False
+    """DAPO overlong filtering: truncated responses get no gradient."""
+
+    def __post_init__(self) -> None:
+        _check_positive("grpo.group_size", self.group_size)
+        if self.group_size < 2:
+            raise ConfigError(
+                f"grpo.group_size={self.group_size}: group advantages need at least 2 "
+                "responses per prompt; set grpo.group_size >= 2."
+            )
+        _check_positive("grpo.prompts_per_step", self.prompts_per_step)
+        _check_positive("grpo.sgd_iterations", self.sgd_iterations)
+        _check_positive("grpo.mini_batch_size", self.mini_batch_size, allow_zero=True)
+        _check_positive("grpo.micro_batch_size", self.micro_batch_size)
+        _check_choice("grpo.advantage", self.advantage, ("grpo", "drgrpo", "red_weight"))
+        _check_choice("grpo.policy_loss", self.policy_loss, ("off_policy_clip", "rec", "gspo"))
+        _check_choice("grpo.ratio_mode", self.ratio_mode, ("one", "exact"))
+        _check_choice("grpo.rec_clip", self.rec_clip, ("none", "one_side", "two_side", "ring"))
+        _check_choice("grpo.rec_weight", self.rec_weight, ("none", "is", "tis"))
+        _check_choice("grpo.regularizer", self.regularizer, ("none", "asymre", "opmd"))
+        _check_choice(
+            "grpo.tis", self.tis, ("none", "token_truncate", "token_mask", "seq_truncate", "seq_mask")
+        )
+        _check_choice("grpo.kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
+        _check_choice(
+            "grpo.loss_agg",
+            self.loss_agg,
+            ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"),
+        )
+        _check_positive("grpo.clip_eps_low", self.clip_eps_low, allow_zero=True)
+        _check_positive("grpo.clip_eps_high", self.clip_eps_high, allow_zero=True)
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            raise ConfigError(
+                f"grpo.dual_clip_c={self.dual_clip_c} must be > 1 (3 is usual) or null to disable."
+            )
+        _check_positive("grpo.kl_coef", self.kl_coef, allow_zero=True)
+        _check_positive("grpo.ref_update_interval", self.ref_update_interval, allow_zero=True)
+        if self.tis != "none" and self.ratio_mode != "exact":
+            raise ConfigError(
+                f"grpo.tis={self.tis!r} compares the trainer's log-probs of alpha with the "
+                "rollout's, which only grpo.ratio_mode=exact computes: set grpo.ratio_mode=exact "
+                "or grpo.tis=none."
+            )
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+    distributed_optimizer: Literal["auto", "on", "off"] = "auto"
+    """Megatron's distributed (ZeRO-1) optimizer. ``auto``: on with CUDA, off on CPU."""
+    max_nan_steps_in_row: int = 3
+    """Skip a step whose loss or grad norm is not finite; abort after this many in a row."""
+
+    def __post_init__(self) -> None:
+        _check_positive("optim.lr", self.lr)
+        _check_positive("optim.min_lr", self.min_lr, allow_zero=True)
+        if self.min_lr > self.lr:
+            raise ConfigError(f"optim.min_lr={self.min_lr} exceeds optim.lr={self.lr}.")
+        _check_choice("optim.lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        _check_positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
+        _check_positive("optim.clip_grad", self.clip_grad, allow_zero=True)
+        _check_choice("optim.distributed_optimizer", self.distributed_optimizer, ("auto", "on", "off"))
+        _check_positive("optim.max_nan_steps_in_row", self.max_nan_steps_in_row)
+
+
+@dataclass
+class SyncConfig:
+    interval: int = 4
+    """v: push the trainer's weights to vLLM when step % v == 0 (Algorithm 1)."""
+    method: Literal["direct", "baseline"] = "direct"
+    """``direct``: the resharding bridge (each vLLM rank gets exactly its shard);
+    ``baseline``: gather full HF tensors and feed vLLM's load_weights (what anchors do)."""
+    bucket_mb: float = 64.0
+    """Size of the flat packed buckets the bridge sends."""
+    verify: bool = False
+    """After each sync, check vLLM's checksums against what was sent."""
+    timeout_s: float = 120.0
+    """Every wait of a sync ends in an error naming the peer after this long."""
+
+    def __post_init__(self) -> None:
+        _check_positive("sync.interval", self.interval)
+        _check_choice("sync.method", self.method, ("direct", "baseline"))
+        _check_positive("sync.bucket_mb", self.bucket_mb)
+        _check_positive("sync.timeout_s", self.timeout_s)
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic:add"
+    """``synthetic:<task>`` for a generated task, a local file (.jsonl, .parquet, .arrow), or a
+    Hugging Face hub dataset name (online machines only)."""
+    split: str = "train"
+    prompt_key: str = "question"
+    answer_key: str = "answer"
+    template: str = "{prompt}"
+    """Python format string applied to the prompt; ``chat`` uses the tokenizer's chat template."""
+    shuffle_seed: int = 0
+    strict: bool = False
+    """Fail on the first malformed row instead of skipping and counting it."""
+    synthetic_size: int = 4096
+    synthetic_difficulty: int = 1
+    """Difficulty knob of the synthetic task (e.g. number of digits)."""
+    max_prompt_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            raise ConfigError("data.source is empty: set it to synthetic:<task> or a data file.")
+        _check_positive("data.synthetic_size", self.synthetic_size)
+        _check_positive("data.synthetic_difficulty", self.synthetic_difficulty)
+        _check_positive("data.max_prompt_tokens", self.max_prompt_tokens)
+
+
+@dataclass
+class RewardConfig:
+    name: str = "synthetic"
+    """``gsm8k``, ``gsm8k_flexible``, ``math`` (math-verify), ``synthetic``, or a dotted path
+    ``package.module:function`` taking (prompt, response, answer) and returning a float."""
+    format_weight: float = 0.0
+    """Weight of the format reward added to the task reward."""
+    timeout_s: float = 5.0
+    """Time limit of one reward call; a call past it scores 0."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("reward.name is empty: set it to gsm8k, math, synthetic or a:path.")
+        _check_positive("reward.timeout_s", self.timeout_s)
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0
+    """Save every this many steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Keep this many most recent checkpoints."""
+    save_at_end: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive("checkpoint.interval", self.interval, allow_zero=True)
+        _check_positive("checkpoint.keep_last", self.keep_last)
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    """Log to Weights & Biases under this project when set (wandb must be installed)."""
+    progress: bool = True
+    """Show a progress bar with ETA on rank 0."""
+    plots: bool = True
+    """Write PNG plots of reward and step-time breakdown at the end of a run."""
+
+
+@dataclass
+class Config:
+    """The whole run: every section, plus the loop's length and seed."""
+
+    steps: int = 60
+    seed: int = 1234
+    run_dir: str = "runs/default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        _check_positive("steps", self.steps)
+        batch = self.grpo.prompts_per_step * self.grpo.group_size
+        if self.grpo.mini_batch_size and batch % self.grpo.mini_batch_size:
+            raise ConfigError(
+                f"grpo.prompts_per_step({self.grpo.prompts_per_step}) * grpo.group_size"
+                f"({self.grpo.group_size}) = {batch} is not a multiple of grpo.mini_batch_size"
+                f"({self.grpo.mini_batch_size}): pick a mini-batch size that divides {batch}."
+            )
+        if self.rollout.max_new_tokens + self.data.max_prompt_tokens > self.rollout.max_model_len:
+            raise ConfigError(
+                f"data.max_prompt_tokens({self.data.max_prompt_tokens}) + rollout.max_new_tokens"
+                f"({self.rollout.max_new_tokens}) exceeds rollout.max_model_len"
+                f"({self.rollout.max_model_len}): raise rollout.max_model_len or shorten them."
+            )
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

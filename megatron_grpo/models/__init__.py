@@ -1,0 +1,1 @@
+"""HF config -> ModelSpec -> megatron-core GPTModel; tiny model and tokenizer builders."""

@@ -1,0 +1,128 @@
+"""A normalized description of a dense decoder model, read from a Hugging Face config.json.
+
+``ModelSpec`` is what every other part reads (model provider, layouts, bridge, plan); none
+of them look at HF config keys directly. Supported families: Llama, Qwen2 (QKV bias),
+Qwen3 (QK-norm), each with GQA and tied or untied embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config describes a model megatron-grpo cannot build."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str
+    """``llama``, ``qwen2`` or ``qwen3``."""
+    architecture: str
+    """The HF ``architectures[0]`` string (e.g. ``Qwen2ForCausalLM``)."""
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    """Query groups (KV heads); equal to num_heads without GQA."""
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    """The tokenizer-facing vocabulary in HF's embedding (no Megatron/vLLM padding)."""
+    tie_word_embeddings: bool
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    qkv_bias: bool
+    """Qwen2: q/k/v projections carry a bias."""
+    qk_norm: bool
+    """Qwen3: RMSNorm over each head's q and k (``q_norm``/``k_norm``)."""
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameter count of the HF model (tied embeddings counted once)."""
+        h, hn, f, v = self.hidden_size, self.head_dim, self.ffn_hidden_size, self.vocab_size
+        qkv = (self.num_heads + 2 * self.num_kv_heads) * hn * h
+        if self.qkv_bias:
+            qkv += (self.num_heads + 2 * self.num_kv_heads) * hn
+        attn = qkv + self.num_heads * hn * h + (2 * hn if self.qk_norm else 0)
+        layer = attn + 3 * f * h + 2 * h
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + emb + h
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def spec_from_hf_config(cfg: dict) -> ModelSpec:
+    """Build a ModelSpec from a parsed HF ``config.json``; raise for unsupported models."""
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {arch!r} is not supported: megatron-grpo builds "
+            f"{sorted(SUPPORTED_ARCHITECTURES)} (dense Llama/Qwen2/Qwen3)."
+        )
+    family = SUPPORTED_ARCHITECTURES[arch]
+    if cfg.get("rope_scaling"):
+        raise UnsupportedModelError(
+            f"{arch} with rope_scaling={cfg['rope_scaling']!r} is not supported: "
+            "only plain RoPE (rope_scaling null) is."
+        )
+    if family == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        raise UnsupportedModelError(
+            "LlamaForCausalLM with attention_bias or mlp_bias is not supported: "
+            "set them false or use a Qwen2 model for QKV biases."
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(
+            f"hidden_act={cfg.get('hidden_act')!r} is not supported: only silu (SwiGLU) is."
+        )
+    num_heads = cfg["num_attention_heads"]
+    num_kv = cfg.get("num_key_value_heads") or num_heads
+    hidden = cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // num_heads
+    if num_heads % num_kv:
+        raise UnsupportedModelError(
+            f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}."
+        )
+    return ModelSpec(
+        family=family,
+        architecture=arch,
+        hidden_size=hidden,
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=num_kv,
+        head_dim=head_dim,
+        ffn_hidden_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        qkv_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
+    )
+
+
+def load_spec(hf_dir: str | Path) -> ModelSpec:
+    """Read ``hf_dir/config.json`` into a ModelSpec."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} does not exist: model.hf_path must be a Hugging Face model directory "
+            "with a config.json, or a preset name."
+        )
+    return spec_from_hf_config(json.loads(path.read_text()))

@@ -1,0 +1,1 @@
+"""The CPU compatibility layer for megatron-core and the pinned-version checks."""
