@@ -126,3 +126,23 @@ def load_spec(hf_dir: str | Path) -> ModelSpec:
             "with a config.json, or a preset name."
         )
     return spec_from_hf_config(json.loads(path.read_text()))
+
+
+def megatron_padded_vocab(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's padded vocabulary: the next multiple of ``divisible_by * tp``.
+
+    Same rule as Megatron-LM's ``_vocab_size_with_padding``; every TP rank holds
+    ``padded / tp`` rows of the embedding and output layer, the rows past ``vocab_size`` zero.
+    """
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def vllm_padded_vocab(vocab_size: int, tp: int, pad_to: int = 64) -> int:
+    """vLLM's padded vocabulary for ``VocabParallelEmbedding``/``ParallelLMHead``.
+
+    vLLM pads the vocabulary to a multiple of 64 (``DEFAULT_VOCAB_PADDING_SIZE`` in
+    vllm/model_executor/layers/vocab_parallel_embedding.py) and splits the padded rows
+    evenly over its TP ranks; the loader expects exactly ``vocab_size`` incoming rows.
+    """
+    return ((vocab_size + pad_to - 1) // pad_to) * pad_to
