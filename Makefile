@@ -23,7 +23,7 @@ $(STAMP): setup.py pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/megatron-grpo demo
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" launchers/cpu_demo.sh
 
 test: $(STAMP)
 	# pytest exits 5 when it collects no test; that is a failure of the suite, not a pass.

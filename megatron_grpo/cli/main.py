@@ -12,7 +12,7 @@ import sys
 
 # module path -> subcommand name; modules are imported lazily so `--help` stays fast.
 SUBCOMMANDS = {
-    "megatron_grpo.cli.demo_cmd": "demo",
+    "megatron_grpo.cli.train_cmd": "train",
 }
 
 

@@ -1,0 +1,51 @@
+"""``megatron-grpo train``: the off-policy GRPO loop (Algorithm 1) on Megatron-core + vLLM.
+
+Run it under torchrun (each rank runs the same command) or as one process; see
+docs/launch.md. ``megatron-grpo demo`` runs it on the embedded default with the CPU launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="run off-policy GRPO training (under torchrun for several ranks)",
+        description="Off-policy GRPO: rollouts from vLLM serving a policy that is refreshed every "
+        "v steps, Megatron-core training. Settings come from the config file, then key=value "
+        "overrides (dotted keys, e.g. grpo.group_size=16).",
+    )
+    p.add_argument("--config", help="YAML config (default: the embedded tiny CPU default)")
+    p.add_argument("--run-dir", help="run directory (overrides run_dir)")
+    p.add_argument("--steps", type=int, help="number of trainer steps (overrides steps)")
+    p.add_argument("--sync-interval", type=int, help="v: sync vLLM every v steps (sync.interval)")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in the run dir"
+    )
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    p.set_defaults(func=run)
+
+
+def overrides_from_args(args: argparse.Namespace) -> list[str]:
+    overrides = list(args.overrides)
+    if args.run_dir:
+        overrides.append(f"run_dir={args.run_dir}")
+    if args.steps is not None:
+        overrides.append(f"steps={args.steps}")
+    if args.sync_interval is not None:
+        overrides.append(f"sync.interval={args.sync_interval}")
+    return overrides
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_grpo.cli.errors import exit_on_user_error
+    from megatron_grpo.config import load_config
+
+    with exit_on_user_error():
+        cfg = load_config(args.config, overrides_from_args(args))
+        from megatron_grpo.trainer.loop import train
+
+        train(cfg, resume=args.resume)
+    return 0
