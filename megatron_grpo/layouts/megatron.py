@@ -1,0 +1,280 @@
+"""Megatron-core GPTModel parameter names and per-TP-rank shards, as HF slices.
+
+Verified against megatron-core 0.16.1 (paths under megatron/core/):
+
+- Fused QKV (transformer/attention.py ``SelfAttention.get_query_key_value_tensors``): the
+  output rows are, per query group g, ``[its np/ng query heads; k_g; v_g]``
+  ("q1 q2 k1 v1 | q3 q4 k2 v2"). ``linear_qkv`` is a ColumnParallelLinear
+  (tensor_parallel/layers.py), so TP rank r holds the contiguous rows
+  ``[r*L/T, (r+1)*L/T)`` of that interleaved tensor (L = ng*(np/ng+2)*hn). When
+  ng < T (allowed: transformer_config.py requires ng to be a multiple or a divisor of T)
+  a group is split over T/ng ranks and a rank holds part of "q.. k v"; attention then
+  all-gathers the columns (attention.py, the ``num_query_groups < world_size`` branch).
+  The QKV bias (``add_qkv_bias``) follows the same order.
+- ``linear_proj`` / ``linear_fc2``: RowParallelLinear, columns ``[r*in/T, ...)``.
+- ``linear_fc1`` with gated_linear_unit: rank r holds ``[gate_r; up_r]`` (transformer/mlp.py
+  chunks the local output in two; ``apply_swiglu_sharded_factory`` describes the same).
+- Embedding and output layer: VocabParallelEmbedding / ColumnParallelLinear rows
+  ``[r*Vm/T, ...)`` of the padded vocabulary Vm; rows >= V are padding (zero here).
+- Tied embeddings (models/common/language_module/language_module.py
+  ``setup_embeddings_and_output_layer``; models/gpt/gpt_model.py
+  ``skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights``):
+  with PP=1 the output layer has no weight; with PP>1 the last stage holds
+  ``output_layer.weight`` as a copy of the embedding.
+- Norm names: local spec ``input_layernorm.weight`` / ``pre_mlp_layernorm.weight``; TE spec
+  folds them into ``self_attention.linear_qkv.layer_norm_weight`` /
+  ``mlp.linear_fc1.layer_norm_weight`` (models/gpt/gpt_layer_specs.py, the local spec's
+  ``sharded_state_dict_keys_map`` maps one onto the other). QK-norm:
+  ``self_attention.q_layernorm.weight`` / ``k_layernorm.weight`` of size hn, replicated.
+- Layer numbering (transformer/transformer_layer.py ``get_transformer_layer_offset``, even
+  split): chunk (pp_rank, vp_stage) holds global layers from
+  ``vp_stage*(L/vpp) + pp_rank*(L/(pp*vpp))``, named with the local index from 0.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_grpo.layouts import hf
+from megatron_grpo.layouts.pieces import Piece, ShardLayout, cut, merge, vocab_rows
+from megatron_grpo.models.spec import ModelSpec, megatron_padded_vocab
+
+NormStyle = Literal["local", "te"]
+
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+
+# Norm names per spec style: (attention input norm, MLP input norm).
+NORM_NAMES: dict[str, tuple[str, str]] = {
+    "local": ("input_layernorm.weight", "pre_mlp_layernorm.weight"),
+    "te": ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"),
+}
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+class UnknownParameterError(KeyError):
+    """A Megatron or vLLM parameter name the layouts do not know."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """How the trainer's GPTModel is split. ``padded_vocab`` None means Megatron's rule
+    ``megatron_padded_vocab(V, tp)`` (make_vocab_size_divisible_by=128)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    padded_vocab: int | None = None
+    norm_style: NormStyle = "local"
+
+    def vocab(self, spec: ModelSpec) -> int:
+        return self.padded_vocab or megatron_padded_vocab(spec.vocab_size, self.tp)
+
+
+def strip_wrappers(name: str) -> str:
+    """Drop DDP / Float16Module prefixes (``module.``) from a parameter name."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+def validate(spec: ModelSpec, ml: MegatronLayout) -> None:
+    """Raise ValueError when megatron-core cannot split ``spec`` as ``ml`` says."""
+    t, ng, np_ = ml.tp, spec.num_kv_heads, spec.num_heads
+    if t < 1 or ml.pp < 1 or ml.vpp < 1:
+        raise ValueError(f"tp={t}, pp={ml.pp}, vpp={ml.vpp} must all be >= 1")
+    if np_ % t:
+        raise ValueError(f"num_heads={np_} is not divisible by trainer tp={t}: choose tp | {np_}.")
+    if ng % t and t % ng:
+        # megatron/core/transformer/transformer_config.py __post_init__
+        raise ValueError(
+            f"num_kv_heads={ng} must be a multiple or a divisor of trainer tp={t} "
+            "(megatron-core TransformerConfig check)."
+        )
+    if (np_ + 2 * ng) * spec.head_dim % t:
+        raise ValueError(f"fused QKV rows {(np_ + 2 * ng) * spec.head_dim} not divisible by tp={t}")
+    if spec.ffn_hidden_size % t:
+        raise ValueError(f"ffn_hidden_size={spec.ffn_hidden_size} not divisible by tp={t}")
+    if spec.num_layers % (ml.pp * ml.vpp):
+        raise ValueError(
+            f"num_layers={spec.num_layers} is not divisible by pp*vpp={ml.pp * ml.vpp}: "
+            "uneven pipeline splits are not supported by the layouts."
+        )
+    if ml.vpp > 1 and ml.pp == 1:
+        raise ValueError("vpp > 1 needs pp > 1 (megatron-core interleaved schedule)")
+    vm = ml.vocab(spec)
+    if vm < spec.vocab_size or vm % t:
+        raise ValueError(
+            f"padded vocab {vm} must be >= vocab {spec.vocab_size} and divisible by tp={t}"
+        )
+    if ml.norm_style not in NORM_NAMES:
+        raise ValueError(f"norm_style={ml.norm_style!r}: expected one of {sorted(NORM_NAMES)}")
+
+
+def layers_per_chunk(spec: ModelSpec, ml: MegatronLayout) -> int:
+    return spec.num_layers // (ml.pp * ml.vpp)
+
+
+def layer_offset(spec: ModelSpec, ml: MegatronLayout, pp_rank: int, vp_stage: int = 0) -> int:
+    """Global index of local layer 0 on chunk (pp_rank, vp_stage); get_transformer_layer_offset,
+    even split, no embedding/loss accounting."""
+    if ml.pp == 1:
+        return 0
+    return vp_stage * (spec.num_layers // ml.vpp) + pp_rank * layers_per_chunk(spec, ml)
+
+
+def is_first_chunk(ml: MegatronLayout, pp_rank: int, vp_stage: int) -> bool:
+    return pp_rank == 0 and vp_stage == 0
+
+
+def is_last_chunk(ml: MegatronLayout, pp_rank: int, vp_stage: int) -> bool:
+    return pp_rank == ml.pp - 1 and vp_stage == ml.vpp - 1
+
+
+def detect_norm_style(names: list[str] | tuple[str, ...]) -> NormStyle:
+    """``te`` if the model carries TE-folded norm names, else ``local``."""
+    if any(n.endswith("linear_qkv.layer_norm_weight") for n in names):
+        return "te"
+    return "local"
+
+
+def chunk_names(spec: ModelSpec, ml: MegatronLayout, pp_rank: int, vp_stage: int = 0) -> list[str]:
+    """Parameter names (local layer index) of one model chunk, identical on every TP rank."""
+    out: list[str] = []
+    if is_first_chunk(ml, pp_rank, vp_stage):
+        out.append(EMBEDDING)
+    attn_norm, mlp_norm = NORM_NAMES[ml.norm_style]
+    for j in range(layers_per_chunk(spec, ml)):
+        p = f"decoder.layers.{j}."
+        out.append(p + attn_norm)
+        out.append(p + "self_attention.linear_qkv.weight")
+        if spec.qkv_bias:
+            out.append(p + "self_attention.linear_qkv.bias")
+        if spec.qk_norm:
+            out.append(p + "self_attention.q_layernorm.weight")
+            out.append(p + "self_attention.k_layernorm.weight")
+        out.append(p + "self_attention.linear_proj.weight")
+        out.append(p + mlp_norm)
+        out.append(p + "mlp.linear_fc1.weight")
+        out.append(p + "mlp.linear_fc2.weight")
+    if is_last_chunk(ml, pp_rank, vp_stage):
+        out.append(FINAL_NORM)
+        if not (spec.tie_word_embeddings and is_first_chunk(ml, pp_rank, vp_stage)):
+            out.append(OUTPUT)
+    return out
+
+
+def _qkv_interleaved(spec: ModelSpec, kind: str) -> tuple[Piece, ...]:
+    """The full fused QKV rows (weight or bias) as HF pieces, per group [q..; k; v]."""
+    hn, hpg, p = spec.head_dim, spec.heads_per_group, "self_attn."
+    pieces: list[Piece] = []
+    for g in range(spec.num_kv_heads):
+        pieces.append(Piece(f"{p}q_proj.{kind}", g * hpg * hn, hpg * hn))
+        pieces.append(Piece(f"{p}k_proj.{kind}", g * hn, hn))
+        pieces.append(Piece(f"{p}v_proj.{kind}", g * hn, hn))
+    return tuple(pieces)
+
+
+def _prefixed(pieces: tuple[Piece, ...], prefix: str) -> tuple[Piece, ...]:
+    return tuple(Piece(prefix + p.src if p.src else None, p.start, p.length) for p in pieces)
+
+
+def shard(
+    spec: ModelSpec,
+    ml: MegatronLayout,
+    name: str,
+    pp_rank: int = 0,
+    vp_stage: int = 0,
+    tp_rank: int = 0,
+) -> ShardLayout:
+    """The shard of Megatron parameter ``name`` (local layer index; ``module.`` prefixes
+    allowed) held by (pp_rank, vp_stage, tp_rank), as HF pieces.
+
+    Shapes per TP rank (T = ml.tp): QKV ``((np+2ng)*hn/T, h)``, bias ``((np+2ng)*hn/T,)``,
+    linear_proj ``(h, np*hn/T)``, fc1 ``(2F/T, h)``, fc2 ``(h, F/T)``, embedding/output
+    ``(Vm/T, h)``, norms ``(h,)``, q/k_layernorm ``(hn,)``.
+    Raises :class:`UnknownParameterError` naming the name when it is not a parameter of
+    this model on this chunk.
+    """
+    t, r = ml.tp, tp_rank
+    h, hn, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
+    local = strip_wrappers(name)
+    first, last = is_first_chunk(ml, pp_rank, vp_stage), is_last_chunk(ml, pp_rank, vp_stage)
+    vm = ml.vocab(spec)
+
+    if local == EMBEDDING and first:
+        pieces = vocab_rows(hf.EMBED, spec.vocab_size, vm, t, r)
+        return ShardLayout(name, (vm // t, h), 0, pieces)
+    if local == OUTPUT and last and not (spec.tie_word_embeddings and first):
+        pieces = vocab_rows(hf.output_source(spec), spec.vocab_size, vm, t, r)
+        return ShardLayout(name, (vm // t, h), 0, pieces)
+    if local == FINAL_NORM and last:
+        return ShardLayout(name, (h,), 0, (Piece(hf.FINAL_NORM, 0, h),))
+
+    m = _LAYER_RE.match(local)
+    if m and int(m.group(1)) < layers_per_chunk(spec, ml):
+        layer = layer_offset(spec, ml, pp_rank, vp_stage) + int(m.group(1))
+        pre, suffix = hf.layer_prefix(layer), m.group(2)
+        if suffix in (NORM_NAMES["local"][0], NORM_NAMES["te"][0]):
+            return ShardLayout(name, (h,), 0, (Piece(pre + "input_layernorm.weight", 0, h),))
+        if suffix in (NORM_NAMES["local"][1], NORM_NAMES["te"][1]):
+            return ShardLayout(
+                name, (h,), 0, (Piece(pre + "post_attention_layernorm.weight", 0, h),)
+            )
+        if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+            kind = suffix.rsplit(".", 1)[1]
+            if kind == "bias" and not spec.qkv_bias:
+                raise UnknownParameterError(f"{name}: {spec.family} has no QKV bias")
+            full = _qkv_interleaved(spec, kind)
+            rows = (spec.num_heads + 2 * spec.num_kv_heads) * hn // t
+            pieces = _prefixed(cut(full, r * rows, rows), pre)
+            shape = (rows, h) if kind == "weight" else (rows,)
+            return ShardLayout(name, shape, 0, pieces)
+        if spec.qk_norm and suffix in (
+            "self_attention.q_layernorm.weight",
+            "self_attention.k_layernorm.weight",
+        ):
+            which = "q_norm" if ".q_" in suffix else "k_norm"
+            return ShardLayout(name, (hn,), 0, (Piece(f"{pre}self_attn.{which}.weight", 0, hn),))
+        if suffix == "self_attention.linear_proj.weight":
+            cols = spec.num_heads * hn // t
+            return ShardLayout(
+                name, (h, cols), 1, (Piece(pre + "self_attn.o_proj.weight", r * cols, cols),)
+            )
+        if suffix == "mlp.linear_fc1.weight":
+            rows = f // t
+            pieces = merge(
+                [
+                    Piece(pre + "mlp.gate_proj.weight", r * rows, rows),
+                    Piece(pre + "mlp.up_proj.weight", r * rows, rows),
+                ]
+            )
+            return ShardLayout(name, (2 * rows, h), 0, pieces)
+        if suffix == "mlp.linear_fc2.weight":
+            cols = f // t
+            return ShardLayout(
+                name, (h, cols), 1, (Piece(pre + "mlp.down_proj.weight", r * cols, cols),)
+            )
+    raise UnknownParameterError(
+        f"unknown Megatron parameter {name!r} on pipeline stage {pp_rank}, virtual stage "
+        f"{vp_stage} of a {spec.family} model with {layers_per_chunk(spec, ml)} layers per chunk "
+        f"(tied={spec.tie_word_embeddings}, qkv_bias={spec.qkv_bias}, qk_norm={spec.qk_norm}); "
+        "megatron_grpo.layouts knows the GPT local/TE spec names only."
+    )
+
+
+def chunk_shards(
+    spec: ModelSpec, ml: MegatronLayout, pp_rank: int, vp_stage: int, tp_rank: int
+) -> list[ShardLayout]:
+    """Every parameter shard of one model chunk on one TP rank."""
+    return [
+        shard(spec, ml, n, pp_rank, vp_stage, tp_rank)
+        for n in chunk_names(spec, ml, pp_rank, vp_stage)
+    ]

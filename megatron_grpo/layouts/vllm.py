@@ -1,0 +1,150 @@
+"""vLLM (Llama/Qwen2/Qwen3) parameter names and per-TP-rank shards, as HF slices.
+
+Verified against vLLM 0.32 (paths under vllm/model_executor/):
+
+- ``qkv_proj`` (layers/linear.py ``QKVParallelLinear``): per rank ``[q; k; v]`` with
+  np/T query heads (``shard_rank = tp_rank``) and ``max(1, ng/T)`` KV heads; when T >= ng
+  each KV head is replicated on ``T/ng`` ranks (``num_kv_head_replicas``) and the k/v shard
+  index is ``tp_rank // num_kv_head_replicas`` (``weight_loader``). Bias alike.
+- ``gate_up_proj`` (``MergedColumnParallelLinear.weight_loader``): ``[gate_r; up_r]``, each
+  ``F/T`` rows starting at ``tp_rank*F/T``.
+- ``o_proj`` / ``down_proj`` (``RowParallelLinear.weight_loader``): input columns
+  ``[tp_rank*in/T, ...)``.
+- ``embed_tokens`` / ``lm_head`` (layers/vocab_parallel_embedding.py): the vocabulary is
+  padded to a multiple of 64 (``pad_vocab_size``, ``DEFAULT_VOCAB_PADDING_SIZE``), split
+  evenly (``divide`` asserts T divides it); rank r's real rows are
+  ``[r*Vv/T, (r+1)*Vv/T)`` clipped to V, written at the start of the shard and the rest
+  zero-filled (``weight_loader``: ``param[:n].copy_(...); param[n:].fill_(0)``).
+- Tied embeddings: ``lm_head = lm_head.tie_weights(embed_tokens)`` (models/llama.py,
+  qwen2.py, qwen3.py), so ``named_parameters`` lists only ``model.embed_tokens.weight``.
+- QK-norm (models/qwen3.py): ``self_attn.q_norm.weight`` / ``k_norm.weight`` (hn,),
+  replicated.
+- Norms: ``input_layernorm``, ``post_attention_layernorm``, ``model.norm``, replicated.
+"""
+
+from __future__ import annotations
+
+from megatron_grpo.layouts import hf
+from megatron_grpo.layouts.megatron import UnknownParameterError
+from megatron_grpo.layouts.pieces import Piece, ShardLayout, vocab_rows
+from megatron_grpo.models.spec import ModelSpec, vllm_padded_vocab
+
+LM_HEAD = "lm_head.weight"
+
+
+def validate(spec: ModelSpec, tp: int) -> None:
+    """Raise ValueError when vLLM cannot split ``spec`` over ``tp`` ranks."""
+    np_, ng = spec.num_heads, spec.num_kv_heads
+    if tp < 1 or np_ % tp:
+        raise ValueError(
+            f"num_heads={np_} is not divisible by rollout tp={tp} (QKVParallelLinear)."
+        )
+    if ng % tp and tp % ng:
+        raise ValueError(
+            f"num_kv_heads={ng} must be a multiple or a divisor of rollout tp={tp} "
+            "(vLLM attention asserts it)."
+        )
+    if spec.ffn_hidden_size % tp:
+        raise ValueError(f"ffn_hidden_size={spec.ffn_hidden_size} not divisible by rollout tp={tp}")
+    if vllm_padded_vocab(spec.vocab_size, tp) % tp:
+        raise ValueError(
+            f"vLLM pads vocab {spec.vocab_size} to {vllm_padded_vocab(spec.vocab_size, tp)}, "
+            f"not divisible by rollout tp={tp}."
+        )
+    if spec.family == "qwen2" and spec.head_dim * spec.num_heads != spec.hidden_size:
+        # vllm/model_executor/models/qwen2.py: head_dim = hidden_size // total_num_heads.
+        raise ValueError(
+            f"vLLM's Qwen2 ignores head_dim={spec.head_dim} and uses hidden_size/num_heads="
+            f"{spec.hidden_size // spec.num_heads}: such a Qwen2 cannot be served."
+        )
+
+
+def param_names(spec: ModelSpec) -> list[str]:
+    """vLLM parameter names (global layer index, PP=1 on the rollout side)."""
+    out = [hf.EMBED]
+    for i in range(spec.num_layers):
+        p = hf.layer_prefix(i)
+        out.append(p + "input_layernorm.weight")
+        out.append(p + "self_attn.qkv_proj.weight")
+        if spec.qkv_bias:
+            out.append(p + "self_attn.qkv_proj.bias")
+        if spec.qk_norm:
+            out.append(p + "self_attn.q_norm.weight")
+            out.append(p + "self_attn.k_norm.weight")
+        out.append(p + "self_attn.o_proj.weight")
+        out.append(p + "post_attention_layernorm.weight")
+        out.append(p + "mlp.gate_up_proj.weight")
+        out.append(p + "mlp.down_proj.weight")
+    out.append(hf.FINAL_NORM)
+    if not spec.tie_word_embeddings:
+        out.append(LM_HEAD)
+    return out
+
+
+def _qkv_rank(spec: ModelSpec, tp: int, r: int, pre: str, kind: str) -> tuple[Piece, ...]:
+    hn = spec.head_dim
+    q_heads = spec.num_heads // tp
+    kv_heads = max(1, spec.num_kv_heads // tp)
+    replicas = max(1, tp // spec.num_kv_heads)
+    kv_shard = r // replicas
+    return (
+        Piece(f"{pre}self_attn.q_proj.{kind}", r * q_heads * hn, q_heads * hn),
+        Piece(f"{pre}self_attn.k_proj.{kind}", kv_shard * kv_heads * hn, kv_heads * hn),
+        Piece(f"{pre}self_attn.v_proj.{kind}", kv_shard * kv_heads * hn, kv_heads * hn),
+    )
+
+
+def shard(spec: ModelSpec, tp: int, tp_rank: int, name: str) -> ShardLayout:
+    """vLLM TP rank ``tp_rank``'s shard of ``name``, as HF pieces.
+
+    Shapes (T = tp, kvr = max(1, ng/T)): qkv_proj ``((np/T+2*kvr)*hn, h)``, gate_up
+    ``(2F/T, h)``, o_proj ``(h, np*hn/T)``, down ``(h, F/T)``, embed/lm_head ``(Vv/T, h)``.
+    """
+    h, hn, f, r = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size, tp_rank
+    vv = vllm_padded_vocab(spec.vocab_size, tp)
+    if name == hf.EMBED:
+        return ShardLayout(name, (vv // tp, h), 0, vocab_rows(hf.EMBED, spec.vocab_size, vv, tp, r))
+    if name == LM_HEAD and not spec.tie_word_embeddings:
+        return ShardLayout(
+            name, (vv // tp, h), 0, vocab_rows(hf.LM_HEAD, spec.vocab_size, vv, tp, r)
+        )
+    if name == hf.FINAL_NORM:
+        return ShardLayout(name, (h,), 0, (Piece(name, 0, h),))
+    layer = hf.hf_layer_of(name)
+    if layer is not None and layer < spec.num_layers:
+        pre = hf.layer_prefix(layer)
+        suffix = name[len(pre) :]
+        if suffix in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            return ShardLayout(name, (h,), 0, (Piece(name, 0, h),))
+        if spec.qk_norm and suffix in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+            return ShardLayout(name, (hn,), 0, (Piece(name, 0, hn),))
+        if suffix == "self_attn.qkv_proj.weight" or (
+            spec.qkv_bias and suffix == "self_attn.qkv_proj.bias"
+        ):
+            kind = suffix.rsplit(".", 1)[1]
+            pieces = _qkv_rank(spec, tp, r, pre, kind)
+            rows = sum(p.length for p in pieces)
+            return ShardLayout(name, (rows, h) if kind == "weight" else (rows,), 0, pieces)
+        if suffix == "self_attn.o_proj.weight":
+            cols = spec.num_heads * hn // tp
+            return ShardLayout(name, (h, cols), 1, (Piece(name, r * cols, cols),))
+        if suffix == "mlp.gate_up_proj.weight":
+            rows = f // tp
+            pieces = (
+                Piece(pre + "mlp.gate_proj.weight", r * rows, rows),
+                Piece(pre + "mlp.up_proj.weight", r * rows, rows),
+            )
+            return ShardLayout(name, (2 * rows, h), 0, pieces)
+        if suffix == "mlp.down_proj.weight":
+            cols = f // tp
+            return ShardLayout(name, (h, cols), 1, (Piece(name, r * cols, cols),))
+    raise UnknownParameterError(
+        f"unknown vLLM parameter {name!r} for a {spec.family} model with {spec.num_layers} "
+        f"layers (tied={spec.tie_word_embeddings}, qkv_bias={spec.qkv_bias}, "
+        f"qk_norm={spec.qk_norm})."
+    )
+
+
+def rank_shards(spec: ModelSpec, tp: int, tp_rank: int) -> list[ShardLayout]:
+    """Every parameter shard of one vLLM TP rank."""
+    return [shard(spec, tp, tp_rank, n) for n in param_names(spec)]
