@@ -1,0 +1,97 @@
+"""PNG plots of a run: reward over steps (sync steps marked) and the per-step time breakdown.
+
+Uses matplotlib's object API with the Agg canvas directly instead of ``pyplot``: no global
+backend switch, no GUI, safe in any process (``matplotlib.use`` would change the backend
+for the whole program).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from megatron_grpo.metrics.schema import PHASES
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _save(fig: Any, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    os.replace(tmp, path)
+
+
+def plot_reward(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:
+    """Reward mean (with a +-std band) over steps; vertical lines at steps that synced."""
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    pts = [(r["step"], _num(r.get("reward_mean")), _num(r.get("reward_std"))) for r in rows]
+    pts = [p for p in pts if p[1] is not None]
+    fig = Figure(figsize=(8, 4))
+    ax = fig.add_subplot()
+    if pts:
+        steps = [p[0] for p in pts]
+        mean = [p[1] for p in pts]
+        ax.plot(steps, mean, color="tab:blue", lw=1.5, label="reward mean")
+        if all(p[2] is not None for p in pts):
+            lo = [m - s for (_, m, s) in pts]
+            hi = [m + s for (_, m, s) in pts]
+            ax.fill_between(steps, lo, hi, color="tab:blue", alpha=0.15, label="+- std")
+    synced = [r["step"] for r in rows if r.get("synced")]
+    for i, s in enumerate(synced):
+        ax.axvline(
+            s, color="tab:orange", lw=0.8, alpha=0.6, label="weight sync" if i == 0 else None
+        )
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_title("Reward over training (orange: vLLM weight syncs)")
+    ax.grid(alpha=0.3)
+    if pts or synced:
+        ax.legend(loc="best", fontsize=8)
+    _save(fig, path)
+    return path
+
+
+def plot_step_times(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:
+    """Stacked bars of the per-step phase times; 'other' is time_step minus the phases."""
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    steps = [r["step"] for r in rows]
+    fig = Figure(figsize=(9, 4))
+    ax = fig.add_subplot()
+    bottom = [0.0] * len(rows)
+    colors = ("tab:blue", "tab:green", "tab:purple", "tab:red", "tab:orange")
+    for phase, color in zip(PHASES, colors):
+        vals = [_num(r.get(f"time_{phase}")) or 0.0 for r in rows]
+        if any(vals):
+            ax.bar(steps, vals, bottom=bottom, width=0.9, color=color, label=phase)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    other = [max((_num(r.get("time_step")) or b) - b, 0.0) for r, b in zip(rows, bottom)]
+    if any(other):
+        ax.bar(steps, other, bottom=bottom, width=0.9, color="tab:gray", label="other")
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.set_title("Time per step by phase")
+    ax.grid(alpha=0.3, axis="y")
+    if rows:
+        ax.legend(loc="upper right", fontsize=8)
+    _save(fig, path)
+    return path
+
+
+def write_plots(run_dir: str | os.PathLike, rows: Sequence[Mapping[str, Any]]) -> list[Path]:
+    """Write ``reward.png`` and ``step_time.png`` into the run directory."""
+    run_dir = Path(run_dir)
+    return [
+        plot_reward(rows, run_dir / "reward.png"),
+        plot_step_times(rows, run_dir / "step_time.png"),
+    ]
