@@ -1,1 +1,10 @@
-"""distributed"""
+"""Process groups and parallel sizes: one init, one explicit ParallelContext passed on."""
+
+from megatron_grpo.distributed.setup import (
+    ParallelContext,
+    destroy_distributed,
+    init_distributed,
+    validate_parallel,
+)
+
+__all__ = ["ParallelContext", "destroy_distributed", "init_distributed", "validate_parallel"]

@@ -1,0 +1,278 @@
+"""torch.distributed + megatron-core parallel_state, initialized once, returned as one object.
+
+``init_distributed`` starts the process group (gloo on CPU, NCCL on GPU, every collective
+bounded by ``parallel.timeout_s``), builds megatron's tensor/pipeline/data/context groups
+and returns a frozen ``ParallelContext`` that callers pass on; nothing downstream reaches
+for megatron's global getters to learn sizes or ranks. ``validate_parallel`` is the pure
+check of a layout against a world size and a model, with errors that name the values and
+the fix.
+
+Rank order is megatron's default ``tp-cp-ep-dp-pp`` (megatron/core/parallel_state.py
+``initialize_model_parallel``): TP ranks are adjacent, pipeline stages are the slowest axis.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.config.schema import ConfigError, ParallelConfig
+from megatron_grpo.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Sizes, ranks, device and process groups of this process; built by init_distributed."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    vpp: int | None
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    cp_rank: int
+    device: torch.device
+    backend: str
+    tp_group: Any
+    pp_group: Any
+    dp_group: Any
+    cp_group: Any
+    dp_cp_group: Any
+    """Data x context parallel group: what megatron DDP reduces gradients over."""
+    mp_group: Any
+    """Model-parallel (TP x PP) group: what the grad norm is summed over."""
+    embd_group: Any
+    """First and last pipeline stage of this TP rank (tied embeddings), or None."""
+    pg_collection: Any
+    """megatron.core.process_groups_config.ProcessGroupCollection of the groups above."""
+    sequence_parallel: bool = False
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last_stage_rank(self) -> int:
+        """Global rank of the last pipeline stage in this rank's pipeline (same tp, dp, cp)."""
+        return dist.get_process_group_ranks(self.pp_group)[-1] if self.pp > 1 else self.rank
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate_parallel(
+    parallel: ParallelConfig,
+    world_size: int,
+    spec: ModelSpec | None = None,
+    *,
+    has_cuda: bool | None = None,
+) -> int:
+    """Check a parallel layout against WORLD_SIZE and the model; return the dp size.
+
+    Raises ``ConfigError`` naming the values and the fix. ``has_cuda`` defaults to
+    ``torch.cuda.is_available()``; options that only run on GPU are refused without it.
+    """
+    tp, pp, cp, vpp = parallel.tp, parallel.pp, parallel.cp, parallel.vpp
+    cuda = torch.cuda.is_available() if has_cuda is None else has_cuda
+    model_parallel = tp * pp * cp
+    sizes = f"tp({tp})*pp({pp})" + (f"*cp({cp})" if cp > 1 else "")
+    if world_size < 1:
+        raise ConfigError(f"WORLD_SIZE({world_size}) must be >= 1.")
+    if parallel.dp == 0:
+        if world_size % model_parallel:
+            raise ConfigError(
+                f"{sizes}={model_parallel} does not divide WORLD_SIZE({world_size}): launch a "
+                f"multiple of {model_parallel} processes or pick sizes whose product divides "
+                f"{world_size}."
+            )
+        dp = world_size // model_parallel
+    else:
+        dp = parallel.dp
+        total = model_parallel * dp
+        if total != world_size:
+            fix = f"launch {total} processes"
+            if world_size % model_parallel == 0:
+                fix = f"set parallel.dp={world_size // model_parallel} or {fix}"
+            raise ConfigError(f"{sizes}*dp({dp})={total} != WORLD_SIZE({world_size}): {fix}.")
+
+    backend = parallel.backend
+    if backend == "nccl" and not cuda:
+        raise ConfigError(
+            "parallel.backend='nccl' needs CUDA, and no CUDA device is available: set "
+            "parallel.backend=auto (gloo on CPU)."
+        )
+    if cp > 1 and not cuda:
+        raise ConfigError(
+            f"parallel.cp={cp} needs CUDA and Transformer-Engine attention (megatron's local "
+            "DotProductAttention asserts context_parallel_size == 1): set parallel.cp=1 on CPU."
+        )
+    if parallel.sequence_parallel and not cuda:
+        raise ConfigError(
+            "parallel.sequence_parallel=true is a GPU memory optimisation and is not supported "
+            "on CPU: set parallel.sequence_parallel=false."
+        )
+    if spec is None:
+        return dp
+
+    np_, ng, hn = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    if np_ % tp:
+        raise ConfigError(
+            f"num_heads({np_}) is not divisible by parallel.tp({tp}): every TP rank holds "
+            f"num_heads/tp attention heads; choose parallel.tp from {_divisors(np_)}."
+        )
+    if ng >= tp and ng % tp:
+        raise ConfigError(
+            f"num_kv_heads({ng}) is not divisible by parallel.tp({tp}): every TP rank holds "
+            f"num_kv_heads/tp query groups; choose parallel.tp from "
+            f"{[d for d in _divisors(np_) if ng % d == 0 or d % ng == 0]}."
+        )
+    if ng < tp:
+        # megatron/core/transformer/attention.py supports ng < tp by all-gathering the fused
+        # QKV and slicing one group per tp//ng ranks: tp must be a multiple of ng, and the
+        # fused output ng*(np/ng+2)*hn must split evenly over tp (ColumnParallelLinear).
+        fused = ng * (np_ // ng + 2) * hn
+        if tp % ng or fused % tp:
+            raise ConfigError(
+                f"parallel.tp({tp}) > num_kv_heads({ng}) needs tp to be a multiple of "
+                f"num_kv_heads and the fused QKV width {fused} to be divisible by tp: choose "
+                f"parallel.tp from {[d for d in _divisors(np_) if ng % d == 0]}."
+            )
+    if spec.ffn_hidden_size % tp:
+        raise ConfigError(
+            f"ffn_hidden_size({spec.ffn_hidden_size}) is not divisible by parallel.tp({tp}): "
+            f"choose parallel.tp from {_divisors(math.gcd(spec.ffn_hidden_size, np_))}."
+        )
+    stages = pp * (vpp or 1)
+    if spec.num_layers % stages:
+        what = f"pp({pp})*vpp({vpp})={stages}" if vpp else f"parallel.pp({pp})"
+        raise ConfigError(
+            f"num_layers({spec.num_layers}) is not divisible by {what}: every pipeline "
+            f"{'chunk' if vpp else 'stage'} holds the same number of layers; choose "
+            f"{'pp*vpp' if vpp else 'parallel.pp'} from {_divisors(spec.num_layers)}."
+        )
+    return dp
+
+
+def _resolve_backend(parallel: ParallelConfig) -> str:
+    if parallel.backend != "auto":
+        return parallel.backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(
+    parallel: ParallelConfig, spec: ModelSpec | None = None, *, seed: int = 1234
+) -> ParallelContext:
+    """Initialize torch.distributed and megatron's parallel groups; return the context.
+
+    Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (torchrun's
+    environment). Without WORLD_SIZE it runs as a single process (an in-memory store).
+    On CPU the platform layer (``megatron_grpo.platform.cpu``) is applied first.
+    ``seed`` seeds megatron's model-parallel RNG tracker (per-TP-rank streams).
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if not torch.cuda.is_available():
+        from megatron_grpo.platform.cpu import apply_cpu_platform
+
+        apply_cpu_platform()
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    dp = validate_parallel(parallel, world_size, spec)
+    backend = _resolve_backend(parallel)
+    timeout = timedelta(seconds=parallel.timeout_s)
+
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise RuntimeError(
+                f"torch.distributed is already initialized with world size "
+                f"{dist.get_world_size()}, but WORLD_SIZE={world_size}: call "
+                "destroy_distributed() first."
+            )
+    elif "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend, timeout=timeout, rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group(
+            backend=backend, timeout=timeout, rank=0, world_size=1, store=dist.HashStore()
+        )
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        distributed_timeout_minutes=max(1, math.ceil(parallel.timeout_s / 60)),
+        # The default groups are already gloo on CPU; the extra gloo groups only serve the
+        # distributed optimizer's CPU-side checkpointing on GPU runs.
+        create_gloo_process_groups=backend == "nccl",
+    )
+    # Megatron's layers fork the "model-parallel-rng" stream (tensor_parallel/random.py);
+    # it must exist before any model is built.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+    return ParallelContext(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        tp=parallel.tp,
+        pp=parallel.pp,
+        dp=dp,
+        cp=parallel.cp,
+        vpp=parallel.vpp,
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(),
+        cp_rank=mpu.get_context_parallel_rank(),
+        device=device,
+        backend=backend,
+        tp_group=mpu.get_tensor_model_parallel_group(),
+        pp_group=mpu.get_pipeline_model_parallel_group(),
+        dp_group=mpu.get_data_parallel_group(),
+        cp_group=mpu.get_context_parallel_group(),
+        dp_cp_group=mpu.get_data_parallel_group(with_context_parallel=True),
+        mp_group=mpu.get_model_parallel_group(),
+        embd_group=mpu.get_embedding_group(check_initialized=False),
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        sequence_parallel=parallel.sequence_parallel,
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's groups and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,162 @@
+"""ModelSpec + ParallelContext + ModelConfig -> megatron-core GPTModel chunks.
+
+One ``GPTModel`` per virtual pipeline stage (a list of length ``vpp or 1``), each holding
+this rank's TP shard of its layers. The mapping from the HF families:
+
+- Llama: RMSNorm, SwiGLU (``gated_linear_unit`` + silu), RoPE, no biases, GQA.
+- Qwen2: as Llama plus a bias on the fused QKV (``add_qkv_bias``).
+- Qwen3: as Llama plus RMSNorm over each head's q and k (``qk_layernorm``).
+- tied embeddings -> ``share_embeddings_and_output_weights``.
+
+The vocabulary is padded to ``megatron_padded_vocab(spec.vocab_size, tp, divisible_by)``;
+the rows past ``spec.vocab_size`` are padding that the policy masks out of the softmax.
+Layer spec: megatron's local spec on CPU, Transformer-Engine's when TE is importable and
+CUDA is present (``model.transformer_impl``). Dtype ``auto``: fp32 on CPU, bf16 on GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from megatron_grpo.config.schema import ConfigError, ModelConfig
+from megatron_grpo.distributed.setup import ParallelContext
+from megatron_grpo.models.spec import ModelSpec, megatron_padded_vocab
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """``model.dtype``, with ``auto`` = float32 on CPU and bfloat16 on GPU."""
+    if model_cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _DTYPES[model_cfg.dtype]
+    if device.type == "cpu" and dtype != torch.float32:
+        raise ConfigError(
+            f"model.dtype={model_cfg.dtype} on CPU: megatron's optimizer keeps fp32 main "
+            "params only on GPU; set model.dtype=auto (float32 on CPU)."
+        )
+    return dtype
+
+
+def te_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_transformer_impl(model_cfg: ModelConfig, device: torch.device) -> str:
+    """``local`` or ``transformer_engine`` for ``model.transformer_impl``."""
+    impl = model_cfg.transformer_impl
+    usable = te_available() and device.type == "cuda"
+    if impl == "auto":
+        return "transformer_engine" if usable else "local"
+    if impl == "transformer_engine" and not usable:
+        why = "no CUDA device" if device.type != "cuda" else "transformer_engine is not installed"
+        raise ConfigError(
+            f"model.transformer_impl=transformer_engine, but {why}: set "
+            "model.transformer_impl=auto or local."
+        )
+    return impl
+
+
+def padded_vocab_size(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig) -> int:
+    return megatron_padded_vocab(spec.vocab_size, ctx.tp, model_cfg.make_vocab_size_divisible_by)
+
+
+def transformer_config(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig):
+    """The megatron ``TransformerConfig`` of ``spec`` at this parallel layout."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = resolve_dtype(model_cfg, ctx.device)
+    on_cpu = ctx.device.type == "cpu"
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=ctx.tp,
+        pipeline_model_parallel_size=ctx.pp,
+        virtual_pipeline_model_parallel_size=ctx.vpp,
+        context_parallel_size=ctx.cp,
+        sequence_parallel=ctx.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        # Micro-batches are padded to their own max length, so the pipeline must exchange
+        # shapes before each send (megatron/core/pipeline_parallel/p2p_communication.py).
+        variable_seq_lengths=True,
+        # transformer_config.py refuses variable_seq_lengths with the default "allgather" MoE
+        # dispatcher even for dense models; the dispatcher is unused here.
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=on_cpu,
+        # Fused kernels need apex/TE/CUDA; the unfused paths are exact in fp32.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+    )
+
+
+def layer_spec(spec: ModelSpec, impl: str):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if impl == "transformer_engine":
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+    return get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+
+
+def build_model(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig) -> list:
+    """Build this rank's GPTModel chunks (one per virtual pipeline stage), on ctx.device.
+
+    Weights are megatron's random init; load real weights with
+    ``megatron_grpo.layouts.load_hf_into_megatron``.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
+
+    config = transformer_config(spec, ctx, model_cfg)
+    impl = resolve_transformer_impl(model_cfg, ctx.device)
+    layers = layer_spec(spec, impl)
+    vocab = padded_vocab_size(spec, ctx, model_cfg)
+    chunks = []
+    for vp_stage in range(ctx.vpp or 1):
+        vp = vp_stage if ctx.vpp else None
+        pre = ctx.is_first_stage and (vp is None or is_vp_first_stage(vp, ctx.vpp))
+        post = ctx.is_last_stage and (vp is None or is_vp_last_stage(vp, ctx.vpp))
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layers,
+            vocab_size=vocab,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=spec.rope_theta,
+            pg_collection=ctx.pg_collection,
+            vp_stage=vp,
+        )
+        model.to(ctx.device)
+        chunks.append(model)
+    return chunks

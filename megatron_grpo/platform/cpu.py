@@ -1,0 +1,219 @@
+"""The CPU compatibility layer: run megatron-core 0.16.1 on a machine without CUDA.
+
+megatron-core assumes a CUDA device in a handful of places that a CPU run reaches when it
+builds a ``GPTModel`` (local spec, ``use_cpu_initialization=True``), wraps it in megatron's
+``DistributedDataParallel``, builds ``get_megatron_optimizer`` and runs the pipeline
+schedule over gloo. ``apply_cpu_platform()`` redirects exactly those calls to the CPU. It
+is the only place in megatron-grpo that knows about them (DESIGN.md §4): no other module
+may touch ``torch.cuda`` to make CPU runs work.
+
+Each patch is listed in ``PATCHES`` with the megatron-core file whose behaviour it answers,
+so a reader (and the tests) can see what is changed and why. The layer:
+
+- does nothing when CUDA is available (returns False);
+- checks the pinned megatron-core version first (the patches read its internals);
+- is idempotent: a second call changes nothing.
+
+The semantics chosen on CPU: "the CUDA device" *is* the CPU. Its RNG is the CPU default
+generator (so megatron's ``CudaRNGStatesTracker`` forks and restores the CPU RNG, as it
+does the CUDA RNG on GPU), ``synchronize`` is a no-op (CPU ops are synchronous), and a
+tensor created "on cuda" is created on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from megatron_grpo.platform.versions import check_megatron_core
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One redirected call: what is replaced, and which megatron-core file needs it."""
+
+    target: str
+    """Dotted name of the replaced attribute, e.g. ``torch.cuda.current_device``."""
+    answers: str
+    """The megatron-core file (and construct) that calls it on every CPU run."""
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "torch.cuda.current_device",
+        "tensor_parallel/layers.py, mappings.py, pipeline_parallel/p2p_communication.py, "
+        "distributed/param_and_grad_buffer.py: `device=torch.cuda.current_device()` in every "
+        "buffer allocation. Returns 0; the device mode below maps device 0 to the CPU.",
+    ),
+    Patch(
+        "torch.cuda.synchronize",
+        "pipeline_parallel/p2p_communication.py (after batched isend/irecv), "
+        "distributed/distributed_data_parallel.py: CPU ops are synchronous, so a no-op.",
+    ),
+    Patch(
+        "torch.cuda.get_rng_state / set_rng_state / manual_seed",
+        "tensor_parallel/random.py CudaRNGStatesTracker.add and model_parallel_cuda_manual_seed: "
+        "the CUDA generator is the CPU default generator.",
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.random._get_cuda_rng_state / _set_cuda_rng_state",
+        "tensor_parallel/random.py CudaRNGStatesTracker.fork and checkpointing: they index "
+        "torch.cuda.default_generators directly; redirected to the CPU generator.",
+    ),
+    Patch(
+        "torch.Tensor.cuda / torch.nn.Module.cuda",
+        "models/common/language_module, transformer/module.py and callers that move modules or "
+        "tensors with `.cuda()`: return the CPU object unchanged.",
+    ),
+    Patch(
+        "factory calls with device='cuda' (TorchFunctionMode)",
+        "every `torch.empty/zeros/tensor/...(device='cuda' | torch.cuda.current_device())` and "
+        "`Tensor.to('cuda')` (optimizer/clip_grads.py, optimizer/optimizer.py, "
+        "models/gpt/gpt_model.py, ...): the device argument is rewritten to 'cpu'.",
+    ),
+    Patch(
+        "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
+        "optimizer/clip_grads.py asserts `param.grad.type() == 'torch.cuda.FloatTensor'`; the "
+        "replacement asserts float32 grads and scales them in place (also rebound in "
+        "optimizer/optimizer.py, which imports the function by name).",
+    ),
+)
+
+_state: dict[str, Any] = {"applied": False, "mode": None}
+
+
+def _is_cuda_device(device: Any) -> bool:
+    """True for every way megatron names the CUDA device: 'cuda', 'cuda:0', device('cuda'), 0."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    # A bare int is a CUDA ordinal (torch.cuda.current_device() returns 0 after patching).
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class CudaToCpuDeviceMode(TorchFunctionMode):
+    """Rewrites a CUDA ``device`` argument of any torch call to ``'cpu'``.
+
+    Catches factory functions (``torch.empty(..., device='cuda')``) and ``Tensor.to``
+    (``t.to(torch.cuda.current_device())``) wherever megatron-core makes them, without
+    patching each call site. Only device arguments change; everything else passes through.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            # Tensor.to(device, ...) with a positional device, e.g. t.to(0) or t.to("cuda").
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _cpu_get_cuda_rng_state(
+    device: int | str | torch.device = "cuda", clone: bool = False, graph_safe: bool = False
+) -> torch.Tensor:
+    # Replaces megatron/core/tensor_parallel/random.py::_get_cuda_rng_state.
+    state = torch.get_rng_state()
+    return state.clone() if clone else state
+
+
+def _cpu_set_cuda_rng_state(
+    new_state: torch.Tensor, device: int = -1, graph_safe: bool = False
+) -> None:
+    # Replaces megatron/core/tensor_parallel/random.py::_set_cuda_rng_state.
+    torch.set_rng_state(new_state)
+
+
+def _cpu_clip_grad_by_total_norm_fp32(
+    parameters: list[torch.Tensor] | torch.Tensor,
+    max_norm: int | float,
+    total_norm: float,
+    use_decoupled_grad: bool = False,
+) -> None:
+    """megatron/core/optimizer/clip_grads.py::clip_grad_by_total_norm_fp32 without the CUDA
+    type assert: same contract (fp32 grads, scaled in place when the norm exceeds max_norm)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = []
+    for param in parameters:
+        grad = getattr(param, attr, None)
+        if grad is None:
+            continue
+        if not use_decoupled_grad and grad.dtype != torch.float32:
+            raise TypeError(
+                f"clip_grad_by_total_norm_fp32 needs float32 grads, got {grad.dtype}: the CPU "
+                "run keeps fp32 main grads (megatron DDP grad buffer)."
+            )
+        grads.append(grad.detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def _cuda_rng_get(device: Any = "cuda") -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cuda_rng_set(new_state: torch.Tensor, device: Any = "cuda") -> None:
+    torch.set_rng_state(new_state)
+
+
+def _cuda_manual_seed(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _tensor_cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False, **_: Any):
+    return self
+
+
+def _module_cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
+    return self
+
+
+def is_applied() -> bool:
+    """Whether ``apply_cpu_platform`` has patched this process."""
+    return bool(_state["applied"])
+
+
+def apply_cpu_platform() -> bool:
+    """Redirect megatron-core's CUDA-only calls to the CPU, once per process.
+
+    Returns True when the layer is active (applied now or earlier), False when CUDA is
+    available (nothing is patched then). Raises ``VersionError`` when the installed
+    megatron-core is not the pinned version the patches were written against.
+    """
+    if torch.cuda.is_available():
+        return False
+    if _state["applied"]:
+        return True
+    check_megatron_core()
+
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as mcore_optimizer
+    import megatron.core.tensor_parallel.random as tp_random
+
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.get_rng_state = _cuda_rng_get
+    torch.cuda.set_rng_state = _cuda_rng_set
+    torch.cuda.manual_seed = _cuda_manual_seed
+    torch.cuda.random.get_rng_state = _cuda_rng_get
+    torch.cuda.random.set_rng_state = _cuda_rng_set
+    tp_random._get_cuda_rng_state = _cpu_get_cuda_rng_state
+    tp_random._set_cuda_rng_state = _cpu_set_cuda_rng_state
+    torch.Tensor.cuda = _tensor_cuda
+    torch.nn.Module.cuda = _module_cuda
+    clip_grads.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+
+    mode = CudaToCpuDeviceMode()
+    # Entered for the rest of the process: the mode stack is process state like the patches.
+    mode.__enter__()
+    _state["mode"] = mode
+    _state["applied"] = True
+    return True
