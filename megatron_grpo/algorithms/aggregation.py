@@ -1,0 +1,203 @@
+"""Loss aggregation with GLOBAL normalizers, and the trainer-facing ``loss_fn``.
+
+Contract with the trainer (the Megatron policy)
+-----------------------------------------------
+Per micro-batch the policy calls::
+
+    loss, metrics = loss_fn(logp, entropy, mb)
+
+with ``logp`` ``[mb, T]`` the current policy's log-prob of each input token (position-aligned
+with ``input_ids``: ``logp[b, t]`` is the log-prob of token ``t``; differentiable),
+``entropy`` ``[mb, T]`` the policy's entropy at the same positions (may be detached when
+``grpo.entropy_coef == 0``) and ``mb`` a dict of tensors. The policy then applies the
+gradient of the **sum** of the returned losses over all micro-batches of the mini-batch and
+all data-parallel ranks (it must undo Megatron's own division by the number of micro-batches
+and its DP averaging, or scale them back). Hence every per-micro-batch loss is pre-divided by
+normalizers that span the whole mini-batch on every DP rank; the trainer computes them once
+per mini-batch with :func:`compute_global_normalizers` and puts them into every ``mb``.
+
+Keys ``loss_fn`` reads from ``mb``:
+
+- ``loss_mask`` ``[mb, T]``: 1 on response tokens that get gradient, 0 on prompt, padding and
+  on samples the advantage step did not keep (``Advantages.keep``: RED-Drop, zero-variance).
+- ``advantages`` ``[mb]`` float: one per sequence, broadcast over its tokens.
+- ``rollout_logp`` ``[mb, T]``: alpha's log-probs from vLLM, same alignment, 0 off the mask.
+- ``old_logp`` ``[mb, T]``: pi_k's log-probs recomputed on the trainer before the SGD pass;
+  read only when ``grpo.ratio_mode == "exact"``.
+- ``ref_logp`` ``[mb, T]``: pi_ref's log-probs; read only when ``kl_coef > 0`` and not
+  ``kl_in_reward``.
+- ``global_num_tokens`` (0-dim): loss tokens in the mini-batch over all micro-batches and DP
+  ranks; read by ``loss_agg=token_mean``.
+- ``global_num_seqs`` (0-dim): sequences with at least one loss token, same span; read by the
+  ``seq_mean_*`` and ``constant`` modes.
+
+Modes (the normalizer of mode ``seq_mean_token_mean`` is per sequence, so a sequence must
+not be split across micro-batches, which the trainer never does; context parallelism would
+need the per-sequence token counts passed in as well):
+
+- ``token_mean``: ``sum_{i,t} l_it / N_tokens`` (DAPO's token-level loss);
+- ``seq_mean_token_mean``: ``sum_i (sum_t l_it / |y_i|) / N_seqs`` (original GRPO, GSPO);
+- ``seq_mean_token_sum``: ``sum_{i,t} l_it / N_seqs``;
+- ``constant``: ``sum_{i,t} l_it / (N_seqs * C)`` (Dr.GRPO; C = ``loss_agg_constant`` or the
+  maximum response length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from megatron_grpo.algorithms.kl import get_kl_estimator
+from megatron_grpo.algorithms.losses import build_policy_loss, entropy_bonus, masked_mean
+
+LossFn = Callable[[Tensor, Tensor, Mapping[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
+
+
+# ------------------------------------------------------------------------ pure aggregators
+def agg_token_mean(loss_BT: Tensor, mask_BT: Tensor, num_tokens: Tensor | float) -> Tensor:
+    """``sum(loss * mask) / num_tokens`` (num_tokens global over the mini-batch)."""
+    return (loss_BT * mask_BT.to(loss_BT.dtype)).sum() / num_tokens
+
+
+def agg_seq_mean_token_mean(loss_BT: Tensor, mask_BT: Tensor, num_seqs: Tensor | float) -> Tensor:
+    """``sum_i (sum_t loss*mask / |y_i|) / num_seqs``; a sequence with no tokens adds 0."""
+    m = mask_BT.to(loss_BT.dtype)
+    per_seq = (loss_BT * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)
+    return per_seq.sum() / num_seqs
+
+
+def agg_seq_mean_token_sum(loss_BT: Tensor, mask_BT: Tensor, num_seqs: Tensor | float) -> Tensor:
+    """``sum(loss * mask) / num_seqs``."""
+    return (loss_BT * mask_BT.to(loss_BT.dtype)).sum() / num_seqs
+
+
+def agg_constant(
+    loss_BT: Tensor, mask_BT: Tensor, num_seqs: Tensor | float, constant: float
+) -> Tensor:
+    """Dr.GRPO: ``sum(loss * mask) / (num_seqs * constant)``."""
+    return (loss_BT * mask_BT.to(loss_BT.dtype)).sum() / (num_seqs * constant)
+
+
+# ------------------------------------------------------------------------ global normalizers
+def local_loss_counts(loss_masks: Tensor | Sequence[Tensor]) -> Tensor:
+    """This rank's raw ``[num_tokens, num_seqs]`` (float64) over its micro-batches' masks.
+
+    A sequence counts when it has at least one loss token. Masks may differ in ``T``.
+    """
+    masks = [loss_masks] if isinstance(loss_masks, Tensor) else list(loss_masks)
+    counts = torch.zeros(2, dtype=torch.float64, device=masks[0].device if masks else "cpu")
+    for m in masks:
+        mf = m.to(torch.float64)
+        counts[0] += mf.sum()
+        counts[1] += (mf.sum(dim=1) > 0).sum()
+    return counts
+
+
+def normalizers_from_counts(counts: Tensor) -> dict[str, Tensor]:
+    """Summed ``[num_tokens, num_seqs]`` -> the ``mb`` normalizer entries (each at least 1,
+    so that an all-masked mini-batch gives loss 0 instead of NaN)."""
+    c = counts.clamp(min=1).to(torch.float32)
+    return {"global_num_tokens": c[0], "global_num_seqs": c[1]}
+
+
+def compute_global_normalizers(
+    loss_masks: Tensor | Sequence[Tensor],
+    group: torch.distributed.ProcessGroup | None = None,
+) -> dict[str, Tensor]:
+    """Normalizers of one mini-batch, summed over its micro-batches and the DP ``group``.
+
+    Args:
+        loss_masks: this rank's ``loss_mask`` of the whole mini-batch, ``[B, T]``, or its
+            micro-batches' masks (their ``T`` may differ).
+        group: the data-parallel process group to all-reduce over; None for one rank.
+    Returns:
+        ``{"global_num_tokens", "global_num_seqs"}`` float 0-dim tensors; put both into every
+        micro-batch ``mb`` of this mini-batch. Every DP rank must call this (a collective).
+    """
+    counts = local_loss_counts(loss_masks)
+    if group is not None and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.SUM, group=group)
+    return normalizers_from_counts(counts)
+
+
+def _need(mb: Mapping[str, Tensor], key: str, why: str) -> Tensor:
+    try:
+        return mb[key]
+    except KeyError:
+        raise KeyError(
+            f"loss_fn needs mb[{key!r}] ({why}); the trainer must put it in every "
+            f"micro-batch. Present keys: {sorted(mb)}."
+        ) from None
+
+
+# --------------------------------------------------------------------------------- loss_fn
+def make_loss_fn(grpo_cfg, max_response_len: int | None = None) -> LossFn:
+    """Build the per-micro-batch ``loss_fn(logp, entropy, mb) -> (loss, metrics)``.
+
+    Chooses once: the policy loss (:func:`build_policy_loss`), KL-in-loss and its estimator,
+    the entropy bonus and the aggregation mode. ``max_response_len`` (``rollout.max_new_tokens``)
+    is the Dr.GRPO constant when ``grpo.loss_agg_constant == 0``.
+
+    Returned metrics are detached 0-dim tensors, means over this micro-batch's loss tokens
+    (``num_tokens`` is the local count, to weight them when averaging over micro-batches).
+    """
+    c = grpo_cfg
+    policy_loss = build_policy_loss(c)
+    exact = c.ratio_mode == "exact"
+    kl_in_loss = c.kl_coef > 0 and not c.kl_in_reward
+    kl_est = get_kl_estimator(c.kl_estimator)
+    beta, ent_coef = c.kl_coef, c.entropy_coef
+
+    aggregate: Callable[[Tensor, Tensor, Mapping[str, Tensor]], Tensor]
+    if c.loss_agg == "token_mean":
+
+        def aggregate(loss, mask, mb):
+            return agg_token_mean(loss, mask, _need(mb, "global_num_tokens", "token_mean"))
+    elif c.loss_agg == "seq_mean_token_mean":
+
+        def aggregate(loss, mask, mb):
+            return agg_seq_mean_token_mean(loss, mask, _need(mb, "global_num_seqs", "seq mean"))
+    elif c.loss_agg == "seq_mean_token_sum":
+
+        def aggregate(loss, mask, mb):
+            return agg_seq_mean_token_sum(loss, mask, _need(mb, "global_num_seqs", "seq mean"))
+    elif c.loss_agg == "constant":
+        constant = c.loss_agg_constant or max_response_len
+        if not constant:
+            raise ValueError(
+                "grpo.loss_agg=constant with grpo.loss_agg_constant=0 needs the maximum response "
+                "length: pass make_loss_fn(grpo_cfg, max_response_len=rollout.max_new_tokens) "
+                "or set grpo.loss_agg_constant."
+            )
+
+        def aggregate(loss, mask, mb):
+            return agg_constant(loss, mask, _need(mb, "global_num_seqs", "constant"), constant)
+    else:
+        raise ValueError(
+            f"grpo.loss_agg={c.loss_agg!r}: use token_mean, seq_mean_token_mean, "
+            "seq_mean_token_sum or constant."
+        )
+
+    def loss_fn(
+        logp: Tensor, entropy: Tensor, mb: Mapping[str, Tensor]
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        mask = _need(mb, "loss_mask", "response tokens").to(logp.dtype)
+        adv = _need(mb, "advantages", "per-sequence advantages")
+        rollout_logp = _need(mb, "rollout_logp", "alpha's log-probs from the rollout")
+        old_logp = _need(mb, "old_logp", "ratio_mode=exact") if exact else None
+        tok_loss, metrics = policy_loss(logp, adv, mask, rollout_logp, old_logp)
+        metrics["pg_loss"] = masked_mean(tok_loss, mask)
+        if kl_in_loss:
+            kl = kl_est(logp, _need(mb, "ref_logp", "kl_coef > 0 with the KL in the loss"))
+            tok_loss = tok_loss + beta * kl
+            metrics["kl_ref"] = masked_mean(kl, mask)
+        if ent_coef != 0:
+            tok_loss = tok_loss + entropy_bonus(entropy, ent_coef)
+        metrics["entropy"] = masked_mean(entropy, mask)
+        metrics["num_tokens"] = mask.detach().sum()
+        loss = aggregate(tok_loss, mask, mb)
+        return loss, metrics
+
+    return loss_fn

@@ -1,0 +1,416 @@
+"""Per-token policy-loss terms: off-policy clipped surrogate, REC family, GSPO, TIS, regularizers.
+
+Every function here is pure tensor math and returns an UNAGGREGATED per-token loss ``[B, T]``
+(to be minimised) plus a dict of detached scalar metrics computed over ``mask_BT``. Turning
+``[B, T]`` into one scalar is :mod:`megatron_grpo.algorithms.aggregation`'s job.
+
+Shapes: ``logp_BT`` (current policy pi, differentiable), ``rollout_logp_BT`` (alpha, the
+rollout server's policy, from vLLM), ``old_logp_BT`` (pi_k recomputed on the trainer,
+``ratio_mode=exact`` only) are ``[B, T]`` log-probs of the sampled tokens; ``adv`` is ``[B]``
+(broadcast over tokens) or ``[B, T]``; ``mask_BT`` is 1 on response tokens, 0 elsewhere.
+
+:func:`build_policy_loss` picks the variant once from ``GRPOConfig`` and returns a
+:data:`PolicyLossFn` closure; nothing dispatches on strings per call.
+
+Sources: Mroueh et al. 2505.22257 eqs. (6)-(7) (``f_eps(r, r', A)``); Yao et al. 2509.24203
+(REC masks and weights, AsymRE, OPMD); DAPO 2503.14476 (asymmetric eps); Ye et al. 1912.09729
+(dual-clip); Zheng et al. 2507.18071 (GSPO); Yao et al. 2025 "Your efficient RL framework
+secretly brings you off-policy RL training" (TIS, and its masked variant).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import Tensor
+
+Metrics = dict[str, Tensor]
+# (logp_BT, adv, mask_BT, rollout_logp_BT, old_logp_BT or None) -> (loss_BT, metrics)
+PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, "Tensor | None"], tuple[Tensor, Metrics]]
+
+
+# ----------------------------------------------------------------------------- helpers
+def _adv_BT(adv: Tensor, like_BT: Tensor) -> Tensor:
+    """Advantages ``[B]`` -> ``[B, 1]`` (broadcasts over tokens); ``[B, T]`` passes through."""
+    if adv.dim() == 1:
+        return adv[:, None].to(like_BT.dtype)
+    if adv.shape != like_BT.shape:
+        raise ValueError(
+            f"advantages shape {tuple(adv.shape)} is neither [B]={like_BT.shape[0]} nor "
+            f"[B, T]={tuple(like_BT.shape)}: pass one advantage per sequence or per token."
+        )
+    return adv.to(like_BT.dtype)
+
+
+def masked_mean(x_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Mean of ``x`` over ``mask`` (0 when the mask is empty), detached."""
+    m = mask_BT.to(torch.float32)
+    return ((x_BT.detach().float() * m).sum() / m.sum().clamp(min=1)).detach()
+
+
+def _masked_extreme(x_BT: Tensor, mask_BT: Tensor, largest: bool) -> Tensor:
+    x = x_BT.detach().float()
+    fill = torch.tensor(-torch.inf if largest else torch.inf)
+    v = torch.where(mask_BT.bool(), x, fill)
+    v = v.max() if largest else v.min()
+    return torch.where(torch.isfinite(v), v, torch.zeros_like(v))
+
+
+def ratio_metrics(ratio_BT: Tensor, mask_BT: Tensor) -> Metrics:
+    return {
+        "ratio_mean": masked_mean(ratio_BT, mask_BT),
+        "ratio_min": _masked_extreme(ratio_BT, mask_BT, largest=False),
+        "ratio_max": _masked_extreme(ratio_BT, mask_BT, largest=True),
+    }
+
+
+def approx_kl_k3(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Detached k3 estimate of KL(pi_old || pi)-style drift, for logging only."""
+    d = (old_logp_BT - logp_BT).detach()
+    return masked_mean(torch.exp(d) - d - 1, mask_BT)
+
+
+# ------------------------------------------------------------- off-policy clipped surrogate
+def off_policy_clip_loss(
+    logp_BT: Tensor,
+    behav_logp_BT: Tensor,
+    adv: Tensor,
+    mask_BT: Tensor,
+    eps_low: float,
+    eps_high: float,
+    prox_logp_BT: Tensor | None = None,
+    dual_clip_c: float | None = None,
+) -> tuple[Tensor, Metrics]:
+    """``-f_eps(r, r', A)`` per token (off-policy GRPO eq. 6-7).
+
+    ``r = exp(logp - behav_logp)`` (pi / alpha), ``r' = exp(prox_logp - behav_logp)``
+    (pi_k / alpha; exactly 1 when ``prox_logp_BT`` is None) and
+    ``f = min(r*A, clip(r, max(r' - eps_low, 0), r' + eps_high) * A)``.
+    With r' = 1 this is PPO/GRPO clipping, with ``eps_high > eps_low`` DAPO's clip-higher.
+    Dual-clip (``c > 1``): for ``A < 0`` the objective is ``max(f, c*A)``, bounding the loss
+    of a token whose ratio has grown far above 1.
+
+    Returns ``loss_BT`` ``[B, T]`` and metrics ``clip_frac_low`` (A<0 tokens held at the lower
+    bound), ``clip_frac_high`` (A>0 tokens held at the upper bound), ``dual_clip_frac``,
+    ratio mean/min/max and ``approx_kl`` (k3 of pi vs the ratio's denominator).
+    """
+    a = _adv_BT(adv, logp_BT)
+    log_r = logp_BT - behav_logp_BT.detach()
+    r = torch.exp(log_r)
+    if prox_logp_BT is None:
+        r_prime = torch.ones_like(r)
+    else:
+        r_prime = torch.exp(prox_logp_BT.detach() - behav_logp_BT.detach())
+    low = (r_prime - eps_low).clamp(min=0.0)
+    high = r_prime + eps_high
+    surr_unclipped = r * a
+    surr_clipped = torch.clamp(r, low, high) * a
+    obj = torch.minimum(surr_unclipped, surr_clipped)
+    metrics: Metrics = {}
+    if dual_clip_c is not None:
+        floor = dual_clip_c * a
+        dual = (a < 0) & (obj < floor)
+        obj = torch.where(a < 0, torch.maximum(obj, floor), obj)
+        metrics["dual_clip_frac"] = masked_mean(dual.float(), mask_BT)
+    rd = r.detach()
+    metrics["clip_frac_low"] = masked_mean(((a < 0) & (rd < low)).float(), mask_BT)
+    metrics["clip_frac_high"] = masked_mean(((a > 0) & (rd > high)).float(), mask_BT)
+    metrics.update(ratio_metrics(r, mask_BT))
+    metrics["approx_kl"] = masked_mean(torch.exp(-log_r.detach()) + log_r.detach() - 1, mask_BT)
+    return -obj, metrics
+
+
+# ------------------------------------------------------------------------------ REC family
+def rec_mask_none(rho_BT: Tensor, adv_BT: Tensor) -> Tensor:
+    """REC without clipping: every token kept."""
+    return torch.ones_like(rho_BT)
+
+
+def rec_mask_one_side(rho_BT: Tensor, adv_BT: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """``(A>=0 and rho<=1+eps_high) or (A<=0 and rho>=1-eps_low)``: PPO's min-clip gradient."""
+    keep = ((adv_BT >= 0) & (rho_BT <= 1 + eps_high)) | ((adv_BT <= 0) & (rho_BT >= 1 - eps_low))
+    return keep.to(rho_BT.dtype)
+
+
+def rec_mask_two_side(rho_BT: Tensor, adv_BT: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """``1-eps_low <= rho <= 1+eps_high`` regardless of the advantage's sign."""
+    return ((rho_BT >= 1 - eps_low) & (rho_BT <= 1 + eps_high)).to(rho_BT.dtype)
+
+
+def rec_mask_ring(
+    rho_BT: Tensor,
+    adv_BT: Tensor,
+    eps_low: float,
+    eps_high: float,
+    ring_eps_low: float,
+    ring_eps_high: float,
+) -> Tensor:
+    """Two-side band, plus ``(A>=0 and rho<=1-ring_eps_low)`` or ``(A<=0 and rho>=1+ring_eps_high)``.
+
+    The outer ring re-admits tokens far on the side where the update moves rho back toward 1.
+    """
+    inner = (rho_BT >= 1 - eps_low) & (rho_BT <= 1 + eps_high)
+    outer = ((adv_BT >= 0) & (rho_BT <= 1 - ring_eps_low)) | (
+        (adv_BT <= 0) & (rho_BT >= 1 + ring_eps_high)
+    )
+    return (inner | outer).to(rho_BT.dtype)
+
+
+def rec_weight_none(rho_BT: Tensor) -> Tensor:
+    """NoIS: ``w = 1``."""
+    return torch.ones_like(rho_BT)
+
+
+def rec_weight_is(rho_BT: Tensor) -> Tensor:
+    """IS: ``w = rho``."""
+    return rho_BT
+
+
+def rec_weight_tis(rho_BT: Tensor, cap: float) -> Tensor:
+    """TIS: ``w = min(rho, cap)``."""
+    return rho_BT.clamp(max=cap)
+
+
+def rec_loss(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv: Tensor,
+    mask_BT: Tensor,
+    clip_mask_fn: Callable[[Tensor, Tensor], Tensor],
+    weight_fn: Callable[[Tensor], Tensor],
+) -> tuple[Tensor, Metrics]:
+    """Group-relative REINFORCE (Yao et al.): ``loss_t = -w_t * A * logp_t * M_t``.
+
+    ``rho_t = stopgrad(exp(logp - old_logp))``; ``M_t = clip_mask_fn(rho, A)`` and
+    ``w_t = weight_fn(rho)`` are chosen at build time (``rec_mask_*``, ``rec_weight_*``).
+    Metric ``rec_masked_frac``: fraction of loss tokens with ``M_t = 0``.
+    """
+    a = _adv_BT(adv, logp_BT)
+    rho = torch.exp(logp_BT.detach() - old_logp_BT.detach())
+    m = clip_mask_fn(rho, a.expand_as(rho))
+    w = weight_fn(rho)
+    loss = -w * a * logp_BT * m
+    metrics = {
+        "rec_masked_frac": masked_mean(1.0 - m, mask_BT),
+        "rec_weight_mean": masked_mean(w, mask_BT),
+        **ratio_metrics(rho, mask_BT),
+        "approx_kl": approx_kl_k3(logp_BT, old_logp_BT, mask_BT),
+    }
+    return loss, metrics
+
+
+# ------------------------------------------------------------------------------------ GSPO
+def gspo_loss(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv: Tensor,
+    mask_BT: Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[Tensor, Metrics]:
+    """GSPO (Zheng et al.): sequence ratio ``s = exp(mean_t (logp - old_logp))`` clipped.
+
+    Per token the value is ``-min(s*A, clip(s, 1-eps_low, 1+eps_high)*A)`` (the same for every
+    token of a sequence), written GSPO-token style ``s_t = sg(s) * exp(logp_t - sg(logp_t))``
+    so that ``d s_t / d logp_t = s``; averaging over a sequence's tokens
+    (``loss_agg=seq_mean_token_mean``) gives exactly GSPO's ``d s / d logp_t = s / |y|``.
+    ``adv`` must be per sequence ``[B]``. Paper eps: 3e-4 / 4e-4.
+    """
+    if adv.dim() != 1:
+        raise ValueError(f"GSPO needs one advantage per sequence, [B]; got {tuple(adv.shape)}.")
+    m = mask_BT.to(logp_BT.dtype)
+    n = m.sum(dim=1, keepdim=True).clamp(min=1)
+    log_s = ((logp_BT.detach() - old_logp_BT.detach()) * m).sum(dim=1, keepdim=True) / n
+    s_tok = torch.exp(log_s + logp_BT - logp_BT.detach())  # value s, gradient s * dlogp_t
+    a = _adv_BT(adv, logp_BT)
+    obj = torch.minimum(s_tok * a, torch.clamp(s_tok, 1 - eps_low, 1 + eps_high) * a)
+    s = torch.exp(log_s).expand_as(logp_BT)
+    metrics = {
+        "clip_frac_low": masked_mean(((a < 0) & (s < 1 - eps_low)).float(), mask_BT),
+        "clip_frac_high": masked_mean(((a > 0) & (s > 1 + eps_high)).float(), mask_BT),
+        **ratio_metrics(s, mask_BT),
+        "approx_kl": approx_kl_k3(logp_BT, old_logp_BT, mask_BT),
+    }
+    return -obj, metrics
+
+
+# ------------------------------------------------- TIS: rollout-vs-trainer mismatch weights
+def token_is_ratio(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Token ratio ``exp(logp_train_old - logp_rollout)``, ``[B, T]`` (1 off the mask)."""
+    d = (old_logp_BT - rollout_logp_BT).detach() * mask_BT.to(old_logp_BT.dtype)
+    return torch.exp(d)
+
+
+def seq_is_ratio(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Sequence ratio ``exp(sum_t (logp_train_old - logp_rollout))`` broadcast to ``[B, T]``."""
+    d = (old_logp_BT - rollout_logp_BT).detach() * mask_BT.to(old_logp_BT.dtype)
+    return torch.exp(d.sum(dim=1, keepdim=True)).expand_as(old_logp_BT)
+
+
+def truncate_weight(ratio_BT: Tensor, cap: float) -> Tensor:
+    """TIS: ``min(ratio, C)``."""
+    return ratio_BT.clamp(max=cap)
+
+
+def mask_weight(ratio_BT: Tensor, cap: float) -> Tensor:
+    """Masked IS: ``ratio`` where ``ratio <= C``, else 0 (the token/sequence is dropped)."""
+    return torch.where(ratio_BT <= cap, ratio_BT, torch.zeros_like(ratio_BT))
+
+
+def tis_weight(
+    old_logp_BT: Tensor,
+    rollout_logp_BT: Tensor,
+    mask_BT: Tensor,
+    ratio_fn: Callable[[Tensor, Tensor, Tensor], Tensor],
+    cap_fn: Callable[[Tensor], Tensor],
+) -> tuple[Tensor, Metrics]:
+    """Detached correction weight ``[B, T]`` = ``cap_fn(ratio_fn(old, rollout, mask))``."""
+    ratio = ratio_fn(old_logp_BT, rollout_logp_BT, mask_BT)
+    w = cap_fn(ratio)
+    return w, {
+        "tis_weight_mean": masked_mean(w, mask_BT),
+        "tis_frac_capped": masked_mean((w != ratio).float(), mask_BT),
+        "tis_ratio_max": _masked_extreme(ratio, mask_BT, largest=True),
+    }
+
+
+# ---------------------------------------------------------------------------- regularizers
+def asymre_term(logp_BT: Tensor, coef: float) -> Tensor:
+    """AsymRE: ``-c * logp_t``, i.e. the advantages shifted by ``+c`` (a lowered baseline)."""
+    return -coef * logp_BT
+
+
+def opmd_term(logp_BT: Tensor, old_logp_BT: Tensor, coef: float) -> Tensor:
+    """OPMD: ``c * (logp_t - old_logp_t)^2`` (a proximal pull toward the old policy)."""
+    return coef * (logp_BT - old_logp_BT.detach()) ** 2
+
+
+def entropy_bonus(entropy_BT: Tensor, coef: float) -> Tensor:
+    """``-coef * H_t``: minimising it raises the entropy."""
+    return -coef * entropy_BT
+
+
+# --------------------------------------------------------------------------------- builder
+def build_policy_loss(grpo_cfg) -> PolicyLossFn:
+    """Compose the policy-loss closure from ``GRPOConfig`` once.
+
+    Which log-probs play which role:
+
+    - ``policy_loss=off_policy_clip``: ``ratio_mode=one`` uses ``r = pi/alpha`` (alpha from
+      ``rollout_logp``) and ``r' = 1``; ``exact`` adds ``r' = pi_k/alpha`` from ``old_logp``.
+      With ``tis != none`` the surrogate is PPO around pi_k (``r = pi/pi_k``, ``r' = 1``) times
+      the TIS weight ``min(pi_k/alpha, C)``: untruncated, ``(pi_k/alpha) * f(pi/pi_k, 1, A)``
+      equals ``f_eps(pi/alpha, r', A)`` with multiplicative instead of additive eps, so TIS
+      is the truncated form of the exact off-policy objective (decoupled PPO).
+    - ``rec`` / ``gspo``: ``rho = pi/pi_old`` with ``pi_old = old_logp`` (exact) or
+      ``rollout_logp`` (one); the TIS weight, if any, multiplies the per-token loss.
+    - regularizer OPMD pulls toward the same ``pi_old``; AsymRE needs none.
+
+    The returned function is ``(logp_BT, adv, mask_BT, rollout_logp_BT, old_logp_BT) ->
+    (loss_BT, metrics)``; ``old_logp_BT`` may be None only when ``ratio_mode=one``.
+    """
+    c = grpo_cfg
+    exact = c.ratio_mode == "exact"
+    eps_lo, eps_hi = c.clip_eps_low, c.clip_eps_high
+
+    tis_fn: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Metrics]] | None = None
+    if c.tis != "none":
+        if not exact:
+            raise ValueError(
+                f"grpo.tis={c.tis!r} needs grpo.ratio_mode=exact (the trainer's pi_k log-probs): "
+                "set grpo.ratio_mode=exact or grpo.tis=none."
+            )
+        ratio_fn = token_is_ratio if c.tis.startswith("token") else seq_is_ratio
+        cap_fn = partial(
+            truncate_weight if c.tis.endswith("truncate") else mask_weight, cap=c.tis_cap
+        )
+        tis_fn = partial(tis_weight, ratio_fn=ratio_fn, cap_fn=cap_fn)
+
+    def pick_old(rollout_logp: Tensor, old_logp: Tensor | None) -> Tensor:
+        return old_logp if exact else rollout_logp  # type: ignore[return-value]
+
+    core: Callable[..., tuple[Tensor, Metrics]]
+    if c.policy_loss == "off_policy_clip":
+        clip = partial(
+            off_policy_clip_loss, eps_low=eps_lo, eps_high=eps_hi, dual_clip_c=c.dual_clip_c
+        )
+        if tis_fn is not None:
+
+            def core(logp, adv, mask, rollout_logp, old_logp):
+                return clip(logp, old_logp, adv, mask)
+        elif exact:
+
+            def core(logp, adv, mask, rollout_logp, old_logp):
+                return clip(logp, rollout_logp, adv, mask, prox_logp_BT=old_logp)
+        else:
+
+            def core(logp, adv, mask, rollout_logp, old_logp):
+                return clip(logp, rollout_logp, adv, mask)
+    elif c.policy_loss == "rec":
+        mask_fn = {
+            "none": rec_mask_none,
+            "one_side": partial(rec_mask_one_side, eps_low=eps_lo, eps_high=eps_hi),
+            "two_side": partial(rec_mask_two_side, eps_low=eps_lo, eps_high=eps_hi),
+            "ring": partial(
+                rec_mask_ring,
+                eps_low=eps_lo,
+                eps_high=eps_hi,
+                ring_eps_low=c.rec_ring_eps_low,
+                ring_eps_high=c.rec_ring_eps_high,
+            ),
+        }[c.rec_clip]
+        weight_fn = {
+            "none": rec_weight_none,
+            "is": rec_weight_is,
+            "tis": partial(rec_weight_tis, cap=c.rec_tis_cap),
+        }[c.rec_weight]
+        rec = partial(rec_loss, clip_mask_fn=mask_fn, weight_fn=weight_fn)
+
+        def core(logp, adv, mask, rollout_logp, old_logp):
+            return rec(logp, pick_old(rollout_logp, old_logp), adv, mask)
+    elif c.policy_loss == "gspo":
+        gspo = partial(gspo_loss, eps_low=eps_lo, eps_high=eps_hi)
+
+        def core(logp, adv, mask, rollout_logp, old_logp):
+            return gspo(logp, pick_old(rollout_logp, old_logp), adv, mask)
+    else:
+        raise ValueError(f"grpo.policy_loss={c.policy_loss!r}: use off_policy_clip, rec or gspo.")
+
+    reg_fn: Callable[[Tensor, Tensor], Tensor] | None
+    if c.regularizer == "none" or c.regularizer_coef == 0:
+        reg_fn = None
+    elif c.regularizer == "asymre":
+
+        def reg_fn(logp, old):
+            return asymre_term(logp, c.regularizer_coef)
+    elif c.regularizer == "opmd":
+
+        def reg_fn(logp, old):
+            return opmd_term(logp, old, c.regularizer_coef)
+    else:
+        raise ValueError(f"grpo.regularizer={c.regularizer!r}: use none, asymre or opmd.")
+
+    def policy_loss(
+        logp_BT: Tensor,
+        adv: Tensor,
+        mask_BT: Tensor,
+        rollout_logp_BT: Tensor,
+        old_logp_BT: Tensor | None,
+    ) -> tuple[Tensor, Metrics]:
+        if exact and old_logp_BT is None:
+            raise ValueError(
+                "grpo.ratio_mode=exact needs the trainer's pi_k log-probs (mb['old_logp']); "
+                "compute them before the SGD pass or set grpo.ratio_mode=one."
+            )
+        loss, metrics = core(logp_BT, adv, mask_BT, rollout_logp_BT, old_logp_BT)
+        if tis_fn is not None:
+            w, tis_metrics = tis_fn(old_logp_BT, rollout_logp_BT, mask_BT)
+            loss = loss * w
+            metrics.update(tis_metrics)
+        if reg_fn is not None:
+            loss = loss + reg_fn(logp_BT, pick_old(rollout_logp_BT, old_logp_BT))
+        return loss, metrics
+
+    return policy_loss

@@ -1,0 +1,82 @@
+"""Global normalizers over a real gloo data-parallel group (2 spawned CPU processes)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from megatron_grpo.algorithms import aggregation as agg
+from megatron_grpo.config.schema import GRPOConfig
+
+B, T = 6, 5
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2
+    mask = (torch.rand(B, T, generator=g) > 0.3).double()
+    mask[4] = 0  # a fully masked sequence on rank 1: must not count as a sequence
+    return {
+        "logp": logp,
+        "loss_mask": mask,
+        "advantages": torch.randn(B, generator=g, dtype=torch.float64),
+        "rollout_logp": logp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64),
+        "ref_logp": logp - 0.3,
+    }
+
+
+def _cfg(loss_agg: str) -> GRPOConfig:
+    return GRPOConfig(loss_agg=loss_agg, kl_coef=0.1, loss_agg_constant=5.0)
+
+
+def _worker(rank: int, world: int, init_file: str, loss_agg: str, out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        full = _batch()
+        # Rank 0 holds rows 0..1 (one micro-batch), rank 1 rows 2..5 (two micro-batches).
+        mbs = [[(0, 2)], [(2, 3), (3, 6)]][rank]
+        norms = agg.compute_global_normalizers(
+            [full["loss_mask"][a:c] for a, c in mbs], group=dist.group.WORLD
+        )
+        loss_fn = agg.make_loss_fn(_cfg(loss_agg))
+        total = torch.zeros((), dtype=torch.float64)
+        for a, c in mbs:
+            mb = {k: v[a:c] for k, v in full.items() if k != "logp"} | norms
+            total = total + loss_fn(full["logp"][a:c], torch.zeros(c - a, T), mb)[0]
+        dist.all_reduce(total)
+        if rank == 0:
+            out.put((total.item(), norms["global_num_seqs"].item()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
+def test_gloo_dp_sum_equals_full_batch(tmp_path, loss_agg):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init_file = os.path.join(tmp_path, "pg_init")
+    procs = [ctx.Process(target=_worker, args=(r, 2, init_file, loss_agg, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        total, num_seqs = out.get(timeout=100)
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    full = _batch()
+    mb = {k: v for k, v in full.items() if k != "logp"}
+    mb |= agg.compute_global_normalizers(full["loss_mask"])
+    whole = agg.make_loss_fn(_cfg(loss_agg))(full["logp"], torch.zeros(B, T), mb)[0]
+    assert num_seqs == mb["global_num_seqs"].item() == 5
+    assert total == pytest.approx(whole.item(), rel=1e-6)
