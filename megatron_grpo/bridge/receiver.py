@@ -1,0 +1,462 @@
+"""The vLLM side of the resharding bridge: load already-sharded per-rank tensors, in vLLM's
+own layout, into the model held by one vLLM worker.
+
+Why not ``model.load_weights``: vLLM's loaders take *full* HF tensors and narrow them to
+this rank (``vllm/model_executor/parameter.py``: ``load_qkv_weight``,
+``load_merged_column_weight``, ``load_row_parallel_weight`` narrow by ``self.tp_rank``;
+``vllm/model_executor/layers/vocab_parallel_embedding.py: weight_loader`` asserts the full
+vocabulary). The bridge sends each rank exactly its shard (DESIGN.md §2), already narrowed,
+fused (``qkv_proj`` = this rank's q heads, then k, then v; ``gate_up_proj`` = its gate rows
+then its up rows) and vocabulary-padded. So the shard must be copied as is.
+
+Why not write into the parameters: on CPU, vLLM repacks linear weights after loading
+(``vllm/model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm`` replaces
+``layer.weight`` by an empty ``(0,)`` parameter and keeps a packed oneDNN/sgl handle), and
+quantized GPU layers do the same. Weights must re-enter through vLLM's reload path
+(``vllm/model_executor/model_loader/reload/layerwise.py``):
+
+1. ``initialize_layerwise_reload(model)`` saves the processed ("kernel") tensors, puts each
+   layer back in its loadable form (meta tensors of the logical shapes, recorded at model
+   build by ``record_metadata_for_reloading``) and wraps every parameter's
+   ``weight_loader`` in ``online_process_loader``, which buffers the loader call and counts
+   loaded elements (``CopyCounter``).
+2. When a layer has received all its elements, ``_layerwise_process`` materializes it, runs
+   the buffered loader calls, runs ``quant_method.process_weights_after_loading`` (the CPU
+   repacking) and copies the result into the saved kernel tensors.
+3. ``finalize_layerwise_reload`` processes the remaining layers and restores unloaded ones.
+
+The one change this module makes: inside a bridge session, each parameter's *original*
+loader (the one the wrapper calls) is a plain shape-checked copy, installed by re-wrapping
+the parameter with vLLM's own ``make_online_process_loader``; the previous loaders are put
+back at ``finish``. Everything else (buffering, processing, repacking, kernel-tensor
+preservation) is vLLM's.
+
+Read-back: after processing the live parameters may be repacked, so the logical tensors are
+captured at the moment vLLM processes each layer (a wrapper around
+``quant_method.process_weights_after_loading``): what is captured is exactly the tensor vLLM
+repacks. Unprocessed parameters (norms, embeddings, everything on GPU without quantization)
+are read live. ``checksums()`` thus proves what each parameter held in vLLM's layout right
+before post-load processing; it does not prove that the repacking itself is right -- the
+logprob checks in the tests cover that.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
+_CHECKSUM_CHUNK = 1 << 24
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+# ---------------------------------------------------------------------------- checksums
+def tensor_checksum(t: torch.Tensor) -> int:
+    """Exact, order-sensitive checksum of a tensor's bytes (any device, any dtype).
+
+    ``sum_i bits_i * (i mod 65521 + 1)`` in wrapping int64 arithmetic over the tensor's
+    raw element bits: bit-identical tensors give equal values, a moved slice or a flipped
+    bit changes it. Computed on the tensor's device, in chunks; trainer and receiver call the
+    same function, so a sender can compare before/after without moving the tensor.
+    """
+    flat = t.detach().contiguous().view(-1)
+    ints = flat.view(_INT_VIEW[flat.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, ints.numel(), _CHECKSUM_CHUNK):
+        chunk = ints[start : start + _CHECKSUM_CHUNK].to(torch.int64)
+        w = torch.arange(start, start + chunk.numel(), device=flat.device, dtype=torch.int64)
+        total += (chunk * (w % 65521 + 1)).sum()
+    return int(total.item())
+
+
+@dataclass(frozen=True)
+class ParamChecksum:
+    shape: tuple[int, ...]
+    dtype: str
+    value: int
+
+
+# ---------------------------------------------------------------------------- buckets
+@dataclass(frozen=True)
+class BucketEntry:
+    """One tensor inside a flat bucket.
+
+    The tensor is ``flat[offset : offset + numel * itemsize(dtype) // flat.element_size()]``
+    reinterpreted as ``dtype`` and reshaped to ``shape``: ``offset`` counts elements of the
+    flat buffer, ``numel`` elements of the entry.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    numel: int
+
+    @classmethod
+    def of(cls, e: BucketEntry | Sequence[Any]) -> BucketEntry:
+        if isinstance(e, BucketEntry):
+            return e
+        name, shape, dtype, offset, numel = e
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype.removeprefix("torch."))
+        return cls(name, tuple(int(s) for s in shape), dtype, int(offset), int(numel))
+
+    def to_wire(self) -> list[Any]:
+        return [
+            self.name,
+            list(self.shape),
+            str(self.dtype).removeprefix("torch."),
+            self.offset,
+            self.numel,
+        ]
+
+
+def unpack_bucket(
+    flat: torch.Tensor, entries: Iterable[BucketEntry | Sequence[Any]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views of each entry in ``flat`` (no copy)."""
+    if flat.dim() != 1:
+        raise ValueError(f"a bucket is a 1-D buffer; got shape {tuple(flat.shape)}.")
+    fsize = flat.element_size()
+    for raw in entries:
+        e = BucketEntry.of(raw)
+        nbytes = e.numel * torch.empty((), dtype=e.dtype).element_size()
+        if nbytes % fsize:
+            raise ValueError(
+                f"{e.name}: {nbytes} bytes is not a whole number of {flat.dtype} elements."
+            )
+        stop = e.offset + nbytes // fsize
+        if stop > flat.numel():
+            raise ValueError(
+                f"{e.name}: entry [{e.offset}, {stop}) runs past the bucket ({flat.numel()} elements)."
+            )
+        piece = flat[e.offset : stop]
+        if e.dtype != flat.dtype:
+            piece = piece.view(e.dtype)
+        if piece.numel() != e.numel or e.numel != _prod(e.shape):
+            raise ValueError(f"{e.name}: numel {e.numel} does not match shape {e.shape}.")
+        yield e.name, piece.view(e.shape)
+
+
+def pack_bucket(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, list[BucketEntry]]:
+    """Reference packer (tests, and the wire format's definition): one flat buffer of
+    ``dtype`` (default: the first tensor's) holding every tensor back to back."""
+    items = list(named_tensors)
+    dtype = dtype or items[0][1].dtype
+    flat = torch.empty(sum(t.numel() for _, t in items), dtype=dtype, device=items[0][1].device)
+    entries, off = [], 0
+    for name, t in items:
+        if t.dtype != dtype:
+            raise ValueError(f"{name}: dtype {t.dtype} != bucket dtype {dtype}; cast first.")
+        flat[off : off + t.numel()].copy_(t.reshape(-1))
+        entries.append(BucketEntry(name, tuple(t.shape), dtype, off, t.numel()))
+        off += t.numel()
+    return flat, entries
+
+
+def _prod(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# ---------------------------------------------------------------------------- transfer group
+def init_transfer_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+) -> torch.distributed.ProcessGroup:
+    """A process group spanning trainer ranks and vLLM workers, outside the default group.
+
+    vLLM workers already own ``torch.distributed``'s default group (their TP world), and the
+    trainer owns its own, so this group is built directly from a ``TCPStore`` (rank 0 hosts
+    it) and is used through the ``ProcessGroup`` object's own ``send``/``recv`` (group ranks).
+    Trainer and workers call this with the same address, port and world size.
+    """
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
+    )
+    prefix = dist.PrefixStore(f"megatron_grpo_transfer/{master_port}", store)
+    if backend == "gloo":
+        pg: dist.ProcessGroup = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+    elif backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+    else:
+        raise ValueError(f"transfer backend {backend!r} must be 'gloo' (CPU) or 'nccl' (GPU).")
+    pg._megatron_grpo_store = store  # keep the store alive as long as the group
+    return pg
+
+
+def send_bucket(
+    pg: torch.distributed.ProcessGroup, flat: torch.Tensor, dst: int, tag: int = 0
+) -> None:
+    """Trainer side: send one flat bucket to group rank ``dst`` (blocking)."""
+    pg.send([flat.contiguous()], dst, tag).wait()
+
+
+def recv_bucket(
+    pg: torch.distributed.ProcessGroup,
+    numel: int,
+    dtype: torch.dtype,
+    src: int,
+    device: torch.device,
+    tag: int = 0,
+) -> torch.Tensor:
+    flat = torch.empty(numel, dtype=dtype, device=device)
+    pg.recv([flat], src, tag).wait()
+    return flat
+
+
+# ---------------------------------------------------------------------------- receiver
+def _copy_presharded(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """Loader used inside a bridge session: the incoming tensor IS this rank's shard."""
+    if tuple(loaded_weight.shape) != tuple(param.shape):
+        rows_only = (
+            getattr(param, "_mgrpo_vocab", False)
+            and loaded_weight.dim() == 2
+            and loaded_weight.shape[1] == param.shape[1]
+            and loaded_weight.shape[0] <= param.shape[0]
+        )
+        if not rows_only:
+            raise ValueError(
+                f"{getattr(param, '_mgrpo_name', '?')}: incoming shard has shape "
+                f"{tuple(loaded_weight.shape)} but this vLLM rank's parameter is "
+                f"{tuple(param.shape)}; the sender must send exactly the rank's (fused, "
+                "vocabulary-padded) shard -- check the sync plan against "
+                "ShardReceiver.expected_shards()."
+            )
+        # Vocabulary rows past the real vocabulary are padding: zero them.
+        param.data[loaded_weight.shape[0] :].zero_()
+        param.data[: loaded_weight.shape[0]].copy_(loaded_weight)
+        return
+    param.data.copy_(loaded_weight)
+
+
+class ShardReceiver:
+    """Loads per-rank vLLM-layout shards into one worker's model; version and checksums.
+
+    Session protocol: ``start()``, any number of ``receive_shard``/``receive_shards``/
+    ``receive_bucket`` calls, ``finish()``. ``load_hf_checkpoint`` runs a session with vLLM's
+    own (narrowing) loaders instead, for read-back of an HF load.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, model_config: Any, keep_copies: bool = False
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.keep_copies = keep_copies
+        self.version = 0
+        self._captured: dict[str, torch.Tensor] = {}
+        self._captured_sums: dict[str, ParamChecksum] = {}
+        self._session: _Session | None = None
+        self._expected: dict[str, tuple[torch.nn.Module, str, tuple[int, ...], torch.dtype]] = {}
+        self._build_index()
+
+    # -- index of the logical (loadable) parameters
+    def _build_index(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        modules = dict(self.model.named_modules())
+        for name, live in self.model.named_parameters():  # tied duplicates are dropped
+            prefix, _, attr = name.rpartition(".")
+            module = modules[prefix]
+            meta = get_layerwise_info(module).restore_metadata[0].get(attr)
+            ref = meta if meta is not None else live  # e.g. `bias` is never moved to meta
+            self._expected[name] = (module, attr, tuple(ref.shape), ref.dtype)
+
+    def expected_shards(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{vLLM name: (this rank's logical shape, dtype)}``: what a sync must deliver.
+        Shapes are the loadable (pre-repack) ones, not what ``named_parameters`` shows."""
+        return {n: (shape, dtype) for n, (_, _, shape, dtype) in self._expected.items()}
+
+    # -- session
+    def start(self, presharded: bool = True) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if self._session is not None:
+            raise RuntimeError("ShardReceiver.start() called twice; call finish() first.")
+        initialize_layerwise_reload(self.model)
+        self._session = _Session(self, presharded)
+
+    def receive_shard(self, name: str, tensor: torch.Tensor) -> None:
+        """Load one shard (usable as the transport's ``sink(name, tensor)``)."""
+        if self._session is None:
+            raise RuntimeError(f"{name}: receive outside a session; call start() first.")
+        self._session.load(name, tensor)
+
+    def receive_shards(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named_tensors:
+            self.receive_shard(name, tensor)
+
+    def receive_bucket(
+        self, flat: torch.Tensor, entries: Iterable[BucketEntry | Sequence[Any]], copy: bool = True
+    ) -> None:
+        """Load every entry of a flat bucket. vLLM buffers loader calls until a layer is
+        complete, so entries are cloned unless ``copy=False`` (then ``flat`` must stay
+        untouched until ``finish``)."""
+        for name, view in unpack_bucket(flat, entries):
+            self.receive_shard(name, view.clone() if copy else view)
+
+    def finish(self) -> int:
+        """Process and install everything loaded; returns the new version."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if self._session is None:
+            raise RuntimeError("ShardReceiver.finish() without start().")
+        session, self._session = self._session, None
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        finally:
+            session.close()
+        if session.presharded:
+            missing = sorted(set(self._expected) - session.loaded)
+            if missing:
+                log.warning(
+                    "weight update v%d left %d parameters unchanged (kept old values): %s",
+                    self.version + 1,
+                    len(missing),
+                    missing[:8],
+                )
+        self.version += 1
+        return self.version
+
+    def load_hf_checkpoint(self, path: str | Path) -> int:
+        """Reload an HF checkpoint through the model's own ``load_weights`` (vLLM's narrowing
+        loaders) in a reload session, capturing the per-rank logical weights it produces."""
+        from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+        files = sorted(str(p) for p in Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors under {path}.")
+        self.start(presharded=False)
+        try:
+            self.model.load_weights(safetensors_weights_iterator(files, use_tqdm_on_load=False))
+        finally:
+            version = self.finish()
+        return version
+
+    # -- read-back
+    def _logical(self, name: str) -> torch.Tensor | None:
+        module, attr, shape, _ = self._expected[name]
+        live = getattr(module, attr)
+        if tuple(live.shape) == shape:
+            return live.data
+        return self._captured.get(name)
+
+    def checksums(self) -> dict[str, ParamChecksum]:
+        """Per parameter: checksum of the logical weight this rank holds (vLLM layout).
+
+        Live tensors where the parameter keeps its logical shape; otherwise the value
+        captured when vLLM last processed the layer during a session. A parameter repacked
+        at engine start and never reloaded since has no readable value and is omitted (run
+        ``load_hf_checkpoint`` once to capture the initial state).
+        """
+        out: dict[str, ParamChecksum] = {}
+        for name, (module, attr, shape, _) in self._expected.items():
+            live = getattr(module, attr)
+            if tuple(live.shape) == shape:
+                out[name] = ParamChecksum(shape, str(live.dtype), tensor_checksum(live))
+            elif name in self._captured_sums:
+                out[name] = self._captured_sums[name]
+        return out
+
+    def export(self) -> dict[str, torch.Tensor]:
+        """The logical per-rank shards (CPU copies) in vLLM layout."""
+        out = {}
+        for name in self._expected:
+            t = self._logical(name)
+            if t is None:
+                raise RuntimeError(
+                    f"{name} is repacked and no logical copy was captured: create the engine "
+                    "with keep_weight_copies=True and load weights through a session "
+                    "(load_hf_checkpoint or a bridge update) before exporting."
+                )
+            out[name] = t.detach().to("cpu", copy=True)
+        return out
+
+    def _capture(self, prefix: str, layer: torch.nn.Module) -> None:
+        for attr, p in layer._parameters.items():
+            name = f"{prefix}.{attr}" if prefix else attr
+            if p is None or name not in self._expected:
+                continue
+            self._captured_sums[name] = ParamChecksum(
+                tuple(p.shape), str(p.dtype), tensor_checksum(p)
+            )
+            if self.keep_copies:
+                self._captured[name] = p.detach().clone()
+
+
+class _Session:
+    """One update: loader swaps and processing hooks, undone by ``close``."""
+
+    def __init__(self, rx: ShardReceiver, presharded: bool) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import make_online_process_loader
+
+        self.rx = rx
+        self.presharded = presharded
+        self.loaded: set[str] = set()
+        self._restore: list[Callable[[], None]] = []
+        prefixes = {id(m): p for p, m in rx.model.named_modules()}
+        # Capture logical tensors right before vLLM's post-load processing (the repack).
+        for module in rx.model.modules():
+            qm = getattr(module, "quant_method", None)
+            if qm is None or "process_weights_after_loading" in vars(qm):
+                continue
+            original = qm.process_weights_after_loading
+
+            def hook(layer: torch.nn.Module, _orig: Callable = original) -> Any:
+                rx._capture(prefixes.get(id(layer), ""), layer)
+                return _orig(layer)
+
+            qm.process_weights_after_loading = hook
+            self._restore.append(lambda qm=qm: vars(qm).pop("process_weights_after_loading", None))
+        if not presharded:
+            return
+        # Re-wrap every loadable tensor: vLLM's wrapper around a plain copy loader.
+        for name, (module, attr, _, _) in rx._expected.items():
+            t = getattr(module, attr)
+            previous = t.weight_loader
+            t.weight_loader = _copy_presharded
+            t._mgrpo_name = name
+            t._mgrpo_vocab = name.endswith(_VOCAB_PARAMS)
+            t.weight_loader = make_online_process_loader(module, attr)
+            self._restore.append(lambda t=t, prev=previous: setattr(t, "weight_loader", prev))
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        if not self.presharded:
+            raise RuntimeError("this session loads HF tensors through model.load_weights.")
+        entry = self.rx._expected.get(name)
+        if entry is None:
+            raise KeyError(
+                f"{name!r} is not a parameter of this vLLM model (tied lm_head? HF name?); "
+                f"expected vLLM names such as {sorted(self.rx._expected)[:4]}."
+            )
+        module, attr, _, _ = entry
+        param = getattr(module, attr)
+        param.weight_loader(param, tensor)
+        self.loaded.add(name)
+
+    def close(self) -> None:
+        for undo in reversed(self._restore):
+            undo()
+        self._restore.clear()

@@ -1,0 +1,180 @@
+"""vLLM plugin: the ``megatron_grpo`` weight-transfer backend and the worker extension.
+
+Loaded in every vLLM process through the ``vllm.general_plugins`` entry point
+(``setup.py``; ``vllm/plugins/__init__.py: load_general_plugins``). ``register()`` only
+records the backend by module path (``vllm/distributed/weight_transfer/factory.py:
+WeightTransferEngineFactory.register_engine``), so importing vLLM stays cheap.
+
+The backend (``WeightTransferConfig(backend="megatron_grpo")``) plugs into vLLM's worker
+RPCs ``init_weight_transfer_engine / start_weight_update / update_weights /
+finish_weight_update`` (``vllm/v1/worker/gpu_worker.py``, inherited by the CPU worker):
+
+- ``init_weight_transfer_engine(TransferInitInfo)`` joins a torch.distributed group spanning
+  the trainer ranks and the workers (gloo on CPU, nccl on GPU); worker rank in that group
+  = ``rank_offset + data_parallel_index * world_size + worker rank`` (the layout vLLM's own
+  NCCL backend uses, ``nccl_common.py: worker_init_process_group``).
+- ``update_weights`` takes a list indexed by worker rank (``gpu_worker.py: update_weights``
+  picks ``update_info[dp_index * world_size + rank]``), so every worker gets only its own
+  ``TransferUpdateInfo``: a list of buckets, each received point to point from its trainer
+  ``src`` and loaded by ``ShardReceiver.receive_bucket``.
+- start/finish run the receiver's reload session (vLLM's layerwise reload, re-running the
+  post-load processing).
+
+In-process (colocated, external_launcher) callers skip the transport and call
+``engine.receiver`` directly (``RolloutEngine.load_shards``).
+
+``ReceiverWorkerExtension`` (``LLM(worker_extension_cls=...)``) adds string-addressable
+worker RPCs (version, checksums, export, HF reload) that need no pickled callables, so
+``VLLM_ALLOW_INSECURE_SERIALIZATION`` stays off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+BACKEND_NAME = "megatron_grpo"
+
+
+def register() -> None:
+    """Entry point: register the worker-side backend (idempotent)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            BACKEND_NAME, "megatron_grpo.bridge.vllm_plugin", "MegatronShardTransferEngine"
+        )
+
+
+@dataclass
+class TransferInitInfo:
+    master_address: str = "127.0.0.1"
+    master_port: int = 0
+    world_size: int = 0
+    """Trainer ranks + vLLM workers in the transfer group."""
+    rank_offset: int = 0
+    """Group rank of vLLM worker 0 (trainer ranks come first)."""
+    backend: str = "gloo"
+    timeout_s: float = 600.0
+    keep_copies: bool = False
+    """Keep a CPU-side copy of every logical shard (for ``mgrpo_export``)."""
+
+
+@dataclass
+class TransferUpdateInfo:
+    buckets: list[dict[str, Any]] = field(default_factory=list)
+    """Each ``{"src": group rank, "dtype": "float32", "numel": int, "tag": int,
+    "entries": [[name, shape, dtype, offset, numel], ...]}`` (``BucketEntry.to_wire``)."""
+
+
+def _engine_base() -> type:
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    return WeightTransferEngine
+
+
+class MegatronShardTransferEngine(_engine_base()):  # type: ignore[misc]
+    """Worker-side backend: per-rank shards in, through ``ShardReceiver``."""
+
+    init_info_cls = TransferInitInfo
+    update_info_cls = TransferUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(
+        self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
+    ) -> None:
+        from megatron_grpo.bridge.receiver import ShardReceiver
+
+        super().__init__(config, vllm_config, device, model)
+        self.receiver = ShardReceiver(model, vllm_config.model_config)
+        self.group: torch.distributed.ProcessGroup | None = None
+
+    def worker_group_rank(self, rank_offset: int) -> int:
+        pc = self.parallel_config
+        return rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+
+    def init_transfer_engine(self, init_info: TransferInitInfo) -> None:
+        from megatron_grpo.bridge.receiver import init_transfer_group
+
+        self.receiver.keep_copies = init_info.keep_copies
+        if init_info.world_size <= 0:
+            return  # in-process only: no transport group
+        self.group = init_transfer_group(
+            init_info.master_address,
+            init_info.master_port,
+            self.worker_group_rank(init_info.rank_offset),
+            init_info.world_size,
+            init_info.backend,
+            init_info.timeout_s,
+        )
+
+    def start_weight_update(self) -> None:
+        self.receiver.start()
+
+    def receive_weights(self, update_info: TransferUpdateInfo) -> None:
+        from megatron_grpo.bridge.receiver import recv_bucket
+
+        if update_info.buckets and self.group is None:
+            raise RuntimeError(
+                "megatron_grpo transfer group not initialized: call "
+                "init_weight_transfer_engine with a TransferInitInfo (world_size > 0) first."
+            )
+        for b in update_info.buckets:
+            dtype = getattr(torch, b["dtype"])
+            flat = recv_bucket(
+                self.group, int(b["numel"]), dtype, int(b["src"]), self.device, int(b.get("tag", 0))
+            )
+            # The buffer is fresh per bucket, so the views can be buffered without copies.
+            self.receiver.receive_bucket(flat, b["entries"], copy=False)
+
+    def finish_weight_update(self) -> None:
+        self.receiver.finish()
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+class ReceiverWorkerExtension:
+    """Methods mixed into vLLM's worker class; called as ``llm.collective_rpc("mgrpo_...")``."""
+
+    def _mgrpo_receiver(self) -> Any:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "receiver"):
+            raise RuntimeError(
+                "no megatron_grpo weight-transfer engine on this worker: create the LLM with "
+                "weight_transfer_config=WeightTransferConfig(backend='megatron_grpo')."
+            )
+        return engine.receiver
+
+    def mgrpo_version(self) -> int:
+        return self._mgrpo_receiver().version
+
+    def mgrpo_set_keep_copies(self, keep: bool) -> None:
+        self._mgrpo_receiver().keep_copies = keep
+
+    def mgrpo_expected_shards(self) -> dict[str, tuple[list[int], str]]:
+        return {
+            n: (list(s), str(d).removeprefix("torch."))
+            for n, (s, d) in self._mgrpo_receiver().expected_shards().items()
+        }
+
+    def mgrpo_checksums(self) -> dict[str, tuple[list[int], str, int]]:
+        return {
+            n: (list(c.shape), c.dtype, c.value)
+            for n, c in self._mgrpo_receiver().checksums().items()
+        }
+
+    def mgrpo_export(self) -> dict[str, torch.Tensor]:
+        return self._mgrpo_receiver().export()
+
+    def mgrpo_reload_from_hf(self, path: str) -> int:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            version = self._mgrpo_receiver().load_hf_checkpoint(path)
+        reset = getattr(self.model_runner, "reset_lora_state", None)  # type: ignore[attr-defined]
+        if reset is not None:
+            reset()
+        return version

@@ -1,0 +1,398 @@
+"""``RolloutEngine``: a thin layer over ``vllm.LLM`` that samples GRPO groups with logprobs.
+
+Two placements (DESIGN.md §3):
+
+- ``colocated``: the engine is created inside an already running ``torch.distributed``
+  world (torchrun, or processes spawned with a gloo group) with
+  ``distributed_executor_backend="external_launcher"``. Every process hosts one vLLM TP rank
+  in-process; no engine or worker process is spawned. vLLM builds its own groups over the
+  existing world (``vllm/distributed/parallel_state.py:initialize_model_parallel``: ranks
+  laid out ``ExternalDP x DP x PP x PCP x TP``), so with world size W and rollout TP t,
+  ranks ``[k*t, (k+1)*t)`` form rollout replica k and there are W/t independent engines
+  ("ExternalDP"). vLLM's parallel state lives in ``vllm.distributed.parallel_state`` and
+  Megatron's in ``megatron.core.parallel_state``: separate modules whose groups are all made
+  with ``torch.distributed.new_group`` over the same WORLD, so they coexist as long as every
+  rank creates them in the same order (which both do: every rank builds every group).
+- ``disaggregated``: a plain ``LLM(...)`` that spawns its own engine-core and worker
+  processes (``vllm/v1/executor/multiproc_executor.py``). On CPU with TP > 1, vLLM's NUMA
+  auto-binding asserts on small machines; ``VLLM_CPU_OMP_THREADS_BIND`` is set to one core
+  per worker unless the caller set it (``vllm/utils/ompmultiprocessing.py``).
+
+Logprobs (``vllm/config/model.py: logprobs_mode``, ``vllm/v1/sample/sampler.py``): vLLM
+0.32 returns ``raw_logprobs`` by default: ``log_softmax`` of the model's logits *before*
+temperature, top-k and top-p, i.e. the policy's logprob at temperature 1 -- what the
+trainer recomputes for pi_theta. ``logprobs_mode="processed"`` returns the logprob under the
+distribution actually sampled from (after temperature scaling and top-k/top-p masking).
+Prompt logprobs are the same in both modes (prompt tokens skip the sampling processors).
+
+Weight sync goes through ``megatron_grpo.bridge.receiver`` (vLLM's reload protocol); this
+module only exposes it per placement.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from megatron_grpo.bridge.receiver import BucketEntry, ShardReceiver
+    from megatron_grpo.config.schema import RolloutConfig
+
+log = logging.getLogger(__name__)
+
+Placement = Literal["colocated", "disaggregated"]
+LogprobsMode = Literal["raw", "processed"]
+BACKEND_NAME = "megatron_grpo"
+"""Name of the weight-transfer backend that ``megatron_grpo.bridge.vllm_plugin`` registers."""
+
+
+@dataclass
+class Sample:
+    """One sampled response."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    """Per response token: logprob of the sampled token under the served policy alpha
+    (``raw``: log_softmax of the logits at temperature 1; see the module docstring)."""
+    finish_reason: str
+    """``"length"`` (hit ``max_new_tokens``) or ``"stop"`` (EOS or a stop token)."""
+    weight_version: str | None = None
+    """The weight version (``RolloutEngine.weight_version``) the engine held when sampling."""
+
+
+def _on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+class RolloutEngine:
+    """vLLM engine for GRPO rollouts, colocated (external_launcher) or standalone.
+
+    ``model_path``: an HF model directory. Construct via ``from_config`` in the trainer.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        placement: Placement = "colocated",
+        tp: int = 1,
+        max_model_len: int = 256,
+        gpu_memory_utilization: float = 0.3,
+        cpu_kv_cache_gb: float = 1.0,
+        enforce_eager: bool = True,
+        seed: int = 0,
+        logprobs_mode: LogprobsMode = "raw",
+        dtype: str | None = None,
+        keep_weight_copies: bool = False,
+        **llm_kwargs: Any,
+    ) -> None:
+        from vllm import LLM
+        from vllm.config import WeightTransferConfig
+
+        if placement not in ("colocated", "disaggregated"):
+            raise ValueError(f"placement={placement!r} must be 'colocated' or 'disaggregated'.")
+        if logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"logprobs_mode={logprobs_mode!r} must be 'raw' or 'processed'.")
+        self.placement: Placement = placement
+        self.tp = tp
+        self.seed = seed
+        self.model_path = str(model_path)
+        self.replica_index = 0
+        on_gpu = _on_gpu()
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path,
+            tensor_parallel_size=tp,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            seed=seed,
+            # bf16 is what vLLM serves on GPU; CPU kernels are verified in fp32 here.
+            dtype=dtype or ("bfloat16" if on_gpu else "float32"),
+            logprobs_mode="processed_logprobs" if logprobs_mode == "processed" else "raw_logprobs",
+            weight_transfer_config=WeightTransferConfig(backend=BACKEND_NAME),
+            # The receiver is reached by string RPCs on this extension (no pickled callables,
+            # so VLLM_ALLOW_INSECURE_SERIALIZATION stays off).
+            worker_extension_cls="megatron_grpo.bridge.vllm_plugin.ReceiverWorkerExtension",
+        )
+        if on_gpu:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = placement == "colocated"
+        else:
+            # Same knob as VLLM_CPU_KVCACHE_SPACE (vllm/v1/worker/cpu_worker.py:
+            # determine_available_memory reads cache_config.kv_cache_memory_bytes).
+            kwargs["kv_cache_memory_bytes"] = int(cpu_kv_cache_gb * 2**30)
+        if placement == "colocated":
+            self._prepare_external_launcher(tp)
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        elif not on_gpu and tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            ncpu = len(os.sched_getaffinity(0))
+            per = max(1, ncpu // tp)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(tp)
+            )
+        kwargs.update(llm_kwargs)
+        self.llm = LLM(**kwargs)
+        self._version = 0
+        if placement == "colocated":
+            # vllm/v1/engine/core_client.py: InprocClient registers a finalizer that runs
+            # EngineCore.shutdown -> cleanup_dist_env_and_memory, which destroys the default
+            # process group -- the trainer's. shutdown() tears vLLM down without that.
+            self.llm.llm_engine.engine_core._finalizer.detach()
+        if keep_weight_copies:
+            self.llm.collective_rpc("mgrpo_set_keep_copies", args=(True,))
+
+    @classmethod
+    def from_config(
+        cls, model_path: str | Path, cfg: RolloutConfig, **kwargs: Any
+    ) -> RolloutEngine:
+        return cls(
+            model_path,
+            placement=cfg.placement,
+            tp=cfg.tp,
+            max_model_len=cfg.max_model_len,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            cpu_kv_cache_gb=cfg.cpu_kv_cache_gb,
+            enforce_eager=cfg.enforce_eager,
+            seed=cfg.seed,
+            **kwargs,
+        )
+
+    # ------------------------------------------------------------------ placement
+    def _prepare_external_launcher(self, tp: int) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "placement='colocated' runs vLLM inside an existing torch.distributed world "
+                "(external_launcher), but no process group is initialized: call "
+                "torch.distributed.init_process_group first (torchrun), or use "
+                "placement='disaggregated'."
+            )
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % tp:
+            raise ValueError(
+                f"rollout.tp={tp} must divide the world size {world}: external_launcher puts "
+                f"ranks [k*tp, (k+1)*tp) in rollout replica k. Set rollout.tp to a divisor of "
+                f"{world}."
+            )
+        # vllm/v1/executor/uniproc_executor.py: ExecutorWithExternalLauncher reads RANK and
+        # LOCAL_RANK from the environment (torchrun sets them; spawned processes may not).
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("LOCAL_RANK", str(rank))
+        if int(os.environ["RANK"]) != rank:
+            raise RuntimeError(
+                f"RANK={os.environ['RANK']} in the environment but torch.distributed rank is "
+                f"{rank}: external_launcher would build the wrong groups; fix the launcher."
+            )
+        self.replica_index = rank // tp
+
+    @property
+    def is_colocated(self) -> bool:
+        return self.placement == "colocated"
+
+    # ------------------------------------------------------------------ sampling
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        max_new_tokens: int = 16,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> list[Sample]:
+        """``n`` samples per prompt, prompt-major (samples of prompt i at ``[i*n, (i+1)*n)``).
+
+        Determinism: request i gets seed ``seed + i*n`` (its n children ``+0..n-1``,
+        ``vllm/v1/engine/parallel_sampling.py``), offset per rollout replica, so the same
+        seed and prompts give the same samples and no two samples share a seed.
+        """
+        from vllm import SamplingParams
+
+        base = self.seed if seed is None else seed
+        base += self.replica_index * 1_000_003
+        requests, params = [], []
+        for i, ids in enumerate(prompt_token_ids):
+            requests.append({"prompt_token_ids": list(ids)})
+            params.append(
+                SamplingParams(
+                    n=n,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k if top_k and top_k > 0 else 0,
+                    max_tokens=max_new_tokens,
+                    seed=base + i * n,
+                    logprobs=0,  # the sampled token's logprob only
+                    stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
+                )
+            )
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        version = str(self._version)
+        samples: list[Sample] = []
+        for req, out in zip(requests, outputs):
+            for comp in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(comp.token_ids)
+                if comp.logprobs is None or len(comp.logprobs) != len(ids):
+                    raise RuntimeError(
+                        f"vLLM returned {0 if comp.logprobs is None else len(comp.logprobs)} "
+                        f"logprobs for {len(ids)} tokens; expected one per token."
+                    )
+                lps = [step[tok].logprob for tok, step in zip(ids, comp.logprobs)]
+                reason = "length" if comp.finish_reason == "length" else "stop"
+                samples.append(
+                    Sample(req["prompt_token_ids"], ids, lps, reason, weight_version=version)
+                )
+        return samples
+
+    def prompt_logprobs(self, seqs: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Logprob of every token of each sequence given its prefix (``len(seq) - 1`` values,
+        for tokens 1..L-1), under the served weights. For verification of weight syncs."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        outs = self.llm.generate(
+            [{"prompt_token_ids": list(s)} for s in seqs], params, use_tqdm=False
+        )
+        result = []
+        for seq, out in zip(seqs, outs):
+            plp = out.prompt_logprobs or []
+            result.append([plp[t][tok].logprob for t, tok in enumerate(seq) if t > 0])
+        return result
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self, level: int = 1) -> None:
+        """Free vLLM's GPU memory while the trainer trains (no-op on CPU)."""
+        if not _on_gpu():
+            log.info("rollout: sleep() is a no-op on CPU (vLLM has no sleep mode there).")
+            return
+        self.llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        if not _on_gpu():
+            log.info("rollout: wake_up() is a no-op on CPU.")
+            return
+        self.llm.wake_up()
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def weight_version(self) -> int:
+        """Number of completed weight updates (0 = the checkpoint the engine started with)."""
+        return self._version
+
+    def _in_process_worker(self) -> Any:
+        if not self.is_colocated:
+            raise RuntimeError(
+                "in-process weight loading needs placement='colocated'; a disaggregated engine "
+                "receives weights over torch.distributed (RolloutEngine.update_weights_remote)."
+            )
+        # vllm/v1/executor/uniproc_executor.py: the one worker lives in this process.
+        return self.llm.llm_engine.model_executor.driver_worker.worker
+
+    @property
+    def receiver(self) -> ShardReceiver:
+        """This process's ``ShardReceiver`` (colocated only)."""
+        return self._in_process_worker().weight_transfer_engine.receiver
+
+    def load_shards(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Colocated: load this rank's already sharded vLLM-layout tensors, in process, through
+        vLLM's reload path (start -> update -> finish). Returns the new weight version."""
+        worker = self._in_process_worker()
+        self._run_update(worker, lambda rx: rx.receive_shards(named_tensors))
+        return self._version
+
+    def load_bucket(self, flat: torch.Tensor, entries: Sequence[BucketEntry]) -> int:
+        """Colocated: ``load_shards`` for one flat packed bucket."""
+        worker = self._in_process_worker()
+        self._run_update(worker, lambda rx: rx.receive_bucket(flat, entries))
+        return self._version
+
+    def _run_update(self, worker: Any, body: Any) -> None:
+        from vllm.config import set_current_vllm_config
+
+        worker.start_weight_update()
+        try:
+            with set_current_vllm_config(worker.vllm_config):
+                body(worker.weight_transfer_engine.receiver)
+        finally:
+            worker.finish_weight_update()
+        self._after_update()
+
+    def _after_update(self) -> None:
+        self._version += 1
+        # KV blocks cached for old weights must not serve new requests.
+        self.llm.reset_prefix_cache()
+        self.llm.llm_engine.set_weight_version(str(self._version))
+
+    def reload_from_hf(self, path: str | Path | None = None) -> int:
+        """Reload weights from an HF checkpoint through vLLM's own loader (TP narrowing and
+        all) on every rank, via the same reload path. Used to read back what an HF load puts
+        on each rank (``export_shards``) and as a reference in tests."""
+        target = str(path or self.model_path)
+        self.llm.collective_rpc("mgrpo_reload_from_hf", args=(target,))
+        self._after_update()
+        return self._version
+
+    def update_weights_remote(self, update_info: list[dict[str, Any]]) -> None:
+        """Disaggregated: run one update round on the workers (start, update with the
+        per-worker ``update_info`` list indexed by worker rank, finish). The caller sends the
+        buckets concurrently from its own ranks (the workers block in ``recv``)."""
+        self.llm.collective_rpc("start_weight_update")
+        self.llm.collective_rpc("update_weights", args=(update_info,))
+        self.llm.collective_rpc("finish_weight_update")
+        self._after_update()
+
+    def init_transfer(self, init_info: dict[str, Any]) -> None:
+        """Disaggregated: join the trainer<->worker process group on every worker
+        (``megatron_grpo.bridge.vllm_plugin.TransferInitInfo`` fields)."""
+        self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
+
+    def worker_versions(self) -> list[int]:
+        """Every worker's receiver version (all equal after a successful update)."""
+        return list(self.llm.collective_rpc("mgrpo_version"))
+
+    def checksums(self) -> list[dict[str, Any]]:
+        """Per worker rank: ``{vLLM name: (shape, dtype, checksum)}`` of the logical weights the
+        model holds (see ``ShardReceiver.checksums``)."""
+        return list(self.llm.collective_rpc("mgrpo_checksums"))
+
+    def export_shards(self) -> list[dict[str, torch.Tensor]]:
+        """Per worker rank: the logical per-rank shards in vLLM layout (needs
+        ``keep_weight_copies=True`` on CPU; see ``ShardReceiver.export``)."""
+        return list(self.llm.collective_rpc("mgrpo_export"))
+
+    def shutdown(self) -> None:
+        """Release the engine (and its processes when disaggregated)."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None  # type: ignore[assignment]
+        if self.is_colocated:
+            self._shutdown_in_process(llm)
+        else:
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+    @staticmethod
+    def _shutdown_in_process(llm: Any) -> None:
+        """EngineCore.shutdown (vllm/v1/engine/core.py) minus destroying the default group:
+        stop the executor and scheduler, then destroy only vLLM's own groups."""
+        from vllm.distributed import parallel_state as vps
+
+        core = llm.llm_engine.engine_core.engine_core
+        core.model_executor.shutdown()
+        if core.scheduler is not None:
+            core.scheduler.shutdown()
+        gc.unfreeze()
+        vps.destroy_model_parallel()
+        if vps._WORLD is not None:  # a new_group over WORLD, not WORLD itself
+            vps._WORLD.destroy()
+            vps._WORLD = None
