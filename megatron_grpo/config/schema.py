@@ -320,11 +320,16 @@ class RewardConfig:
     """Weight of the format reward added to the task reward."""
     timeout_s: float = 5.0
     """Time limit of one reward call; a call past it scores 0."""
+    num_workers: int = 2
+    """Worker processes that run ``math`` and user rewards under the time limit (a worker
+    whose call overruns is killed and replaced)."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ConfigError("reward.name is empty: set it to gsm8k, math, synthetic or a:path.")
         _check_positive("reward.timeout_s", self.timeout_s)
+        _check_positive("reward.num_workers", self.num_workers)
+        _check_positive("reward.format_weight", self.format_weight, allow_zero=True)
 
 
 @dataclass

@@ -1,0 +1,183 @@
+"""``build_reward(reward_cfg, data_cfg) -> RewardFn``: batched, time-limited, never raising.
+
+``RewardFn(prompts, responses, answers) -> (rewards, info)`` scores a batch:
+``reward = task_score + reward.format_weight * format_score``. A call that raises scores 0
+and is counted (``info["errors"]``), a call past ``reward.timeout_s`` scores 0 and is counted
+(``info["timeouts"]``); the first error and the first timeout are logged once, with their
+input. Nothing a response contains can stop or stall the run.
+
+Where calls run:
+
+- ``gsm8k``, ``gsm8k_flexible``, ``synthetic``: in-process. Their regexes are linear-time and
+  their comparisons use ``Decimal``/string equality, so their cost is linear in the input
+  (the adversarial tests check a 100k-digit number and deep nesting stay far under the limit);
+  a per-call check still counts any call that exceeds ``timeout_s`` as a timeout.
+- ``math`` and user functions ``package.module:function``: in a
+  :class:`~megatron_grpo.rewards.pool.DeadlinePool` of ``reward.num_workers`` processes, whose
+  worker is killed and replaced when a call overruns ``timeout_s``. Call :meth:`RewardFn.close`
+  (or use ``with``) to stop them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from megatron_grpo.rewards.gsm8k import gsm8k_flexible, gsm8k_format, gsm8k_strict
+from megatron_grpo.rewards.math import math_format
+from megatron_grpo.rewards.pool import DeadlinePool, Outcome, load_callable
+from megatron_grpo.rewards.synthetic import synthetic_format, synthetic_reward
+
+log = logging.getLogger(__name__)
+
+ScoreFn = Callable[[str, str, str], float]
+
+# name -> (in-process score fn or pool target path, format fn)
+_INPROCESS: dict[str, tuple[ScoreFn, Callable[[str], float]]] = {
+    "gsm8k": (gsm8k_strict, gsm8k_format),
+    "gsm8k_flexible": (gsm8k_flexible, gsm8k_format),
+    "synthetic": (synthetic_reward, synthetic_format),
+}
+_POOLED: dict[str, tuple[str, Callable[[str], float]]] = {
+    "math": ("megatron_grpo.rewards.math:math_verify_reward", math_format),
+}
+
+
+def _short(x: str, n: int = 300) -> str:
+    return x if len(x) <= n else x[:n] + f"...<{len(x) - n} more chars>"
+
+
+class RewardFn:
+    """Batched reward; see the module docstring. Counters accumulate over the run."""
+
+    def __init__(
+        self,
+        name: str,
+        timeout_s: float,
+        format_weight: float,
+        format_fn: Callable[[str], float] | None,
+        score_fn: ScoreFn | None = None,
+        pool: DeadlinePool | None = None,
+    ) -> None:
+        if (score_fn is None) == (pool is None):
+            raise ValueError("RewardFn needs exactly one of score_fn (in-process) or pool.")
+        self.name, self.timeout_s = name, timeout_s
+        self.format_weight, self.format_fn = format_weight, format_fn
+        self._score_fn, self._pool = score_fn, pool
+        self.total_errors = 0
+        self.total_timeouts = 0
+        self._logged: set[str] = set()
+
+    def _run_inprocess(self, args: list[tuple[str, str, str]]) -> list[Outcome]:
+        out = []
+        for a in args:
+            t0 = time.monotonic()
+            try:
+                value = float(self._score_fn(*a))  # type: ignore[misc]
+            except Exception as e:  # noqa: BLE001 - a reward bug must not kill the run
+                out.append(Outcome("error", detail=f"{type(e).__name__}: {str(e)[:500]}"))
+                continue
+            took = time.monotonic() - t0
+            if took > self.timeout_s:
+                out.append(Outcome("timeout", detail=f"took {took:.2f}s > {self.timeout_s}s"))
+            else:
+                out.append(Outcome("ok", value))
+        return out
+
+    def __call__(
+        self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str]
+    ) -> tuple[list[float], dict[str, float]]:
+        if not len(prompts) == len(responses) == len(answers):
+            raise ValueError(
+                f"reward batch lengths differ: {len(prompts)} prompts, {len(responses)} "
+                f"responses, {len(answers)} answers; pass one answer per response."
+            )
+        args = [(str(p), str(r), str(a)) for p, r, a in zip(prompts, responses, answers)]
+        if self._pool is not None:
+            outcomes = self._pool.map(args)
+        else:
+            outcomes = self._run_inprocess(args)
+        rewards, task, fmt = [], [], []
+        errors = timeouts = 0
+        for a, o in zip(args, outcomes):
+            if o.status != "ok":
+                errors += o.status == "error"
+                timeouts += o.status == "timeout"
+                if o.status not in self._logged:
+                    self._logged.add(o.status)
+                    log.warning(
+                        "reward %s: %s (%s) on prompt=%r response=%r answer=%r; it scores 0. "
+                        "Further %ss are counted in the metrics, not logged.",
+                        self.name,
+                        o.status,
+                        o.detail,
+                        _short(a[0]),
+                        _short(a[1]),
+                        _short(a[2]),
+                        o.status,
+                    )
+            f = self.format_fn(a[1]) if self.format_fn is not None and self.format_weight else 0.0
+            score = o.value if o.status == "ok" else 0.0
+            task.append(score)
+            fmt.append(f)
+            rewards.append(score + self.format_weight * f)
+        self.total_errors += errors
+        self.total_timeouts += timeouts
+        n = max(len(rewards), 1)
+        info = {
+            "errors": errors,
+            "timeouts": timeouts,
+            "total_errors": self.total_errors,
+            "total_timeouts": self.total_timeouts,
+            "task_mean": sum(task) / n,
+            "format_mean": sum(fmt) / n,
+            "reward_mean": sum(rewards) / n,
+        }
+        return rewards, info
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+    def __enter__(self) -> RewardFn:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def build_reward(reward_cfg, data_cfg=None) -> RewardFn:
+    """The reward of ``reward.name`` (see :class:`~megatron_grpo.config.schema.RewardConfig`).
+
+    ``data_cfg`` is checked against the reward: a ``synthetic:<task>`` source needs
+    ``reward.name=synthetic`` (or a user function) because its answers are bare strings.
+    """
+    name = reward_cfg.name
+    src = getattr(data_cfg, "source", "") or ""
+    if src.startswith("synthetic:") and name in ("gsm8k", "gsm8k_flexible", "math"):
+        raise ValueError(
+            f"data.source={src!r} pairs with reward.name=synthetic, not {name!r}: set "
+            "reward.name=synthetic or use a GSM8K/MATH data file."
+        )
+    common = dict(name=name, timeout_s=reward_cfg.timeout_s, format_weight=reward_cfg.format_weight)
+    if name in _INPROCESS:
+        score, fmt = _INPROCESS[name]
+        return RewardFn(format_fn=fmt, score_fn=score, **common)
+    if name in _POOLED:
+        target, fmt = _POOLED[name]
+        pool = DeadlinePool(target, reward_cfg.num_workers, reward_cfg.timeout_s)
+        return RewardFn(format_fn=fmt, pool=pool, **common)
+    if ":" not in name:
+        raise ValueError(
+            f"reward.name={name!r} is neither a built-in reward {sorted([*_INPROCESS, *_POOLED])} "
+            "nor a dotted path 'package.module:function'."
+        )
+    if reward_cfg.format_weight:
+        raise ValueError(
+            f"reward.format_weight={reward_cfg.format_weight} has no format check for the user "
+            f"reward {name!r}: fold the format into the function and set reward.format_weight=0."
+        )
+    load_callable(name)  # fail now, in the parent, with a clear message
+    pool = DeadlinePool(name, reward_cfg.num_workers, reward_cfg.timeout_s)
+    return RewardFn(format_fn=None, pool=pool, **common)
