@@ -1,1 +1,38 @@
-"""checkpoint"""
+"""Checkpoint and resume of the training loop: dist_checkpointing shards + loop state + RNG."""
+
+from megatron_grpo.checkpoint.core import (
+    CHECKPOINTS_DIR,
+    LATEST_FILE,
+    STATE_FILE,
+    CheckpointError,
+    LoadedCheckpoint,
+    LoopState,
+    find_latest,
+    is_complete,
+    list_checkpoints,
+    load_checkpoint,
+    read_state,
+    resolve_checkpoint,
+    save_checkpoint,
+    step_dir_name,
+)
+from megatron_grpo.checkpoint.rng import get_rng_state, set_rng_state
+
+__all__ = [
+    "CHECKPOINTS_DIR",
+    "LATEST_FILE",
+    "STATE_FILE",
+    "CheckpointError",
+    "LoadedCheckpoint",
+    "LoopState",
+    "find_latest",
+    "get_rng_state",
+    "is_complete",
+    "list_checkpoints",
+    "load_checkpoint",
+    "read_state",
+    "resolve_checkpoint",
+    "save_checkpoint",
+    "set_rng_state",
+    "step_dir_name",
+]

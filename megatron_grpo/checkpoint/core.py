@@ -1,0 +1,408 @@
+"""Checkpoint and resume of the whole training loop.
+
+Layout (``docs/checkpointing.md`` has the full story)::
+
+    RUN_DIR/checkpoints/
+        latest                  # text: "step_000123", replaced atomically
+        step_000123/
+            model/              # dist_checkpointing (torch_dist): {"model": ..., "optimizer": ...}
+            ref/                # dist_checkpointing: the reference policy (optional)
+            rng/rank_00000.pt   # per-rank RNG states (weights_only-safe)
+            state.json          # loop state: step, data position, policy version, sync phase, ...
+
+Atomicity: everything is written under ``step_000123.tmp/``; once every rank has finished
+(barrier), rank 0 renames it to ``step_000123/`` and then replaces ``latest``. A crash at any
+point leaves the previous checkpoint and ``latest`` untouched; ``.tmp`` directories are
+never read, and the next save removes them. Older checkpoints are pruned only after the new
+one is complete.
+
+``save_checkpoint`` and ``load_checkpoint`` are collective: every rank of the default
+process group calls them with its own shard templates (dist_checkpointing.save/load are
+collective over the world). The sharded parts are resharded on load — a checkpoint saved at
+one TP/PP/DP layout loads at any other — because dist_checkpointing stores global tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.checkpoint.rng import get_rng_state, set_rng_state
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
+STATE_FILE = "state.json"
+RNG_DIR = "rng"
+TMP_SUFFIX = ".tmp"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+_RESERVED = {RNG_DIR}
+
+StateDictSource = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+"""A (sharded) state dict, or a function returning one (built only when needed)."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or does not match what is asked of it."""
+
+
+@dataclass
+class LoopState:
+    """Where the training loop stands; everything here must be JSON-able."""
+
+    step: int
+    """The last finished trainer step; a resumed run continues at step + 1."""
+    data_state: dict[str, Any] = field(default_factory=dict)
+    """The data source's ``state_dict()`` (its position in the prompt stream)."""
+    policy_version: int = 0
+    """The trainer step whose weights vLLM serves now (the last sync)."""
+    sync_phase: int = 0
+    """Steps since the last weight push (step - policy_version with Algorithm 1's schedule);
+    kept explicitly so a resumed run pushes on the same steps as an uninterrupted one."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Anything else the trainer wants back (reference-reset counters, NaN-streak, layout)."""
+
+    def __post_init__(self) -> None:
+        if self.step < 0:
+            raise ValueError(f"LoopState.step={self.step} must be >= 0.")
+        try:
+            json.dumps(asdict(self), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"LoopState is not JSON-able ({e}): keep data_state and extra to numbers, "
+                "strings, bools, None and lists/dicts of them (finite floats only)."
+            ) from e
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    """The step directory that was loaded."""
+    loop_state: LoopState
+    state_dicts: dict[str, dict[str, Any]]
+    """Name -> the loaded state dict (same nesting as its template), for each name asked."""
+    rng_restored: bool
+    """False when RNG states were not restored (restore_rng=False, or a different world size)."""
+    saved_world_size: int
+
+
+# -- paths -----------------------------------------------------------------------------------
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def checkpoints_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / CHECKPOINTS_DIR
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """A finished checkpoint: a ``step_N`` directory (not ``.tmp``) holding state.json."""
+    path = Path(path)
+    return bool(_STEP_RE.match(path.name)) and (path / STATE_FILE).is_file()
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run as (step, path), oldest first; ``.tmp`` dirs ignored."""
+    root = checkpoints_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and is_complete(p):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def find_latest(run_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint to resume from, or None when the run has none.
+
+    The ``latest`` pointer when it names a complete checkpoint; otherwise (pointer missing or
+    stale) the complete checkpoint with the highest step. ``.tmp`` directories are ignored.
+    """
+    root = checkpoints_root(run_dir)
+    pointer = root / LATEST_FILE
+    if pointer.is_file():
+        target = root / pointer.read_text().strip()
+        if is_complete(target):
+            return target
+        log.warning(
+            "%s names %s, which is not a complete checkpoint; scanning instead", pointer, target
+        )
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A step directory from a step directory, a run directory or its checkpoints/ folder."""
+    path = Path(path)
+    if is_complete(path):
+        return path
+    if path.name.endswith(TMP_SUFFIX):
+        raise CheckpointError(f"{path} is an unfinished checkpoint (.tmp): load a complete one.")
+    run_dir = path.parent if path.name == CHECKPOINTS_DIR else path
+    latest = find_latest(run_dir)
+    if latest is None:
+        raise CheckpointError(
+            f"no complete checkpoint under {path} (looked for {checkpoints_root(run_dir)}/"
+            f"step_NNNNNN/{STATE_FILE}): pass a run directory that has one, or start fresh."
+        )
+    return latest
+
+
+# -- distributed helpers ---------------------------------------------------------------------
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _resolve(source: StateDictSource) -> Mapping[str, Any]:
+    return source() if callable(source) else source
+
+
+def _check_names(names: Iterable[str]) -> None:
+    for name in names:
+        if not _NAME_RE.match(name) or name in _RESERVED:
+            raise CheckpointError(
+                f"state dict name {name!r} is not usable as a checkpoint sub-directory: use "
+                f"letters, digits and '_' (starting with a letter), not one of {sorted(_RESERVED)}."
+            )
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- save ------------------------------------------------------------------------------------
+def _commit(tmp: Path, final: Path, root: Path) -> None:
+    """Rank 0: make the finished ``tmp`` the checkpoint ``final`` and point ``latest`` at it.
+
+    Until the rename, ``latest`` and every older checkpoint are untouched. Re-saving a step
+    that exists (a resumed run passing an old step again) moves the old one aside first.
+    """
+    replaced = None
+    if final.exists():
+        replaced = final.with_name(final.name + ".replaced" + TMP_SUFFIX)
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final, replaced)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _write_text_atomic(root / LATEST_FILE, final.name + "\n")
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _prune(root: Path, keep_last: int, newest: int) -> list[Path]:
+    """Delete complete checkpoints older than ``newest`` beyond the ``keep_last`` most recent.
+
+    Checkpoints with a larger step than ``newest`` belong to a timeline a resumed run left
+    behind; they are not counted or deleted here (a later save of that step replaces them).
+    """
+    older = [(s, p) for s, p in list_checkpoints(root.parent) if s < newest]
+    doomed = [p for _, p in older[: max(len(older) - (keep_last - 1), 0)]]
+    for p in doomed:
+        shutil.rmtree(p)
+    return doomed
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    loop_state: LoopState,
+    state_dicts: Mapping[str, StateDictSource] | None = None,
+    *,
+    keep_last: int | None = None,
+    save_rng: bool = True,
+) -> Path:
+    """Save the loop at ``loop_state.step``; collective over all ranks. Returns the step dir.
+
+    Args:
+        run_dir: the run directory; checkpoints go to ``run_dir/checkpoints/step_NNNNNN``.
+        loop_state: step, data position, policy version, sync phase, extras (rank 0's copy
+            is written; the trainer keeps it identical on every rank).
+        state_dicts: name -> sharded state dict (or a function returning one), each saved
+            with ``megatron.core.dist_checkpointing.save`` into its own sub-directory, e.g.
+            ``{"model": {"model": m_ssd, "optimizer": opt_ssd}, "ref": ref_ssd}``.
+        keep_last: keep this many most recent checkpoints (None keeps all).
+        save_rng: write this rank's RNG states to ``rng/rank_NNNNN.pt``.
+    """
+    rank, world = _rank_world()
+    state_dicts = dict(state_dicts or {})
+    _check_names(state_dicts)
+    if state_dicts and not (dist.is_available() and dist.is_initialized()):
+        raise CheckpointError(
+            f"saving sharded state dicts {sorted(state_dicts)} needs torch.distributed "
+            "(dist_checkpointing.save is collective): call init_distributed() first, even "
+            "for one process."
+        )
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last={keep_last} must be >= 1 (or None to keep all).")
+    step = loop_state.step
+    root = checkpoints_root(run_dir)
+    final = root / step_dir_name(step)
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        # Leftovers of a save that crashed (this step or any other) are never read: drop them.
+        for stale in root.glob("*" + TMP_SUFFIX):
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            else:
+                stale.unlink()
+        for sub in [*state_dicts, RNG_DIR]:
+            (tmp / sub).mkdir(parents=True)
+    _barrier()
+
+    if state_dicts:
+        from megatron.core import dist_checkpointing
+
+        for name, source in state_dicts.items():
+            dist_checkpointing.save(dict(_resolve(source)), str(tmp / name))
+
+    if save_rng:
+        torch.save(get_rng_state(), tmp / RNG_DIR / f"rank_{rank:05d}.pt")
+    _barrier()  # every rank's files are in tmp before rank 0 seals it
+
+    if rank == 0:
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "world_size": world,
+            "state_dicts": sorted(state_dicts),
+            "rng": save_rng,
+            "loop_state": asdict(loop_state),
+        }
+        # state.json is written last: its presence marks the directory as complete.
+        with open(tmp / STATE_FILE, "w") as f:
+            json.dump(meta, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        _commit(tmp, final, root)
+        if keep_last is not None:
+            for p in _prune(root, keep_last, step):
+                log.info("pruned checkpoint %s (keep_last=%d)", p, keep_last)
+    _barrier()  # no rank returns (and, say, exits) before the checkpoint is committed
+    return final
+
+
+# -- load ------------------------------------------------------------------------------------
+def read_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The raw state.json of a checkpoint (run dir, checkpoints dir or step dir)."""
+    path = resolve_checkpoint(path)
+    meta = json.loads((path / STATE_FILE).read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path / STATE_FILE} has format_version={meta.get('format_version')!r}; this code "
+            f"reads {FORMAT_VERSION}: load it with the megatron-grpo version that wrote it."
+        )
+    return meta
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    templates: Mapping[str, StateDictSource] | None = None,
+    *,
+    optional: Iterable[str] = (),
+    restore_rng: bool = True,
+    strict: Any = None,
+) -> LoadedCheckpoint:
+    """Load a checkpoint; collective over all ranks when ``templates`` is not empty.
+
+    Args:
+        path: a run directory (loads its latest checkpoint), its checkpoints/ folder, or a
+            step directory.
+        templates: name -> this rank's sharded state dict (or a function returning one) for
+            each part to load. Their ShardedTensors say which slice of each global tensor
+            this rank wants, so any TP/PP/DP layout can load any saved one.
+        optional: names that may be absent from the checkpoint (e.g. ``"ref"``); they are
+            then left out of the result instead of raising.
+        restore_rng: set this rank's RNG states from the checkpoint. Restored only when the
+            world size matches the saving run's (else a warning, and ``rng_restored=False``).
+        strict: passed to ``dist_checkpointing.load`` (None keeps its default).
+    """
+    step_dir = resolve_checkpoint(path)
+    meta = read_state(step_dir)
+    rank, world = _rank_world()
+    templates = dict(templates or {})
+    _check_names(templates)
+    optional = set(optional)
+
+    missing = [n for n in templates if not (step_dir / n).is_dir()]
+    required_missing = [n for n in missing if n not in optional]
+    if required_missing:
+        raise CheckpointError(
+            f"{step_dir} has no {required_missing} (it holds {meta['state_dicts']}): load only "
+            "those, or pass the name in optional=."
+        )
+    loaded: dict[str, dict[str, Any]] = {}
+    wanted = [n for n in templates if n not in missing]
+    if wanted:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise CheckpointError(
+                f"loading sharded state dicts {wanted} needs torch.distributed "
+                "(dist_checkpointing.load is collective): call init_distributed() first."
+            )
+        from megatron.core import dist_checkpointing
+
+        kwargs = {} if strict is None else {"strict": strict}
+        for name in wanted:
+            loaded[name] = dist_checkpointing.load(
+                dict(_resolve(templates[name])), str(step_dir / name), **kwargs
+            )
+
+    rng_restored = False
+    if restore_rng and meta.get("rng"):
+        rng_file = step_dir / RNG_DIR / f"rank_{rank:05d}.pt"
+        if meta["world_size"] != world:
+            log.warning(
+                "checkpoint %s was saved by %d ranks, this run has %d: RNG states are not "
+                "restored (random draws will differ from an uninterrupted run)",
+                step_dir,
+                meta["world_size"],
+                world,
+            )
+        elif not rng_file.is_file():
+            raise CheckpointError(f"{rng_file} is missing: the checkpoint is damaged.")
+        else:
+            set_rng_state(torch.load(rng_file, weights_only=True, map_location="cpu"))
+            rng_restored = True
+
+    return LoadedCheckpoint(
+        path=step_dir,
+        loop_state=LoopState(**meta["loop_state"]),
+        state_dicts=loaded,
+        rng_restored=rng_restored,
+        saved_world_size=meta["world_size"],
+    )
