@@ -32,7 +32,10 @@ def _cfg(loss_agg: str) -> GRPOConfig:
     return GRPOConfig(loss_agg=loss_agg, kl_coef=0.1, loss_agg_constant=5.0)
 
 
-def _worker(rank: int, world: int, init_file: str, loss_agg: str, out) -> None:
+MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
+
+
+def _worker(rank: int, world: int, init_file: str, out) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -43,29 +46,29 @@ def _worker(rank: int, world: int, init_file: str, loss_agg: str, out) -> None:
         norms = agg.compute_global_normalizers(
             [full["loss_mask"][a:c] for a, c in mbs], group=dist.group.WORLD
         )
-        loss_fn = agg.make_loss_fn(_cfg(loss_agg))
-        total = torch.zeros((), dtype=torch.float64)
-        for a, c in mbs:
-            mb = {k: v[a:c] for k, v in full.items() if k != "logp"} | norms
-            total = total + loss_fn(full["logp"][a:c], torch.zeros(c - a, T), mb)[0]
-        dist.all_reduce(total)
+        totals = torch.zeros(len(MODES), dtype=torch.float64)
+        for i, mode in enumerate(MODES):
+            loss_fn = agg.make_loss_fn(_cfg(mode))
+            for a, c in mbs:
+                mb = {k: v[a:c] for k, v in full.items() if k != "logp"} | norms
+                totals[i] += loss_fn(full["logp"][a:c], torch.zeros(c - a, T), mb)[0]
+        dist.all_reduce(totals)
         if rank == 0:
-            out.put((total.item(), norms["global_num_seqs"].item()))
+            out.put((totals.tolist(), norms["global_num_seqs"].item()))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
-def test_gloo_dp_sum_equals_full_batch(tmp_path, loss_agg):
+def test_gloo_dp_sum_equals_full_batch(tmp_path):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     init_file = os.path.join(tmp_path, "pg_init")
-    procs = [ctx.Process(target=_worker, args=(r, 2, init_file, loss_agg, out)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, 2, init_file, out)) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        total, num_seqs = out.get(timeout=100)
+        totals, num_seqs = out.get(timeout=100)
         for p in procs:
             p.join(timeout=30)
             assert p.exitcode == 0
@@ -77,6 +80,7 @@ def test_gloo_dp_sum_equals_full_batch(tmp_path, loss_agg):
     full = _batch()
     mb = {k: v for k, v in full.items() if k != "logp"}
     mb |= agg.compute_global_normalizers(full["loss_mask"])
-    whole = agg.make_loss_fn(_cfg(loss_agg))(full["logp"], torch.zeros(B, T), mb)[0]
     assert num_seqs == mb["global_num_seqs"].item() == 5
-    assert total == pytest.approx(whole.item(), rel=1e-6)
+    for mode, total in zip(MODES, totals):
+        whole = agg.make_loss_fn(_cfg(mode))(full["logp"], torch.zeros(B, T), mb)[0]
+        assert total == pytest.approx(whole.item(), rel=1e-6), mode
