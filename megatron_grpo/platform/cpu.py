@@ -46,7 +46,9 @@ PATCHES: tuple[Patch, ...] = (
         "torch.cuda.current_device",
         "tensor_parallel/layers.py, mappings.py, pipeline_parallel/p2p_communication.py, "
         "distributed/param_and_grad_buffer.py: `device=torch.cuda.current_device()` in every "
-        "buffer allocation. Returns 0; the device mode below maps device 0 to the CPU.",
+        "buffer allocation, including inside autograd backward functions (mappings.py "
+        "_reduce_scatter_along_first_dim), where no TorchFunctionMode is active. Returns "
+        "torch.device('cpu') so those calls need no rewriting.",
     ),
     Patch(
         "torch.cuda.synchronize",
@@ -98,9 +100,15 @@ def _is_cuda_device(device: Any) -> bool:
 class CudaToCpuDeviceMode(TorchFunctionMode):
     """Rewrites a CUDA ``device`` argument of any torch call to ``'cpu'``.
 
-    Catches factory functions (``torch.empty(..., device='cuda')``) and ``Tensor.to``
-    (``t.to(torch.cuda.current_device())``) wherever megatron-core makes them, without
-    patching each call site. Only device arguments change; everything else passes through.
+    Catches factory functions (``torch.empty(..., device='cuda')``, ``device=0``) and
+    ``Tensor.to('cuda')`` wherever megatron-core makes them, without patching each call site.
+    Only device arguments change; everything else passes through.
+
+    Limitation (torch semantics): a mode is switched off while its own ``__torch_function__``
+    runs, so calls made *inside* an intercepted call -- notably everything autograd runs
+    under ``torch.autograd.backward`` -- are not rewritten. megatron's backward functions
+    allocate with ``device=torch.cuda.current_device()``, which the current_device patch
+    answers directly.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -155,6 +163,12 @@ def _cpu_clip_grad_by_total_norm_fp32(
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _cpu_current_device() -> torch.device:
+    # megatron only passes the result on as a device argument (see PATCHES); an int would
+    # mean "cuda:<n>" to every factory function.
+    return torch.device("cpu")
+
+
 def _cuda_rng_get(device: Any = "cuda") -> torch.Tensor:
     return torch.get_rng_state()
 
@@ -197,7 +211,7 @@ def apply_cpu_platform() -> bool:
     import megatron.core.optimizer.optimizer as mcore_optimizer
     import megatron.core.tensor_parallel.random as tp_random
 
-    torch.cuda.current_device = lambda: 0
+    torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.get_rng_state = _cuda_rng_get
     torch.cuda.set_rng_state = _cuda_rng_set

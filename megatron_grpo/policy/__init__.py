@@ -1,1 +1,15 @@
-"""policy"""
+"""The trainer's policy: vocab-parallel log-probs/entropy, forward-only log-probs through
+megatron's pipeline schedule, and the train step (DDP + megatron optimizer)."""
+
+from megatron_grpo.policy.logprob import token_logprobs, vocab_parallel_logprob_entropy
+from megatron_grpo.policy.policy import Batch, LossFn, LRSchedule, Policy, build_policy
+
+__all__ = [
+    "Batch",
+    "LRSchedule",
+    "LossFn",
+    "Policy",
+    "build_policy",
+    "token_logprobs",
+    "vocab_parallel_logprob_entropy",
+]

@@ -1,0 +1,501 @@
+"""The trainer's policy: megatron-core model chunks, per-token log-probs, and one train step.
+
+Batch contract (every rank of a DP replica passes the same batch; DP ranks pass their own)
+-----------------------------------------------------------------------------------------
+- ``input_ids``: LongTensor [B, L], prompt + response, RIGHT-padded. Attention is causal,
+  so right padding needs no attention mask: a token never sees the padding after it.
+- ``loss_mask``: float [B, L], 1 on response-token positions (train_step only; loss_fn
+  decides how to use it).
+- ``attention_mask`` (optional): [B, L], 1 on real tokens. Used only to trim each
+  micro-batch to its longest sequence (variable lengths: every micro-batch is padded to
+  its own max); positions where it is 0 get logp = entropy = 0.
+- any other tensor with leading dim B (``advantages`` [B], ``old_logp`` [B, L], ...) is
+  sliced per micro-batch (and trimmed like input_ids when it has an L dim) and passed to
+  ``loss_fn`` unchanged.
+
+Outputs are position-aligned with ``input_ids``: ``logp[b, t] = log p(input_ids[b, t] |
+input_ids[b, <t])`` for t >= 1 and 0 at t = 0, so a token's log-prob sits at the token's
+own index, like ``loss_mask``. ``entropy[b, t]`` is the entropy of that same predictive
+distribution. Both are computed from the TP-sharded logits without gathering the vocabulary
+(``megatron_grpo.policy.logprob``) and exclude megatron's vocabulary padding.
+
+Loss contract
+-------------
+``loss_fn(logp [mb, L], entropy [mb, L], mb: dict[str, Tensor]) -> (loss, metrics)``:
+``loss`` is this micro-batch's contribution to the GLOBAL objective (the caller already
+divides by global normalizers, e.g. the number of response tokens in the whole batch over
+all DP ranks), and ``metrics`` a dict of scalar tensors. The gradient applied is
+exactly ``grad sum_{DP ranks} sum_{micro-batches} loss``. Megatron would otherwise rescale
+it twice, and both are undone here:
+
+- ``pipeline_parallel/schedules.py::forward_step_calc_loss`` divides a 2-tuple loss by
+  ``num_microbatches`` (and multiplies by the CP size); with
+  ``config.calculate_per_token_loss = True`` and a 3-tuple ``(loss, num_tokens, reduced)``
+  it does neither.
+- ``distributed/distributed_data_parallel.py`` pre-scales gradients by ``1/dp_cp_size``
+  before the sum all-reduce unless ``calculate_per_token_loss`` is set, in which case the
+  scaling factor is 1.0 (plain sum over DP).
+- ``distributed/finalize_model_grads.py::finalize_model_grads`` would then divide by the
+  all-reduced ``num_tokens``; our ``finalize_model_grads_func`` passes ``num_tokens=None``.
+
+Sequence packing (``packed_seq_params``, THD layout) is a GPU/Transformer-Engine feature
+and is not implemented: micro-batches are padded (to their own max length) instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.config.schema import ConfigError, ModelConfig, OptimConfig
+from megatron_grpo.distributed.setup import ParallelContext
+from megatron_grpo.models.provider import build_model, padded_vocab_size
+from megatron_grpo.models.spec import ModelSpec
+from megatron_grpo.policy.logprob import token_logprobs
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class LRSchedule:
+    """Linear warmup over ``warmup_steps``, then constant or cosine decay to ``min_lr``.
+
+    ``lr_at(k)`` is the rate used by optimizer step k (0-based): ``lr*(k+1)/warmup`` during
+    warmup (so step 0 already moves), then ``lr`` (constant) or
+    ``min_lr + (lr-min_lr)*(1+cos(pi*progress))/2`` with progress over ``total_steps``.
+    """
+
+    def __init__(self, optim: OptimConfig, total_steps: int) -> None:
+        self.lr, self.min_lr = optim.lr, optim.min_lr
+        self.warmup, self.style = optim.warmup_steps, optim.lr_schedule
+        self.total_steps = max(total_steps, 1)
+        self.step_count = 0
+
+    def lr_at(self, k: int) -> float:
+        if self.warmup and k < self.warmup:
+            return self.lr * (k + 1) / self.warmup
+        if self.style == "constant":
+            return self.lr
+        span = max(self.total_steps - self.warmup, 1)
+        progress = min(max((k - self.warmup) / span, 0.0), 1.0)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step_count": self.step_count, "total_steps": self.total_steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step_count = int(state["step_count"])
+
+
+def _finalize_grads_without_token_scaling(model, num_tokens, pg_collection=None, **kwargs):
+    """megatron's finalize_model_grads (DP all-reduce, tied-embedding all-reduce across PP
+    stages) with ``num_tokens=None``: the loss_fn already applies global normalizers."""
+    from megatron.core.distributed import finalize_model_grads
+
+    return finalize_model_grads(model, None, pg_collection=pg_collection, **kwargs)
+
+
+def _micro_batches(batch: Batch, micro_batch_size: int) -> list[tuple[slice, int, Batch]]:
+    """Split ``batch`` into (row slice, trimmed length, micro-batch dict)."""
+    ids = batch["input_ids"]
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, L], got shape {tuple(ids.shape)}")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
+    b, seq = ids.shape
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] != b:
+            raise ValueError(
+                f"batch[{k!r}] has leading dim {v.shape[0]}, input_ids has B={b}: every "
+                "per-sequence tensor must have the batch as its first dim."
+            )
+    out = []
+    for start in range(0, b, micro_batch_size):
+        rows = slice(start, min(start + micro_batch_size, b))
+        length = seq
+        if "attention_mask" in batch:
+            am = batch["attention_mask"][rows]
+            nz = am.nonzero()
+            length = int(nz[:, 1].max()) + 1 if len(nz) else 1
+            length = max(length, 2)
+        mb = {}
+        for k, v in batch.items():
+            if not isinstance(v, torch.Tensor) or v.dim() == 0:
+                mb[k] = v
+                continue
+            t = v[rows]
+            if t.dim() >= 2 and t.shape[1] == seq:
+                t = t[:, :length]
+            mb[k] = t.contiguous()
+        out.append((rows, length, mb))
+    return out
+
+
+class Policy:
+    """Model chunks + ParallelContext (+ DDP, optimizer and LR schedule when trainable).
+
+    Build with :func:`build_policy`. ``compute_logprobs`` and ``train_step`` are collective:
+    every rank of the job calls them with its DP replica's batch.
+    """
+
+    def __init__(
+        self,
+        models: list,
+        ctx: ParallelContext,
+        spec: ModelSpec,
+        model_cfg: ModelConfig,
+        optim_cfg: OptimConfig | None = None,
+        *,
+        total_steps: int = 1,
+    ) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.ctx, self.spec, self.model_cfg, self.optim_cfg = ctx, spec, model_cfg, optim_cfg
+        self.models = list(models)  # unwrapped GPTModel per virtual stage
+        self.config = self.models[0].config
+        # See the module docstring: no division by num_microbatches, plain DP sum.
+        self.config.calculate_per_token_loss = True
+        self.config.finalize_model_grads_func = _finalize_grads_without_token_scaling
+        self.vocab_size = spec.vocab_size
+        self.vocab_per_rank = padded_vocab_size(spec, ctx, model_cfg) // ctx.tp
+        self.trainable = optim_cfg is not None
+        self._forward_backward = get_forward_backward_func()
+        self.nan_steps_in_row = 0
+        if self.trainable:
+            self._setup_training(optim_cfg, total_steps)
+        else:
+            self.chunks = self.models
+            for m in self.models:
+                m.eval()
+                m.requires_grad_(False)
+            self.optimizer = None
+            self.scheduler = None
+
+    # ----------------------------------------------------------------------------- setup
+    def _use_distributed_optimizer(self, optim_cfg: OptimConfig) -> bool:
+        on_gpu = self.ctx.device.type == "cuda"
+        if optim_cfg.distributed_optimizer == "on" and not on_gpu:
+            raise ConfigError(
+                "optim.distributed_optimizer=on needs CUDA (megatron's DistributedOptimizer "
+                "is not exercised on CPU here): set optim.distributed_optimizer=auto or off."
+            )
+        return optim_cfg.distributed_optimizer == "on" or (
+            optim_cfg.distributed_optimizer == "auto" and on_gpu
+        )
+
+    def _setup_training(self, optim_cfg: OptimConfig, total_steps: int) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        dist_opt = self._use_distributed_optimizer(optim_cfg)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=dist_opt,
+            overlap_grad_reduce=False,
+            # NaN/inf gradients are detected by train_step and skip the step instead of
+            # raising inside the all-reduce.
+            check_for_nan_in_grad=False,
+        )
+        self.chunks = [
+            DistributedDataParallel(
+                self.config,
+                ddp_cfg,
+                m,
+                disable_bucketing=i > 0,
+                pg_collection=self.ctx.pg_collection,
+            )
+            for i, m in enumerate(self.models)
+        ]
+        dtype = self.config.params_dtype
+        opt_cfg = OptimizerConfig(
+            optimizer="adam",
+            lr=optim_cfg.lr,
+            min_lr=optim_cfg.min_lr,
+            weight_decay=optim_cfg.weight_decay,
+            adam_beta1=optim_cfg.adam_beta1,
+            adam_beta2=optim_cfg.adam_beta2,
+            adam_eps=optim_cfg.adam_eps,
+            clip_grad=optim_cfg.clip_grad,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            params_dtype=dtype,
+            use_distributed_optimizer=dist_opt,
+        )
+        self.optimizer = get_megatron_optimizer(
+            opt_cfg,
+            self.chunks,
+            use_gloo_process_groups=self.ctx.backend == "nccl",
+            pg_collection=self.ctx.pg_collection,
+        )
+        # schedules.py backward_step applies grad_scale_func to the last stage's loss (loss
+        # scaling for fp16; 1.0 for fp32/bf16).
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.scheduler = LRSchedule(optim_cfg, total_steps)
+        self._set_lr(self.scheduler.lr_at(0))
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    # ------------------------------------------------------------------- forward plumbing
+    def _run_schedule(self, mbs: list, step_fn: Callable, forward_only: bool) -> list:
+        num_mb = len(mbs)
+        if self.ctx.vpp and num_mb % self.ctx.pp:
+            raise ValueError(
+                f"{num_mb} micro-batches with parallel.vpp={self.ctx.vpp}: megatron's "
+                f"interleaved schedule needs a multiple of pp({self.ctx.pp}); change "
+                "micro_batch_size or the batch size."
+            )
+        iters: list[Iterator] = [iter([mb for _, _, mb in mbs]) for _ in self.chunks]
+        return self._forward_backward(
+            forward_step_func=step_fn,
+            data_iterator=iters if len(iters) > 1 else iters[0],
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=num_mb,
+            seq_length=max(length for _, length, _ in mbs),
+            micro_batch_size=max(mb["input_ids"].shape[0] for _, _, mb in mbs),
+            forward_only=forward_only,
+        )
+
+    def _logp_entropy(self, logits: torch.Tensor, input_ids: torch.Tensor):
+        return token_logprobs(
+            logits,
+            input_ids,
+            vocab_start=self.ctx.tp_rank * self.vocab_per_rank,
+            vocab_size=self.vocab_size,
+            group=self.ctx.tp_group,
+        )
+
+    def _model_forward(self, model, mb: Batch) -> torch.Tensor:
+        ids = mb["input_ids"].to(self.ctx.device)
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        # attention_mask=None: the local/TE core attention applies its causal mask
+        # (AttnMaskType.causal in the GPT layer spec).
+        return model(ids, positions, None)
+
+    def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        if self.ctx.pp > 1:
+            dist.broadcast(t, src=self.ctx.last_stage_rank, group=self.ctx.pp_group)
+        return t
+
+    # --------------------------------------------------------------------------- public
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch, micro_batch_size: int) -> dict[str, torch.Tensor]:
+        """Per-token ``logp`` and ``entropy`` [B, L] (fp32, on CPU), on every rank.
+
+        Forward-only through megatron's pipeline schedule, ``micro_batch_size`` sequences
+        per micro-batch; the last pipeline stage computes them and broadcasts to the others.
+        """
+        mbs = _micro_batches(batch, micro_batch_size)
+        ids = batch["input_ids"]
+        for m in self.models:
+            m.eval()
+
+        def step(data_iterator, model):
+            mb = next(data_iterator)
+            out = self._model_forward(model, mb)
+
+            def reduce(logits):
+                logp, ent = self._logp_entropy(logits, mb["input_ids"].to(logits.device))
+                zero = logits.new_zeros(())
+                return zero, torch.tensor(1, dtype=torch.int), {"logp": logp, "entropy": ent}
+
+            return out, reduce
+
+        results = self._run_schedule(mbs, step, forward_only=True)
+        out = torch.zeros(2, *ids.shape, dtype=torch.float32, device=self.ctx.device)
+        if self.ctx.is_last_stage:
+            for (rows, length, _), r in zip(mbs, results):
+                out[0, rows, :length] = r["logp"].float()
+                out[1, rows, :length] = r["entropy"].float()
+        self._broadcast_from_last_stage(out)
+        if "attention_mask" in batch:
+            out *= batch["attention_mask"].to(out.device, out.dtype)
+        out = out.cpu()
+        return {"logp": out[0], "entropy": out[1]}
+
+    def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, Any]:
+        """One optimizer step on ``batch``; returns metrics (same on every rank).
+
+        Metrics: ``loss`` (sum of loss_fn's losses over micro-batches and DP ranks, i.e. the
+        global objective), ``grad_norm`` (before clipping), ``lr``, ``skipped`` (True when
+        the loss or the grad norm was not finite: no update was applied), and loss_fn's own
+        metrics averaged over micro-batches and DP ranks.
+        """
+        if not self.trainable:
+            raise RuntimeError(
+                "train_step on a forward-only Policy (built without optim_cfg): build it "
+                "with build_policy(..., optim_cfg=...)."
+            )
+        mbs = _micro_batches(batch, micro_batch_size)
+        for m in self.chunks:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        def step(data_iterator, model):
+            mb = next(data_iterator)
+            out = self._model_forward(model, mb)
+
+            def reduce(logits):
+                dev_mb = {
+                    k: (v.to(logits.device) if isinstance(v, torch.Tensor) else v)
+                    for k, v in mb.items()
+                }
+                logp, ent = self._logp_entropy(logits, dev_mb["input_ids"])
+                loss, metrics = loss_fn(logp, ent, dev_mb)
+                if loss.dim() != 0:
+                    raise ValueError(f"loss_fn must return a scalar loss, got {tuple(loss.shape)}")
+                reduced = {"loss": loss.detach().float()}
+                reduced.update({k: torch.as_tensor(v).detach().float() for k, v in metrics.items()})
+                return loss, torch.tensor(1, dtype=torch.int), reduced
+
+            return out, reduce
+
+        results = self._run_schedule(mbs, step, forward_only=False)
+        stats = self._reduce_metrics(results, len(mbs))
+
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        lr = self.scheduler.lr_at(self.scheduler.step_count)
+        skipped = not (math.isfinite(stats["loss"]) and math.isfinite(grad_norm))
+        if skipped:
+            self.nan_steps_in_row += 1
+            if self.nan_steps_in_row > self.optim_cfg.max_nan_steps_in_row:
+                raise RuntimeError(
+                    f"{self.nan_steps_in_row} optimizer steps in a row had a non-finite loss "
+                    f"({stats['loss']}) or grad norm ({grad_norm}), more than "
+                    f"optim.max_nan_steps_in_row={self.optim_cfg.max_nan_steps_in_row}: lower "
+                    "optim.lr, check the loss inputs (advantages, old_logp), or raise the limit."
+                )
+            self.optimizer.zero_grad()
+        else:
+            self.nan_steps_in_row = 0
+            self._clip(grad_norm)
+            self.optimizer.step_with_ready_grads()
+            self.scheduler.step_count += 1
+            self._set_lr(self.scheduler.lr_at(self.scheduler.step_count))
+        return {**stats, "grad_norm": grad_norm, "lr": lr, "skipped": skipped}
+
+    def _clip(self, grad_norm: float) -> None:
+        # Resolved at call time so the CPU platform's replacement applies
+        # (megatron/core/optimizer/clip_grads.py asserts CUDA grads).
+        from megatron.core.optimizer import clip_grads
+
+        clip = self.optim_cfg.clip_grad
+        if clip <= 0:
+            return
+        subs = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        for sub in subs:
+            if getattr(sub, "is_stub_optimizer", False):
+                continue
+            params = sub.get_parameters()
+            if params:
+                clip_grads.clip_grad_by_total_norm_fp32(params, clip, grad_norm)
+
+    def _reduce_metrics(self, results: list, num_mb: int) -> dict[str, float]:
+        """Sum the loss / average the metrics over micro-batches and DP; share over PP."""
+        stats: dict[str, float] | None = None
+        if self.ctx.is_last_stage:
+            keys = list(results[0].keys())
+            vals = torch.stack(
+                [torch.stack([r[k].reshape(()) for r in results]).sum() for k in keys]
+            ).double()
+            vals[1:] /= num_mb
+            if self.ctx.dp > 1:
+                dist.all_reduce(vals, group=self.ctx.dp_group)
+                vals[1:] /= self.ctx.dp
+            stats = dict(zip(keys, vals.tolist()))
+        if self.ctx.pp > 1:
+            box = [stats]
+            dist.broadcast_object_list(box, src=self.ctx.last_stage_rank, group=self.ctx.pp_group)
+            stats = box[0]
+        return stats
+
+    # ------------------------------------------------------------- weights and checkpoints
+    def named_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of this rank's LOCAL megatron parameter shards.
+
+        Names are megatron's (``decoder.layers.<local i>.self_attention.linear_qkv.weight``)
+        with the local layer index; ``chunk{c}.`` is prefixed only when vpp > 1. Tensors are
+        the live parameters (DDP keeps them as views into its buffer): do not resize them.
+        """
+        for c, model in enumerate(self.models):
+            prefix = f"chunk{c}." if self.ctx.vpp and self.ctx.vpp > 1 else ""
+            for name, p in model.named_parameters():
+                yield prefix + name, p
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """megatron dist_checkpointing state: ``model`` (``model0``, ``model1``... with vpp),
+        and when trainable ``optimizer`` and ``lr_schedule``."""
+        state: dict[str, Any] = {}
+        if len(self.models) == 1:
+            state["model"] = self.models[0].sharded_state_dict()
+        else:
+            for i, m in enumerate(self.models):
+                state[f"model{i}"] = m.sharded_state_dict()
+        if self.trainable:
+            model_sd: dict[str, Any] = {}
+            for k in [k for k in state if k.startswith("model")]:
+                model_sd.update(state[k])
+            state["optimizer"] = self.optimizer.sharded_state_dict(model_sd)
+            state["lr_schedule"] = self.scheduler.state_dict()
+        return state
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Apply a state loaded by ``dist_checkpointing.load(self.sharded_state_dict(), ...)``."""
+        if len(self.models) == 1:
+            self.models[0].load_state_dict(state["model"], strict=True)
+        else:
+            for i, m in enumerate(self.models):
+                m.load_state_dict(state[f"model{i}"], strict=True)
+        if self.trainable:
+            if "optimizer" in state:
+                self.optimizer.load_state_dict(state["optimizer"])
+            if "lr_schedule" in state:
+                self.scheduler.load_state_dict(state["lr_schedule"])
+                self._set_lr(self.scheduler.lr_at(self.scheduler.step_count))
+
+    @torch.no_grad()
+    def copy_weights_from(self, other: Policy) -> None:
+        """Copy ``other``'s local shards into this policy (same spec and layout)."""
+        mine = dict(self.named_shards())
+        theirs = dict(other.named_shards())
+        if mine.keys() != theirs.keys():
+            diff = sorted(set(mine) ^ set(theirs))[:4]
+            raise ValueError(f"policies have different parameters (e.g. {diff})")
+        for name, p in mine.items():
+            p.copy_(theirs[name])
+
+    def make_reference(self) -> Policy:
+        """A forward-only copy of this policy's current weights (pi_ref). Reset it later with
+        ``ref.copy_weights_from(policy)``."""
+        ref = build_policy(self.spec, self.ctx, self.model_cfg, None)
+        ref.copy_weights_from(self)
+        return ref
+
+
+def build_policy(
+    spec: ModelSpec,
+    ctx: ParallelContext,
+    model_cfg: ModelConfig,
+    optim_cfg: OptimConfig | None = None,
+    *,
+    init_weights: Callable[[list], None] | None = None,
+    total_steps: int = 1,
+) -> Policy:
+    """Build the model chunks, fill them with ``init_weights(chunks)`` (e.g.
+    ``partial(load_hf_into_megatron, hf_dir=..., spec=spec, ctx=ctx)``) BEFORE the optimizer
+    copies them, and wrap them for training when ``optim_cfg`` is given (forward-only
+    otherwise). ``total_steps`` sets the length of the cosine schedule."""
+    models = build_model(spec, ctx, model_cfg)
+    if init_weights is not None:
+        init_weights(models)
+    return Policy(models, ctx, spec, model_cfg, optim_cfg, total_steps=total_steps)
+
+
+__all__ = ["Batch", "LRSchedule", "LossFn", "Policy", "build_policy"]
