@@ -1,0 +1,348 @@
+"""The bridge transport against a single-process reference, over spawned gloo processes.
+
+Plans are random but seeded: every process rebuilds the same plan and source shards from
+the seed, so nothing but the weights' bytes crosses process boundaries.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import random
+import socket
+import time
+
+import pytest
+import torch
+
+from megatron_grpo.bridge.plan_types import Copy, DstTensor, SyncPlan
+from megatron_grpo.bridge.transport import (
+    PlanMismatchError,
+    SyncError,
+    Transport,
+    apply_plan_locally,
+    build_schedule,
+)
+
+# -- process helper ----------------------------------------------------------------------
+# A private copy of what tests/dist_utils.py is to provide: N spawned gloo processes, each
+# result sent back through a queue, every process this helper started joined or killed by
+# its own handle (never by name) before it returns.
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn, args: tuple, queue) -> None:
+    import datetime
+    import traceback
+
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        # torch.save bytes, not tensors: the queue would share tensor storage through file
+        # descriptors that die with this process.
+        buf = io.BytesIO()
+        torch.save(fn(rank, world, *args), buf)
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        queue.close()
+        queue.join_thread()
+        # Skip interpreter teardown: a sync that failed leaves gloo operations pending,
+        # and destroying the group would wait on them.
+        os._exit(0)
+
+
+def run_spawned(fn, world: int, args: tuple = (), timeout_s: float = 120.0) -> dict[int, object]:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo processes; return results."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) + len(errors) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world)) - set(results) - set(errors))} gave no "
+                    f"result within {timeout_s}s"
+                )
+            try:
+                rank, status, value = queue.get(timeout=min(left, 1.0))
+            except Exception:  # queue.Empty: check for dead children, then wait again
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a spawned rank died with exit codes {dead}") from None
+                continue
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    if errors:
+        raise AssertionError("\n".join(f"rank {r}:\n{tb}" for r, tb in sorted(errors.items())))
+    return results
+
+
+# -- random plans ------------------------------------------------------------------------
+
+
+def random_plan(seed: int, world: int, element_size: int = 4) -> tuple[SyncPlan, dict]:
+    """A plan with dim-0 and dim-1 copies, replicated sources, in-process links and
+    uncovered (zero) padding rows; returns the plan and ``{rank: {name: shard}}``."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    copies: list[Copy] = []
+    dsts: list[DstTensor] = []
+    sources: dict[int, dict[str, torch.Tensor]] = {r: {} for r in range(world)}
+    n_src = 0
+    for t in range(rng.randint(4, 9)):
+        dst_rank = rng.randrange(world)
+        if rng.random() < 0.2:
+            shape: tuple[int, ...] = (rng.randint(3, 40),)
+            dim = 0
+        else:
+            shape = (rng.randint(2, 30), rng.randint(2, 30))
+            dim = rng.randrange(2)
+        name = f"model.layers.{t}.w"
+        dsts.append(DstTensor(dst_rank, name, shape))
+        pos = 0
+        while pos < shape[dim]:
+            length = rng.randint(1, shape[dim] - pos)
+            if rng.random() < 0.2:  # leave padding rows that no copy writes
+                pos += length
+                continue
+            src_rank = rng.randrange(world)
+            offset = rng.randint(0, 3)
+            src_shape = list(shape)
+            src_shape[dim] = offset + length + rng.randint(0, 3)
+            src_name = f"decoder.src{n_src}"
+            n_src += 1
+            sources[src_rank][src_name] = torch.randn(src_shape, generator=gen)
+            copies.append(Copy(src_rank, src_name, dst_rank, name, dim, offset, pos, length))
+            # The same source slice replicated to another rank (k/v heads with rollout TP
+            # above the KV-head count, norms).
+            if rng.random() < 0.3:
+                other = rng.randrange(world)
+                rname = f"{name}.replica{n_src}"
+                dsts.append(DstTensor(other, rname, shape))
+                copies.append(Copy(src_rank, src_name, other, rname, dim, offset, pos, length))
+            pos += length
+    rng.shuffle(copies)
+    return SyncPlan(copies=copies, dst_tensors=dsts, element_size=element_size), sources
+
+
+def _second_sync_sources(sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # New values on the second sync: stale bucket contents would show up as a mismatch.
+    return {k: v * 3.0 + 1.0 for k, v in sources.items()}
+
+
+# -- single process ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("bucket_bytes", [4, 64, 1000, 1 << 20])
+def test_schedule_covers_every_copy_once_within_bucket_size(seed: int, bucket_bytes: int) -> None:
+    plan, _ = random_plan(seed, world=3)
+    schedule = build_schedule(plan, bucket_bytes)
+    shapes = {(d.rank, d.name): d.shape for d in plan.dst_tensors}
+    for (src, dst), buckets in schedule.items():
+        assert src != dst
+        covered: dict[tuple[str, str], int] = {}
+        for i, b in enumerate(buckets):
+            assert b.index == i
+            assert b.numel == sum(e.numel for e in b.entries)
+            offset = 0
+            for e in b.entries:
+                assert e.offset == offset
+                offset += e.numel
+                key = (e.copy.src_name, e.copy.dst_name)
+                covered[key] = covered.get(key, 0) + e.copy.length
+            # Only a single row larger than a bucket may exceed the bucket size.
+            row = max(e.numel // e.copy.length for e in b.entries)
+            assert b.numel * plan.element_size <= max(bucket_bytes, row * plan.element_size)
+        expect = {}
+        for c in plan.copies:
+            if (c.src_rank, c.dst_rank) == (src, dst):
+                expect[(c.src_name, c.dst_name)] = expect.get((c.src_name, c.dst_name), 0) + c.length
+                assert (c.dst_rank, c.dst_name) in shapes
+        assert covered == expect
+
+
+def test_single_rank_colocated_sync_needs_no_process_group() -> None:
+    plan, sources = random_plan(11, world=1)
+    got: dict[str, torch.Tensor] = {}
+    tr = Transport(plan, 0, bucket_mb=0.001, timeout_s=5)
+    st, built = tr.sync(sources[0], sink=lambda n, t: got.__setitem__(n, t.clone()))
+    ref = apply_plan_locally(plan, sources)
+    assert set(got) == {d.name for d in plan.dst_tensors}
+    for name, t in got.items():
+        assert torch.equal(t, ref[(0, name)]), name
+    assert st.bytes_local == plan.minimal_bytes and st.bytes_sent == 0
+
+
+def test_reference_executor_leaves_padding_zero() -> None:
+    plan = SyncPlan(
+        copies=[Copy(0, "emb", 0, "embed_tokens", 0, 2, 0, 3)],
+        dst_tensors=[DstTensor(0, "embed_tokens", (5, 2))],
+    )
+    src = torch.arange(12, dtype=torch.float32).view(6, 2)
+    out = apply_plan_locally(plan, {0: {"emb": src}})[(0, "embed_tokens")]
+    assert torch.equal(out[:3], src[2:5]) and torch.equal(out[3:], torch.zeros(2, 2))
+
+
+# -- spawned gloo processes --------------------------------------------------------------
+
+
+# (world, seed, bucket_mb, element_size): one bucket per link; ~200-byte buckets that split
+# copies across many buckets; 3 and 4 ranks; bf16 on the wire from fp32 shards.
+REFERENCE_CASES = [
+    (2, 0, 64.0, 4),
+    (2, 1, 0.0002, 4),
+    (3, 2, 0.001, 4),
+    (4, 3, 0.0005, 4),
+    (4, 4, 0.002, 2),
+]
+
+
+def _run_random_plans(rank: int, world: int, cases: list) -> list[dict]:
+    # All cases in one process group (ranks a plan does not name skip its sync): process
+    # start-up, not the transfers, dominates on 2 cores.
+    out = []
+    for case_world, seed, bucket_mb, element_size in cases:
+        plan, sources = random_plan(seed, case_world, element_size)
+        res: dict = {"stats": [], "dst": []}
+        if rank < case_world:
+            tr = Transport(plan, rank, bucket_mb=bucket_mb, timeout_s=30)
+            for src in (sources[rank], _second_sync_sources(sources[rank])):
+                got: dict[str, torch.Tensor] = {}
+
+                def sink(name: str, t: torch.Tensor, got=got) -> None:
+                    assert name not in got, f"{name} handed to the sink twice"
+                    got[name] = t.clone()
+
+                st, _ = tr.sync(src, sink=sink, finish=lambda: None)
+                res["stats"].append(st.to_dict())
+                res["dst"].append(got)
+        out.append(res)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_transport_reproduces_reference() -> None:
+    world = max(c[0] for c in REFERENCE_CASES)
+    results = run_spawned(_run_random_plans, world, args=(REFERENCE_CASES,), timeout_s=200)
+    for k, (case_world, seed, _bucket_mb, element_size) in enumerate(REFERENCE_CASES):
+        case = f"case {REFERENCE_CASES[k]}"
+        plan, sources = random_plan(seed, case_world, element_size)
+        dtype = torch.float32 if element_size == 4 else torch.bfloat16
+        second = {r: _second_sync_sources(s) for r, s in sources.items()}
+        for i, per_rank_src in enumerate((sources, second)):
+            ref = apply_plan_locally(plan, per_rank_src, dtype=dtype)
+            for rank in range(case_world):
+                got = results[rank][k]["dst"][i]
+                assert set(got) == {d.name for d in plan.dst_tensors if d.rank == rank}, case
+                for name, t in got.items():
+                    assert t.dtype == dtype
+                    assert torch.equal(t, ref[(rank, name)]), f"{case} sync {i} rank {rank} {name}"
+            stats = [results[r][k]["stats"][i] for r in range(case_world)]
+            moved = sum(s["bytes_sent"] + s["bytes_local"] for s in stats)
+            assert moved == plan.minimal_bytes, case
+            assert sum(s["bytes_received"] for s in stats) == sum(s["bytes_sent"] for s in stats)
+            per_link: dict[str, int] = {}
+            for s in stats:
+                for key, v in s["bytes_per_link"].items():
+                    per_link[key] = per_link.get(key, 0) + v
+            assert per_link == {f"{a}->{b}": n for (a, b), n in plan.bytes_per_link().items()}
+        # The plan handshake runs on the first sync only.
+        assert all(results[r][k]["stats"][1]["handshake_s"] == 0 for r in range(case_world))
+
+
+def _two_way_plan() -> SyncPlan:
+    # Every rank sends to and receives from every other rank.
+    copies, dsts = [], []
+    for s in range(3):
+        for d in range(3):
+            dsts.append(DstTensor(d, f"w{s}{d}", (8, 4)))
+            copies.append(Copy(s, "w", d, f"w{s}{d}", 0, 0, 0, 8))
+    return SyncPlan(copies=copies, dst_tensors=dsts)
+
+
+def _run_with_absent_peer(rank: int, world: int, timeout_s: float) -> dict:
+    plan = _two_way_plan()
+    if rank == 2:  # joined the process group but never calls sync
+        time.sleep(timeout_s * 3)
+        return {"absent": True}
+    tr = Transport(plan, rank, timeout_s=timeout_s)
+    t0 = time.perf_counter()
+    try:
+        tr.sync({"w": torch.ones(8, 4)})
+    except SyncError as exc:
+        return {"error": str(exc), "type": type(exc).__name__, "elapsed": time.perf_counter() - t0}
+    return {"error": None}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_absent_peer_raises_sync_error_naming_it() -> None:
+    timeout_s = 3.0
+    results = run_spawned(_run_with_absent_peer, 3, args=(timeout_s,), timeout_s=90)
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["error"] is not None, f"rank {rank} finished a sync with a peer missing"
+        assert r["type"] == "SyncError"
+        assert "rank 2" in r["error"] and "sync.timeout_s" in r["error"], r["error"]
+        # Figures, not assertions on speed: the error came after the timeout, well before
+        # the absent peer woke up.
+        assert r["elapsed"] < timeout_s * 3
+
+
+def _run_mismatched(rank: int, world: int, kind: str) -> dict:
+    plan = _two_way_plan()
+    bucket_mb = 64.0
+    if rank == 1 and kind == "bucket":
+        bucket_mb = 32.0
+    if rank == 1 and kind == "plan":
+        c = plan.copies[1]  # 0 -> 1: rank 1 expects 6 rows instead of 8
+        plan.copies[1] = Copy(c.src_rank, c.src_name, c.dst_rank, c.dst_name, 0, 0, 0, 6)
+    tr = Transport(plan, rank, bucket_mb=bucket_mb, timeout_s=20)
+    try:
+        tr.sync({"w": torch.ones(8, 4)})
+    except SyncError as exc:
+        return {"error": str(exc), "type": type(exc).__name__}
+    return {"error": None}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind,needle", [("bucket", "sync.bucket_mb"), ("plan", "fingerprint")])
+def test_mismatched_plans_raise_before_any_weight_moves(kind: str, needle: str) -> None:
+    results = run_spawned(_run_mismatched, 3, args=(kind,), timeout_s=90)
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["type"] == "PlanMismatchError", r
+        assert needle in r["error"] and "different sync plans" in r["error"], r["error"]
+    assert PlanMismatchError.__mro__[1] is SyncError
+    # Rank 2's links are consistent; it either finished or saw its peers fail.
+    assert results[2]["error"] is None or "rank" in results[2]["error"]
