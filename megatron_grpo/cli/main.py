@@ -13,6 +13,8 @@ import sys
 # module path -> subcommand name; modules are imported lazily so `--help` stays fast.
 SUBCOMMANDS = {
     "megatron_grpo.cli.train_cmd": "train",
+    "megatron_grpo.cli.convert_cmd": "convert",
+    "megatron_grpo.cli.bench_cmd": "bench",
 }
 
 
