@@ -1,0 +1,128 @@
+"""The CPU platform layer: each patch does what PATCHES says, applying twice is harmless,
+and no other module of the project touches CUDA to make CPU runs work."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only layer")
+
+
+@pytest.fixture(scope="module")
+def platform():
+    from megatron_grpo.platform import cpu
+
+    assert cpu.apply_cpu_platform() is True
+    return cpu
+
+
+def test_apply_is_idempotent(platform):
+    patched = torch.cuda.current_device
+    mode = platform._state["mode"]
+    assert platform.apply_cpu_platform() is True
+    assert torch.cuda.current_device is patched
+    assert platform._state["mode"] is mode
+    assert platform.is_applied()
+    # the mode is on the stack once, not twice
+    from torch.overrides import _get_current_function_mode_stack
+
+    stack = _get_current_function_mode_stack()
+    assert sum(isinstance(m, platform.CudaToCpuDeviceMode) for m in stack) == 1
+
+
+def test_current_device_and_synchronize(platform):
+    assert torch.cuda.current_device() == torch.device("cpu")
+    torch.cuda.synchronize()  # no-op instead of "Torch not compiled with CUDA enabled"
+    assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda"), 0])
+def test_factory_device_is_rewritten(platform, device):
+    for make in (torch.empty, torch.zeros, torch.ones):
+        assert make(3, device=device).device.type == "cpu"
+    assert torch.tensor([1.0], device=device).device.type == "cpu"
+    assert torch.arange(3, device=device).device.type == "cpu"
+
+
+def test_tensor_and_module_cuda(platform):
+    t = torch.ones(2)
+    assert t.cuda() is t
+    assert t.to("cuda").device.type == "cpu"
+    assert t.to(0).device.type == "cpu"
+    assert t.to("cuda", torch.float64).dtype == torch.float64
+    m = torch.nn.Linear(2, 2)
+    assert m.cuda() is m
+    # non-device arguments are untouched
+    assert t.to(torch.float16).dtype == torch.float16
+
+
+def test_rng_is_the_cpu_generator(platform):
+    torch.cuda.manual_seed(7)
+    a = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(a, torch.rand(3))
+    state = torch.cuda.get_rng_state()
+    x = torch.rand(2)
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(x, torch.rand(2))
+
+
+def test_megatron_rng_tracker_forks_cpu_state(platform):
+    from megatron.core.tensor_parallel import random as tp_random
+
+    state = tp_random._get_cuda_rng_state(clone=True)
+    x = torch.rand(2)
+    tp_random._set_cuda_rng_state(state)
+    assert torch.equal(x, torch.rand(2))
+    tracker = tp_random.CudaRNGStatesTracker()
+    tracker.add("stream", 123)
+    before = torch.get_rng_state()
+    with tracker.fork("stream"):
+        inside = torch.rand(2)
+    assert torch.equal(torch.get_rng_state(), before)  # fork restores the default stream
+    torch.manual_seed(123)
+    assert torch.equal(inside, torch.rand(2))
+
+
+def test_clip_grad_by_total_norm_fp32(platform):
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    assert clip_grads.clip_grad_by_total_norm_fp32 is platform._cpu_clip_grad_by_total_norm_fp32
+    assert mcore_optimizer.clip_grad_by_total_norm_fp32 is clip_grads.clip_grad_by_total_norm_fp32
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.full((4,), 2.0)  # norm 4
+    clip_grads.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
+    assert torch.allclose(p.grad, torch.full((4,), 0.5), atol=1e-6)
+    p.grad = torch.full((4,), 0.1)
+    clip_grads.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=0.2)
+    assert torch.allclose(p.grad, torch.full((4,), 0.1))  # below max: untouched
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    p.grad = torch.ones(4, dtype=torch.float64)
+    with pytest.raises(TypeError, match="float32"):
+        clip_grads.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
+
+
+def test_patches_are_documented(platform):
+    assert len(platform.PATCHES) >= 7
+    for patch in platform.PATCHES:
+        assert patch.target and ".py" in patch.answers, patch
+
+
+def test_no_cuda_hacks_elsewhere():
+    """Only platform/cpu.py may redirect CUDA calls (DESIGN.md §4)."""
+    root = Path(__file__).resolve().parents[1] / "megatron_grpo"
+    hack = re.compile(
+        r"torch\.cuda\.\w+\s*=[^=]|torch\.Tensor\.cuda\s*=[^=]|TorchFunctionMode|"
+        r"_set_cuda_rng_state\s*=[^=]|_get_cuda_rng_state\s*=[^=]"
+    )
+    offenders = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if p.name != "cpu.py" and hack.search(p.read_text())
+    ]
+    assert offenders == []
