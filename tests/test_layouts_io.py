@@ -154,6 +154,7 @@ def _spawn(world, *args):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "model,world,tp,pp,vpp,norm",
