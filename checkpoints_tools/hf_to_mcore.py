@@ -40,8 +40,13 @@ def check_hf_dir(hf_dir: Path) -> tuple[ModelSpec, HFCheckpointReader, str]:
 def hf_to_mcore(hf_dir: str | Path, out: str | Path, dtype: str | None = None) -> CheckpointInfo:
     """Convert ``hf_dir`` into a dist checkpoint at ``out`` (which must not exist)."""
     hf_dir = Path(hf_dir)
+    if Path(out).exists():  # before the slow checks and imports; atomic_output_dir re-checks
+        raise ConvertError(
+            f"output directory {out} already exists: remove it or choose another --out"
+        )
     spec, _, source_dtype = check_hf_dir(hf_dir)
     from megatron.core import dist_checkpointing
+
     out_dtype = resolve_dtype(source_dtype, dtype)
     info = CheckpointInfo(
         spec=spec.to_dict(),
