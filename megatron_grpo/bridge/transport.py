@@ -477,7 +477,8 @@ class Transport:
         as soon as it is complete (vLLM layout, zero where no copy writes). ``finish()``:
         called once after the last shard; it may return the seconds it measured itself
         (the vLLM side's post-load processing), else its wall time counts.
-        Returns this rank's stats and the destination shards it built.
+        Returns this rank's stats and the destination shards it built (empty when a
+        ``sink`` took them).
         """
         t_start = time.perf_counter()
         st = SyncStats(rank=self.rank, method="direct", sync_index=self._syncs,
@@ -498,10 +499,14 @@ class Transport:
 
         def piece_done(name: str) -> None:
             remaining[name] -= 1
-            if remaining[name] == 0 and sink is not None:
-                t0 = time.perf_counter()
-                sink(name, built[name])
-                st.load_s += time.perf_counter() - t0
+            if remaining[name] == 0:
+                st.dst_bytes += built[name].numel() * es
+                if sink is not None:
+                    # The sink owns the shard from here: dropping our reference lets a
+                    # receiver that copies it free it before the sync ends.
+                    t0 = time.perf_counter()
+                    sink(name, built.pop(name))
+                    st.load_s += time.perf_counter() - t0
 
         # Destination shards no copy writes (all padding) are complete from the start.
         for name, n in remaining.items():
@@ -598,5 +603,4 @@ class Transport:
         st.transfer_s = max(0.0, st.total_s - st.pack_s - st.unpack_s - st.load_s
                             - st.finish_s - st.handshake_s)
         st.peak_bucket_bytes = self.bucket_memory_bytes
-        st.dst_bytes = sum(t.numel() for t in built.values()) * es
         return st, built
