@@ -165,6 +165,16 @@ class Policy:
         self.trainable = optim_cfg is not None
         self._forward_backward = get_forward_backward_func()
         self.nan_steps_in_row = 0
+        if self.trainable and ctx.vpp:
+            # Seen with megatron-core 0.16.1 on gloo (pp=2, vpp=2): the forward-only
+            # interleaved schedule works, but the training one deadlocks with
+            # variable_seq_lengths=True (one stage waits in p2p_communication.py
+            # _communicate_shapes while the other is in send_forward_recv_forward).
+            raise ConfigError(
+                f"parallel.vpp={ctx.vpp} is not supported for training yet: megatron's "
+                "interleaved schedule deadlocks with per-micro-batch sequence lengths; set "
+                "parallel.vpp=null (forward-only policies accept vpp)."
+            )
         if self.trainable:
             self._setup_training(optim_cfg, total_steps)
         else:
