@@ -84,7 +84,9 @@ def _build(cls: type, data: dict, prefix: str) -> object:
     for key, value in data.items():
         full = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(f"unknown config key {full!r}: {prefix or 'the top level'} has {names}.")
+            raise ConfigError(
+                f"unknown config key {full!r}: {prefix or 'the top level'} has {names}."
+            )
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value or {}, f"{full}.")
@@ -125,13 +127,17 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(
+    path: str | os.PathLike | None = None, overrides: list[str] | None = None
+) -> Config:
     """Load ``path`` (YAML; None = the defaults), apply ``overrides``, validate, return it."""
     data: dict = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist: pass a YAML file (see configs/).")
+            raise ConfigError(
+                f"config file {str(p)!r} does not exist: pass a YAML file (see configs/)."
+            )
         try:
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:

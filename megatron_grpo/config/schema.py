@@ -20,7 +20,9 @@ class ConfigError(ValueError):
 
 def _check_choice(key: str, value: object, choices: tuple) -> None:
     if value not in choices:
-        raise ConfigError(f"{key}={value!r} is not one of {list(choices)}: set {key} to one of them.")
+        raise ConfigError(
+            f"{key}={value!r} is not one of {list(choices)}: set {key} to one of them."
+        )
 
 
 def _check_positive(key: str, value: float, allow_zero: bool = False) -> None:
@@ -44,6 +46,12 @@ class ModelConfig:
     """Megatron layer spec. ``auto``: Transformer-Engine when installed and on GPU, else local."""
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this times the tensor-parallel size."""
+    warm_start_steps: int = 0
+    """Supervised steps on the prompt source's gold answers before GRPO, applied to a preset
+    model built from random weights (the demo's warm start: a random model never samples
+    a right answer, so GRPO alone would see no reward signal). 0 disables."""
+    warm_start_lr: float = 3e-3
+    warm_start_batch_size: int = 64
 
     def __post_init__(self) -> None:
         _check_choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
@@ -51,6 +59,9 @@ class ModelConfig:
             "model.transformer_impl", self.transformer_impl, ("auto", "local", "transformer_engine")
         )
         _check_positive("model.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+        _check_positive("model.warm_start_steps", self.warm_start_steps, allow_zero=True)
+        _check_positive("model.warm_start_lr", self.warm_start_lr)
+        _check_positive("model.warm_start_batch_size", self.warm_start_batch_size)
 
 
 @dataclass
@@ -181,9 +192,9 @@ class GRPOConfig:
     """Subtract beta*KL from the reward instead of adding it to the loss."""
     ref_update_interval: int = 0
     """Reset pi_ref <- pi_theta every this many steps (0 = never)."""
-    loss_agg: Literal[
-        "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"
-    ] = "token_mean"
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"] = (
+        "token_mean"
+    )
     loss_agg_constant: float = 0.0
     """Normalizer for loss_agg=constant (Dr.GRPO); 0 = rollout.max_new_tokens."""
     entropy_coef: float = 0.0
@@ -211,7 +222,9 @@ class GRPOConfig:
         _check_choice("grpo.rec_weight", self.rec_weight, ("none", "is", "tis"))
         _check_choice("grpo.regularizer", self.regularizer, ("none", "asymre", "opmd"))
         _check_choice(
-            "grpo.tis", self.tis, ("none", "token_truncate", "token_mask", "seq_truncate", "seq_mask")
+            "grpo.tis",
+            self.tis,
+            ("none", "token_truncate", "token_mask", "seq_truncate", "seq_mask"),
         )
         _check_choice("grpo.kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
         _check_choice(
@@ -260,7 +273,9 @@ class OptimConfig:
         _check_choice("optim.lr_schedule", self.lr_schedule, ("constant", "cosine"))
         _check_positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
         _check_positive("optim.clip_grad", self.clip_grad, allow_zero=True)
-        _check_choice("optim.distributed_optimizer", self.distributed_optimizer, ("auto", "on", "off"))
+        _check_choice(
+            "optim.distributed_optimizer", self.distributed_optimizer, ("auto", "on", "off")
+        )
         _check_positive("optim.max_nan_steps_in_row", self.max_nan_steps_in_row)
 
 
@@ -339,6 +354,10 @@ class CheckpointConfig:
     keep_last: int = 2
     """Keep this many most recent checkpoints."""
     save_at_end: bool = True
+    exact_resume: bool = True
+    """Keep a copy of the weights vLLM serves (when sync.interval > 1) and save it in each
+    checkpoint, so a run resumed between two syncs serves exactly the same lagged policy as
+    an uninterrupted one. Without it, a resumed run pushes its current weights at start."""
 
     def __post_init__(self) -> None:
         _check_positive("checkpoint.interval", self.interval, allow_zero=True)

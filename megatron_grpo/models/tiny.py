@@ -11,14 +11,16 @@ shapes keep ``head_dim >= 32``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 # Every character a synthetic task or the demo prompts use. The order is part of the
 # tokenizer: changing it changes token ids (and invalidates golden numbers in tests).
-CHARSET = list("0123456789+-*/=()<>?.,:;!#$%&' ") + list("abcdefghijklmnopqrstuvwxyz") + list(
-    "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-) + ["\n"]
+CHARSET = (
+    list("0123456789+-*/=()<>?.,:;!#$%&' ")
+    + list("abcdefghijklmnopqrstuvwxyz")
+    + list("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    + ["\n"]
+)
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
 PAD, EOS, UNK = SPECIAL_TOKENS
 
@@ -111,9 +113,11 @@ def hf_config_dict(preset: str | dict, vocab_size: int | None = None, **override
     base = dict(PRESETS[preset]) if isinstance(preset, str) else dict(preset)
     base.update(overrides)
     arch = base.pop("architecture")
-    model_type = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[
-        arch
-    ]
+    model_type = {
+        "Qwen2ForCausalLM": "qwen2",
+        "Qwen3ForCausalLM": "qwen3",
+        "LlamaForCausalLM": "llama",
+    }[arch]
     cfg = dict(
         architectures=[arch],
         model_type=model_type,
@@ -129,7 +133,11 @@ def hf_config_dict(preset: str | dict, vocab_size: int | None = None, **override
     if model_type == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
     if model_type in ("qwen2", "qwen3"):
-        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=base.get("num_hidden_layers", 2))
+        cfg.update(
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=base.get("num_hidden_layers", 2),
+        )
     cfg.update(base)
     if vocab_size is not None:
         cfg["vocab_size"] = vocab_size
@@ -170,7 +178,9 @@ def build_hf_model(
         cfg_dict["pad_token_id"] = tok.pad_token_id
         cfg_dict["eos_token_id"] = tok.eos_token_id
         cfg_dict["bos_token_id"] = tok.eos_token_id
-    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
+    config = transformers.AutoConfig.for_model(
+        **{k: v for k, v in cfg_dict.items() if k != "architectures"}
+    )
     config.architectures = cfg_dict["architectures"]
     torch.manual_seed(seed)
     model_cls = getattr(transformers, cfg_dict["architectures"][0])

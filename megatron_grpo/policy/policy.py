@@ -439,9 +439,14 @@ class Policy:
             for name, p in model.named_parameters():
                 yield prefix + name, p
 
-    def sharded_state_dict(self) -> dict[str, Any]:
+    def sharded_state_dict(self, for_loading: bool = False) -> dict[str, Any]:
         """megatron dist_checkpointing state: ``model`` (``model0``, ``model1``... with vpp),
-        and when trainable ``optimizer`` and ``lr_schedule``."""
+        and when trainable ``optimizer`` and ``lr_schedule``.
+
+        ``for_loading=True`` builds the template to load into: a fresh optimizer has no Adam
+        moments yet, and megatron's ``sharded_state_dict(..., is_loading=True)`` creates
+        their entries so they are restored (without it they are silently skipped and a
+        resumed step drifts; megatron/core/optimizer/optimizer.py)."""
         state: dict[str, Any] = {}
         if len(self.models) == 1:
             state["model"] = self.models[0].sharded_state_dict()
@@ -452,7 +457,7 @@ class Policy:
             model_sd: dict[str, Any] = {}
             for k in [k for k in state if k.startswith("model")]:
                 model_sd.update(state[k])
-            state["optimizer"] = self.optimizer.sharded_state_dict(model_sd)
+            state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=for_loading)
             state["lr_schedule"] = self.scheduler.state_dict()
         return state
 

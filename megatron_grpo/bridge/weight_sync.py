@@ -1,0 +1,103 @@
+"""The trainer's handle on the resharding bridge: push the policy's shards into vLLM.
+
+Colocated placement: every trainer rank hosts one vLLM TP rank in-process
+(``external_launcher``), so engine ``e`` is global ranks ``[e*t, (e+1)*t)`` for rollout TP
+``t``. The plan is built once from the layouts (``bridge.plan.build_plan``); each sync runs
+the transport with the local vLLM receiver as its sink, inside vLLM's reload protocol
+(start -> per-shard update -> finish, ``bridge.receiver``), so CPU repacking and quantized
+layers are redone exactly as after a checkpoint load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.bridge.accounting import SyncReport, SyncStats
+from megatron_grpo.bridge.plan import TrainerPlacement, build_plan
+from megatron_grpo.bridge.transport import Transport
+from megatron_grpo.config.schema import SyncConfig
+from megatron_grpo.distributed.setup import ParallelContext
+from megatron_grpo.models.spec import ModelSpec
+
+
+def colocated_engine_ranks(world_size: int, rollout_tp: int) -> list[list[int]]:
+    """Global ranks of each colocated engine's TP ranks (vLLM's external_launcher layout)."""
+    if world_size % rollout_tp:
+        raise ValueError(
+            f"rollout.tp={rollout_tp} does not divide the world size {world_size}: colocated "
+            "engines take consecutive groups of rollout.tp ranks. Pick a divisor."
+        )
+    return [
+        list(range(e * rollout_tp, (e + 1) * rollout_tp)) for e in range(world_size // rollout_tp)
+    ]
+
+
+def norm_style(names: list[str]) -> str:
+    """``te`` when the layer norms are fused into Transformer-Engine linears, else ``local``."""
+    return "te" if any(n.endswith("layer_norm_weight") for n in names) else "local"
+
+
+class WeightSync:
+    """Builds the static plan and transport once; ``sync()`` pushes the current weights."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        ctx: ParallelContext,
+        shards: Mapping[str, torch.Tensor],
+        engine,
+        sync_cfg: SyncConfig,
+        rollout_tp: int,
+        padded_vocab: int,
+    ) -> None:
+        self.engine = engine
+        self.ctx = ctx
+        dtype = next(iter(shards.values())).dtype
+        placement = TrainerPlacement(
+            tp=ctx.tp,
+            pp=ctx.pp,
+            vpp=ctx.vpp or 1,
+            dp=ctx.dp,
+            norm_style=norm_style(list(shards)),
+            padded_vocab=padded_vocab,
+        )
+        element_size = torch.empty((), dtype=dtype).element_size()
+        engines = colocated_engine_ranks(ctx.world_size, rollout_tp)
+        self.plan = build_plan(spec, placement, rollout_tp, engines, element_size=element_size)
+        self.transport = Transport(
+            self.plan,
+            ctx.rank,
+            bucket_mb=sync_cfg.bucket_mb,
+            timeout_s=sync_cfg.timeout_s,
+            dtype=dtype,
+            device=ctx.device,
+        )
+        self.minimal_bytes = self.plan.minimal_bytes
+        self.syncs = 0
+
+    def sync(self, shards: Mapping[str, torch.Tensor]) -> SyncReport:
+        """Push ``shards`` (this rank's trainer shards by name) into the local vLLM rank.
+
+        Collective over the job: every rank calls it. Returns the merged report of all ranks
+        (bytes summed over senders, phase times of the slowest rank).
+        """
+        receiver = self.engine.begin_weight_update()
+        with torch.no_grad():
+            stats, _ = self.transport.sync(
+                shards, sink=receiver.receive_shard, finish=self.engine.finish_weight_update
+            )
+        self.syncs += 1
+        return merge_over_ranks(stats)
+
+
+def merge_over_ranks(stats: SyncStats) -> SyncReport:
+    """Gather every rank's ``SyncStats`` and merge them (a collective)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, stats)
+    else:
+        everyone = [stats]
+    return SyncReport.merge(everyone)

@@ -1,0 +1,81 @@
+"""Rollout samples -> the policy's batch tensors; data-parallel shards and mini-batches.
+
+A GRPO batch is ``prompts_per_step * group_size`` sequences, prompt-major (the G samples of
+prompt p sit at rows ``[p*G, (p+1)*G)``). Tensors follow the policy's batch contract
+(``megatron_grpo.policy.policy``): right-padded ``input_ids`` and position-aligned
+per-token tensors, where the value for response token j sits at index ``len(prompt) + j``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megatron_grpo.rollout.engine import Sample
+
+Batch = dict[str, torch.Tensor]
+
+
+def collate(samples: Sequence[Sample], pad_id: int) -> Batch:
+    """Stack samples into ``input_ids``, ``attention_mask``, ``loss_mask``, ``rollout_logp``
+    ([N, L], L the longest prompt + response) and ``response_len`` ([N])."""
+    n = len(samples)
+    length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    ids = torch.full((n, length), pad_id, dtype=torch.long)
+    attn = torch.zeros(n, length)
+    loss_mask = torch.zeros(n, length)
+    rollout_logp = torch.zeros(n, length)
+    resp_len = torch.zeros(n, dtype=torch.long)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        ids[i, :p] = torch.tensor(s.prompt_ids, dtype=torch.long)
+        if r:
+            ids[i, p : p + r] = torch.tensor(s.response_ids, dtype=torch.long)
+            rollout_logp[i, p : p + r] = torch.tensor(s.logprobs, dtype=torch.float32)
+        attn[i, : p + r] = 1
+        loss_mask[i, p : p + r] = 1
+        resp_len[i] = r
+    return {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "loss_mask": loss_mask,
+        "rollout_logp": rollout_logp,
+        "response_len": resp_len,
+    }
+
+
+def select(batch: Batch, rows: slice | torch.Tensor) -> Batch:
+    """The rows ``rows`` of every tensor of ``batch``."""
+    return {k: v[rows] for k, v in batch.items()}
+
+
+def dp_shard(batch: Batch, dp_rank: int, dp: int) -> Batch:
+    """This data-parallel rank's contiguous share of the batch (rows ``[d*N/dp, (d+1)*N/dp)``)."""
+    n = batch["input_ids"].shape[0]
+    if n % dp:
+        raise ValueError(
+            f"batch of {n} sequences does not split over data-parallel size {dp}: make "
+            "grpo.prompts_per_step * grpo.group_size a multiple of the DP size."
+        )
+    per = n // dp
+    return select(batch, slice(dp_rank * per, (dp_rank + 1) * per))
+
+
+def mini_batches(
+    batch: Batch, mini_batch_size: int, dp: int, generator: torch.Generator | None = None
+) -> list[Batch]:
+    """Split this rank's DP shard into mini-batches of ``mini_batch_size`` GLOBAL sequences
+    (``mini_batch_size / dp`` on each rank), in a seeded shuffled order when ``generator``
+    is given. ``mini_batch_size == 0`` means one mini-batch (the whole batch)."""
+    n = batch["input_ids"].shape[0]
+    order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
+    if mini_batch_size == 0:
+        return [select(batch, order)]
+    if mini_batch_size % dp:
+        raise ValueError(
+            f"grpo.mini_batch_size={mini_batch_size} is not a multiple of the data-parallel size "
+            f"{dp}: every DP rank must take an equal share of each mini-batch."
+        )
+    per = mini_batch_size // dp
+    return [select(batch, order[i : i + per]) for i in range(0, n, per)]

@@ -1,0 +1,401 @@
+"""The off-policy GRPO training loop: Algorithm 1 of Mroueh et al. (arXiv 2505.22257).
+
+For k = 1..steps (``GRPOTrainer.run``, one screen):
+    rollout    prompts -> G responses each from vLLM, which serves alpha = pi_{k-1-lag}
+    reward     verifiable rewards (KL-in-reward subtracts beta * KL(pi||pi_ref) per sequence)
+    advantages group whitening, zero-variance mask, RED-Drop/Weight (algorithms.advantages)
+    train      i SGD iterations over mini-batches (policy.train_step with algorithms' loss_fn)
+    sync       when k % v == 0, the resharding bridge pushes pi_k into vLLM
+    ref reset  pi_ref <- pi_k every ``grpo.ref_update_interval`` steps
+    checkpoint every ``checkpoint.interval`` steps, at the end, and on a preemption signal
+    log        one metrics.jsonl line, TensorBoard, progress bar
+
+Versions: ``policy_version`` is the trainer step whose weights vLLM serves (0 = the
+starting weights, pushed once at start); the batch of step k was sampled from that version
+and its ``lag`` is ``(k - 1) - policy_version``: 0 when on-policy (v = 1), up to v - 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.config import Config, ConfigError, format_config, save_config
+from megatron_grpo.trainer.batch import collate, dp_shard, mini_batches
+
+log = logging.getLogger("megatron_grpo.trainer")
+
+
+def _say(ctx, msg: str) -> None:
+    if ctx.rank == 0:
+        print(f"[megatron-grpo] {msg}", flush=True)
+
+
+def validate_world(cfg: Config, world_size: int) -> int:
+    """Rollout placement against the world size; returns the number of colocated engines."""
+    if cfg.rollout.placement != "colocated":
+        raise ConfigError(
+            f"rollout.placement={cfg.rollout.placement!r}: the training loop runs colocated "
+            "engines (each trainer rank hosts its vLLM rank); set rollout.placement=colocated."
+        )
+    if world_size % cfg.rollout.tp:
+        raise ConfigError(
+            f"rollout.tp({cfg.rollout.tp}) does not divide WORLD_SIZE({world_size}): colocated "
+            "engines take consecutive groups of rollout.tp ranks; pick a divisor."
+        )
+    engines = world_size // cfg.rollout.tp
+    if cfg.grpo.prompts_per_step % engines:
+        raise ConfigError(
+            f"grpo.prompts_per_step({cfg.grpo.prompts_per_step}) is not a multiple of the "
+            f"{engines} colocated vLLM engines (WORLD_SIZE {world_size} / rollout.tp "
+            f"{cfg.rollout.tp}): make it a multiple of {engines}."
+        )
+    return engines
+
+
+class GRPOTrainer:
+    """Everything a run holds, built once; ``run()`` is the loop."""
+
+    def __init__(self, cfg: Config, resume: bool = False) -> None:
+        from transformers import AutoTokenizer
+
+        from megatron_grpo.algorithms.advantages import build_advantage_fn
+        from megatron_grpo.algorithms.aggregation import make_loss_fn
+        from megatron_grpo.bridge.weight_sync import WeightSync
+        from megatron_grpo.data import build_prompt_source
+        from megatron_grpo.distributed import init_distributed
+        from megatron_grpo.layouts.io import load_hf_into_megatron
+        from megatron_grpo.models.spec import load_spec
+        from megatron_grpo.policy.policy import build_policy
+        from megatron_grpo.rewards import build_reward
+        from megatron_grpo.rollout.engine import RolloutEngine
+        from megatron_grpo.trainer.model_dir import prepare_model_dir
+
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.num_engines = validate_world(cfg, world)
+        self.hf_dir = prepare_model_dir(cfg, rank, cfg.parallel.timeout_s)
+        self.spec = load_spec(self.hf_dir)
+        self.ctx = ctx = init_distributed(cfg.parallel, self.spec, seed=cfg.seed)
+        if ctx.rank == 0:
+            save_config(cfg, self.run_dir)
+            print(format_config(cfg), flush=True)
+        _say(
+            ctx,
+            f"model {self.hf_dir} ({self.spec.family}, {self.spec.num_parameters:,} params); "
+            f"world {ctx.world_size}: tp={ctx.tp} pp={ctx.pp} dp={ctx.dp}, "
+            f"{self.num_engines} vLLM engine(s) of tp={cfg.rollout.tp}, v={cfg.sync.interval}",
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
+        g = cfg.grpo
+        batch = g.prompts_per_step * g.group_size
+        mini = g.mini_batch_size or batch
+        self.optimizer_steps_per_step = g.sgd_iterations * (batch // mini)
+        self.policy = build_policy(
+            self.spec, ctx, cfg.model, cfg.optim,
+            init_weights=partial(load_hf_into_megatron, hf_dir=self.hf_dir, spec=self.spec, ctx=ctx),
+            total_steps=cfg.steps * self.optimizer_steps_per_step,
+        )  # fmt: skip
+        self.ref = self.policy.make_reference() if g.kl_coef > 0 else None
+        keep_served = cfg.checkpoint.exact_resume and cfg.sync.interval > 1
+        self.served = self.policy.make_reference() if keep_served else None
+        t0 = time.perf_counter()
+        self.engine = RolloutEngine.from_config(self.hf_dir, cfg.rollout)
+        _say(ctx, f"vLLM engine up in {time.perf_counter() - t0:.1f}s")
+        self.weight_sync = WeightSync(
+            self.spec, ctx, dict(self.policy.named_shards()), self.engine, cfg.sync,
+            cfg.rollout.tp, self.policy.vocab_per_rank * ctx.tp,
+        )  # fmt: skip
+        self.prompts = build_prompt_source(cfg.data, self.tokenizer)
+        self.reward_fn = build_reward(cfg.reward, cfg.data)
+        self.advantage_fn = build_advantage_fn(g)
+        self.loss_fn = make_loss_fn(g, cfg.rollout.max_new_tokens)
+        self.stop_requested = False
+        self.start_step, self.policy_version = 0, 0
+        if resume:
+            self._resume()
+        else:
+            report = self.weight_sync.sync(dict(self.policy.named_shards()))
+            self._snapshot_served()
+            _say(ctx, f"initial sync: {report.bytes / 2**20:.2f} MiB in {report.seconds:.2f}s "
+                 f"(minimal {report.minimal_bytes / 2**20:.2f} MiB)")  # fmt: skip
+        from megatron_grpo.metrics import MetricsLogger, PhaseTimer
+
+        self.timer = PhaseTimer()
+        self.logger = MetricsLogger(
+            self.run_dir, cfg.logging, cfg.steps, ctx.rank,
+            resume_step=self.start_step if resume else None, run_config=dataclasses.asdict(cfg),
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------ the loop
+    def run(self) -> dict[str, Any]:
+        cfg, g, timer = self.cfg, self.cfg.grpo, self.timer
+        self._install_signal_handlers()
+        last_saved = self.start_step
+        for step in range(self.start_step + 1, cfg.steps + 1):
+            timer.reset()
+            t_step = time.perf_counter()
+            version = self.policy_version
+            with timer.phase("rollout"):
+                prompts, samples = self.rollout(step)
+            with timer.phase("reward"):
+                rewards, reward_info = self.score(prompts, samples)
+            batch = collate(samples, self.tokenizer.pad_token_id)
+            with timer.phase("logprobs"):
+                batch, kl_seq = self.reference_logprobs(batch)
+            adv = self.group_advantages(rewards, kl_seq, step)
+            with timer.phase("train"):
+                train = self.train_on(batch, adv, step)
+            synced = step % cfg.sync.interval == 0
+            sync_report = None
+            if synced:
+                with timer.phase("sync"):
+                    sync_report = self.sync(step)
+            if g.ref_update_interval and step % g.ref_update_interval == 0 and self.ref:
+                self.ref.copy_weights_from(self.policy)  # success-rate amplification
+            if self._checkpoint_due(step):
+                self.save(step)
+                last_saved = step
+            self.log(step, version, rewards, reward_info, samples, adv, train, sync_report,
+                     time.perf_counter() - t_step)  # fmt: skip
+            if self._stop_agreed():
+                if last_saved != step:
+                    self.save(step)
+                _say(self.ctx, f"preemption signal: checkpoint at step {step} saved, exiting")
+                return {"preempted": True, "step": step}
+        return self.finish()
+
+    # ------------------------------------------------------------------------ phases
+    def rollout(self, step: int):
+        """This engine's share of the step's prompts, G samples each; gathered on all ranks."""
+        cfg = self.cfg
+        prompts = self.prompts.next_batch(cfg.grpo.prompts_per_step)  # same on every rank
+        per = len(prompts) // self.num_engines
+        engine_idx = self.ctx.rank // cfg.rollout.tp
+        mine = prompts[engine_idx * per : (engine_idx + 1) * per]
+        r = cfg.rollout
+        samples = self.engine.generate(
+            [p.prompt_ids for p in mine], n=cfg.grpo.group_size, temperature=r.temperature,
+            top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+            seed=r.seed + 7919 * step, stop_token_ids=[self.tokenizer.eos_token_id],
+        )  # fmt: skip
+        return prompts, self._gather_engines(samples)
+
+    def score(self, prompts, samples):
+        g = self.cfg.grpo.group_size
+        texts = self.tokenizer.batch_decode(
+            [s.response_ids for s in samples], skip_special_tokens=True
+        )
+        rewards, info = self.reward_fn(
+            [prompts[i // g].text for i in range(len(samples))], texts,
+            [prompts[i // g].answer for i in range(len(samples))],
+        )  # fmt: skip
+        return torch.tensor(rewards, dtype=torch.float32).view(len(prompts), g), info
+
+    def reference_logprobs(self, batch):
+        """pi_ref's log-probs when the KL needs them; the per-sequence KL for KL-in-reward."""
+        g = self.cfg.grpo
+        if self.ref is None:
+            return batch, None
+        from megatron_grpo.algorithms.kl import get_kl_estimator
+
+        mbs = g.micro_batch_size
+        batch["ref_logp"] = self.ref.compute_logprobs(batch, mbs)["logp"]
+        if not g.kl_in_reward:
+            return batch, None
+        logp = self.policy.compute_logprobs(batch, mbs)["logp"]
+        kl = get_kl_estimator(g.kl_estimator)(logp, batch["ref_logp"]) * batch["loss_mask"]
+        return batch, kl.sum(dim=1)
+
+    def group_advantages(self, rewards_PG, kl_seq, step):
+        g = self.cfg.grpo
+        if kl_seq is not None:
+            rewards_PG = rewards_PG - g.kl_coef * kl_seq.view_as(rewards_PG)
+        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
+        return self.advantage_fn(rewards_PG, gen)
+
+    def train_on(self, batch, adv, step) -> list[dict[str, Any]]:
+        """i SGD iterations over mini-batches of this DP rank's share of the batch."""
+        from megatron_grpo.algorithms.aggregation import compute_global_normalizers
+
+        g, ctx = self.cfg.grpo, self.ctx
+        batch["advantages"] = adv.advantages.reshape(-1)
+        batch["loss_mask"] = batch["loss_mask"] * adv.keep.reshape(-1, 1).float()
+        shard = dp_shard(batch, ctx.dp_rank, ctx.dp)
+        if g.ratio_mode == "exact":  # pi_k's log-probs, recomputed once before the SGD passes
+            shard["old_logp"] = self.policy.compute_logprobs(shard, g.micro_batch_size)["logp"]
+        gen = torch.Generator().manual_seed(self.cfg.seed * 7_654_321 + step)
+        out = []
+        for _ in range(g.sgd_iterations):
+            for mb in mini_batches(shard, g.mini_batch_size, ctx.dp, gen):
+                group = ctx.dp_group if ctx.dp > 1 else None
+                mb.update(compute_global_normalizers(mb["loss_mask"], group=group))
+                out.append(self.policy.train_step(mb, self.loss_fn, g.micro_batch_size))
+        return out
+
+    def sync(self, step: int):
+        report = self.weight_sync.sync(dict(self.policy.named_shards()))
+        self.policy_version = step
+        self._snapshot_served()
+        return report
+
+    # ------------------------------------------------------------------------ helpers
+    def _gather_engines(self, samples):
+        """Every rank gets all engines' samples, engine-major (each engine once)."""
+        if self.ctx.world_size == 1:
+            return samples
+        everyone: list = [None] * self.ctx.world_size
+        dist.all_gather_object(everyone, samples)
+        t = self.cfg.rollout.tp
+        return [s for e in range(self.num_engines) for s in everyone[e * t]]
+
+    def _snapshot_served(self) -> None:
+        if self.served is not None:
+            self.served.copy_weights_from(self.policy)
+
+    def _checkpoint_due(self, step: int) -> bool:
+        c = self.cfg.checkpoint
+        return bool(c.interval and step % c.interval == 0) or (
+            c.save_at_end and step == self.cfg.steps
+        )
+
+    def _state_dicts(self, for_loading: bool = False) -> dict[str, Any]:
+        parts: dict[str, Any] = {"policy": partial(self.policy.sharded_state_dict, for_loading)}
+        if self.ref is not None:
+            parts["ref"] = lambda: self.ref.sharded_state_dict()
+        if self.served is not None:
+            parts["served"] = lambda: self.served.sharded_state_dict()
+        return parts
+
+    def save(self, step: int) -> None:
+        from megatron_grpo.checkpoint import LoopState, save_checkpoint
+
+        state = LoopState(
+            step=step, data_state=self.prompts.state_dict(), policy_version=self.policy_version,
+            sync_phase=step - self.policy_version,
+            extra={"layout": {"tp": self.ctx.tp, "pp": self.ctx.pp, "dp": self.ctx.dp},
+                   "weight_syncs": self.weight_sync.syncs},
+        )  # fmt: skip
+        parts = self._state_dicts()
+        if self.served is not None and self.policy_version == step:
+            parts.pop("served")  # the served weights are the policy's own
+        path = save_checkpoint(self.run_dir, state, parts, keep_last=self.cfg.checkpoint.keep_last)
+        _say(self.ctx, f"checkpoint {path}")
+
+    def _resume(self) -> None:
+        from megatron_grpo.checkpoint import find_latest, load_checkpoint
+
+        latest = find_latest(self.run_dir)
+        if latest is None:
+            raise ConfigError(
+                f"--resume: no complete checkpoint under {self.run_dir}/checkpoints; start "
+                "without --resume, or point --run-dir at the run to continue."
+            )
+        templates = {k: v() for k, v in self._state_dicts(for_loading=True).items()}
+        loaded = load_checkpoint(latest, templates, optional=("ref", "served"))
+        self.policy.load_sharded_state_dict(loaded.state_dicts["policy"])
+        if self.ref is not None and "ref" in loaded.state_dicts:
+            self.ref.load_sharded_state_dict(loaded.state_dicts["ref"])
+        st = loaded.loop_state
+        self.prompts.load_state_dict(st.data_state)
+        self.start_step, self.policy_version = st.step, st.policy_version
+        served = self.policy
+        if self.served is not None:
+            if "served" in loaded.state_dicts:
+                self.served.load_sharded_state_dict(loaded.state_dicts["served"])
+            else:
+                self.served.copy_weights_from(self.policy)
+            served = self.served
+        elif st.policy_version != st.step:
+            log.warning("checkpoint.exact_resume=false: serving step %d's weights, not %d's",
+                        st.step, st.policy_version)  # fmt: skip
+            self.policy_version = st.step
+        self.weight_sync.sync(dict(served.named_shards()))
+        _say(self.ctx, f"resumed from {latest} (step {st.step}, vLLM serves step "
+             f"{self.policy_version})")  # fmt: skip
+
+    def _install_signal_handlers(self) -> None:
+        """SIGTERM / SIGUSR1 (Slurm's pre-emption warning) ask for a checkpoint and exit."""
+
+        def handler(signum, frame):
+            self.stop_requested = True
+
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, handler)
+
+    def _stop_agreed(self) -> bool:
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0])
+        if self.ctx.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def log(self, step, version, rewards, reward_info, samples, adv, train, sync_report, t_step):
+        from megatron_grpo.metrics import StepMetrics
+
+        def mean(key):
+            vals = [m[key] for m in train if key in m]
+            return sum(vals) / len(vals) if vals else None
+
+        lengths = [len(s.response_ids) for s in samples]
+        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        times = self.timer.times()
+        extra = {k: v for k, v in reward_info.items() if k not in ("reward_mean",)}
+        extra.update({f"adv_{k}": v for k, v in adv.metrics.items()})
+        for key in ("ratio_mean", "ratio_min", "ratio_max", "pg_loss", "approx_kl"):
+            if mean(key) is not None:
+                extra[key] = mean(key)
+        if sync_report is not None:
+            extra.update(sync_seconds=sync_report.seconds, sync_minimal_bytes=sync_report.minimal_bytes,
+                         sync_wire_bytes=sync_report.wire_bytes)  # fmt: skip
+        row = StepMetrics(
+            step=step,
+            reward_mean=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
+            pass_rate=float((rewards >= 1.0).float().mean()),
+            synced=sync_report is not None, policy_version=version, lag=step - 1 - version,
+            sync_bytes=sync_report.bytes if sync_report is not None else 0,
+            time_rollout=times.get("time_rollout"), time_reward=times.get("time_reward"),
+            time_logprobs=times.get("time_logprobs"), time_train=times.get("time_train"),
+            time_sync=times.get("time_sync", 0.0), time_step=t_step,
+            response_len_mean=sum(lengths) / len(lengths), response_len_max=max(lengths),
+            clip_frac_low=mean("clip_frac_low"), clip_frac_high=mean("clip_frac_high"),
+            kl=mean("kl_ref"), entropy=mean("entropy"),
+            masked_frac=float((~adv.keep).float().mean()), tokens_per_s=tokens / t_step,
+            loss=mean("loss"), grad_norm=train[-1]["grad_norm"] if train else None,
+            lr=train[-1]["lr"] if train else None,
+            skipped_nan=any(m.get("skipped") for m in train), extra=extra,
+        )  # fmt: skip
+        self.logger.log(row)
+
+    def finish(self) -> dict[str, Any]:
+        summary = self.logger.finish(self.cfg.sync.interval)
+        if self.ctx.rank == 0 and summary:
+            print(summary, flush=True)
+        return {"preempted": False, "step": self.cfg.steps}
+
+    def close(self) -> None:
+        from megatron_grpo.distributed import destroy_distributed
+
+        self.logger.close()
+        self.reward_fn.close()
+        self.engine.shutdown()
+        destroy_distributed()
+
+
+def train(cfg: Config, resume: bool = False) -> dict[str, Any]:
+    """Build the run, train, and tear down (every process started here is stopped)."""
+    trainer = GRPOTrainer(cfg, resume=resume)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()

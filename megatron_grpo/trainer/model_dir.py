@@ -1,0 +1,105 @@
+"""The run's Hugging Face model directory: a given one, or a preset built (and warm-started).
+
+A preset (``model.hf_path=tiny``) is built from random weights by rank 0 into
+``RUN_DIR/hf_model/<preset>``; with ``model.warm_start_steps > 0`` it is then fine-tuned
+with plain supervised learning on the prompt source's gold answers (``transformers`` on
+CPU, seconds for the tiny model), because a random model never samples a right answer and
+GRPO alone would see no reward signal. Both Megatron and vLLM then start from that
+directory. Other ranks wait for the directory's completion marker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from megatron_grpo.config.schema import Config
+from megatron_grpo.models.tiny import PRESETS, build_hf_model
+
+COMPLETE = ".complete"
+
+
+def _build_preset(cfg: Config, target: Path) -> None:
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_hf_model(tmp, cfg.model.hf_path, seed=cfg.seed, with_tokenizer=True)
+    info = {"preset": cfg.model.hf_path, "seed": cfg.seed, "warm_start_steps": 0}
+    if cfg.model.warm_start_steps:
+        info["warm_start"] = warm_start(tmp, cfg)
+        info["warm_start_steps"] = cfg.model.warm_start_steps
+    (tmp / COMPLETE).write_text(json.dumps(info, indent=2))
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+
+
+def prepare_model_dir(cfg: Config, rank: int, timeout_s: float) -> Path:
+    """The HF directory this run trains; built by rank 0 when ``model.hf_path`` is a preset."""
+    if cfg.model.hf_path not in PRESETS:
+        path = Path(cfg.model.hf_path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model.hf_path={cfg.model.hf_path!r} is neither a preset {sorted(PRESETS)} nor a "
+                "directory with a config.json: point it at a Hugging Face model directory."
+            )
+        return path
+    target = Path(cfg.run_dir) / "hf_model" / cfg.model.hf_path
+    if rank == 0 and not (target / COMPLETE).is_file():
+        _build_preset(cfg, target)
+    deadline = time.monotonic() + timeout_s
+    while not (target / COMPLETE).is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"rank {rank} waited {timeout_s:.0f}s for rank 0 to build {target}: check rank "
+                "0's log (parallel.timeout_s bounds the wait)."
+            )
+        time.sleep(0.2)
+    return target
+
+
+def warm_start(model_dir: Path, cfg: Config) -> dict:
+    """Supervised fine-tuning of the HF model in ``model_dir`` on ``prompt + answer + eos``
+    (loss on the answer and eos tokens), written back in place. Returns loss figures."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from megatron_grpo.data import build_prompt_source
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    source = build_prompt_source(cfg.data, tok)
+    torch.manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.model.warm_start_lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    for _ in range(cfg.model.warm_start_steps):
+        batch = source.next_batch(cfg.model.warm_start_batch_size)
+        seqs, starts = [], []
+        for p in batch:
+            answer = tok(p.answer, add_special_tokens=False).input_ids + [tok.eos_token_id]
+            seqs.append(list(p.prompt_ids) + answer)
+            starts.append(len(p.prompt_ids))
+        length = max(map(len, seqs))
+        ids = torch.full((len(seqs), length), tok.pad_token_id, dtype=torch.long)
+        labels = torch.full_like(ids, -100)
+        for i, (s, st) in enumerate(zip(seqs, starts)):
+            ids[i, : len(s)] = torch.tensor(s)
+            labels[i, st : len(s)] = torch.tensor(s[st:])
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for f in model_dir.glob("*.safetensors"):
+        f.unlink()
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        index.unlink()
+    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    return {"first_loss": losses[0], "last_loss": losses[-1]}
