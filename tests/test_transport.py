@@ -45,7 +45,10 @@ def _worker(rank: int, world: int, port: int, fn, args: tuple, queue) -> None:
 
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
             timeout=datetime.timedelta(seconds=60),
         )
         # torch.save bytes, not tensors: the queue would share tensor storage through file
@@ -68,7 +71,9 @@ def run_spawned(fn, world: int, args: tuple = (), timeout_s: float = 120.0) -> d
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
@@ -184,7 +189,9 @@ def test_schedule_covers_every_copy_once_within_bucket_size(seed: int, bucket_by
         expect = {}
         for c in plan.copies:
             if (c.src_rank, c.dst_rank) == (src, dst):
-                expect[(c.src_name, c.dst_name)] = expect.get((c.src_name, c.dst_name), 0) + c.length
+                expect[(c.src_name, c.dst_name)] = (
+                    expect.get((c.src_name, c.dst_name), 0) + c.length
+                )
                 assert (c.dst_rank, c.dst_name) in shapes
         assert covered == expect
 

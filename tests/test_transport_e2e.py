@@ -94,7 +94,9 @@ def _e2e(rank: int, world: int, root: str) -> dict:
                     "bytes": report.bytes,
                     "minimal": ws.minimal_bytes,
                     "links": report.bytes_per_link,
-                    "plan_links": {f"{s}->{d}": n for (s, d), n in ws.plan.bytes_per_link().items()},
+                    "plan_links": {
+                        f"{s}->{d}": n for (s, d), n in ws.plan.bytes_per_link().items()
+                    },
                 }
                 del policy, shards, ws
             eng.shutdown()

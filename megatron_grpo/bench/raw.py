@@ -31,13 +31,25 @@ class RawTransfer:
         self.timeout = timedelta(seconds=timeout_s)
         es = torch.empty((), dtype=dtype).element_size()
         self.rank, self.group, self.es = rank, group, es
-        self.send = {k: torch.ones(n // es, dtype=dtype, device=device)
-                     for k, n in link_bytes.items() if k[0] == rank and k[1] != rank}
-        self.recv = {k: torch.empty(n // es, dtype=dtype, device=device)
-                     for k, n in link_bytes.items() if k[1] == rank and k[0] != rank}
+        self.send = {
+            k: torch.ones(n // es, dtype=dtype, device=device)
+            for k, n in link_bytes.items()
+            if k[0] == rank and k[1] != rank
+        }
+        self.recv = {
+            k: torch.empty(n // es, dtype=dtype, device=device)
+            for k, n in link_bytes.items()
+            if k[1] == rank and k[0] != rank
+        }
         n_local = link_bytes.get((rank, rank), 0) // es
-        self.local = (torch.ones(n_local, dtype=dtype, device=device),
-                      torch.empty(n_local, dtype=dtype, device=device)) if n_local else None
+        self.local = (
+            (
+                torch.ones(n_local, dtype=dtype, device=device),
+                torch.empty(n_local, dtype=dtype, device=device),
+            )
+            if n_local
+            else None
+        )
 
     def run(self) -> SyncStats:
         st = SyncStats(rank=self.rank, method="raw")

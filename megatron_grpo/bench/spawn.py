@@ -27,7 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, world: int, port: int, out: str, env: dict, args: tuple) -> None:
+def _entry(
+    fn: Callable, rank: int, world: int, port: int, out: str, env: dict, args: tuple
+) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env,

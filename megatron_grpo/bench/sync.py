@@ -144,7 +144,9 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
 
     spec = load_spec(hf_dir)
     ctx = init_distributed(
-        ParallelConfig(tp=a.train_tp, pp=a.train_pp, backend="gloo", timeout_s=max(600.0, a.timeout_s)),
+        ParallelConfig(
+            tp=a.train_tp, pp=a.train_pp, backend="gloo", timeout_s=max(600.0, a.timeout_s)
+        ),
         spec,
     )
     t0 = time.perf_counter()
@@ -167,7 +169,11 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
     dtype = next(iter(shards.values())).dtype
     padded_vocab = policy.vocab_per_rank * ctx.tp
     placement = TrainerPlacement(
-        tp=ctx.tp, pp=ctx.pp, dp=ctx.dp, norm_style=norm_style(list(shards)), padded_vocab=padded_vocab
+        tp=ctx.tp,
+        pp=ctx.pp,
+        dp=ctx.dp,
+        norm_style=norm_style(list(shards)),
+        padded_vocab=padded_vocab,
     )
     t0 = time.perf_counter()
     plan = build_plan(
@@ -206,7 +212,9 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
                 scale *= 0.9
                 _scale_policy(policy, 0.9)
                 if engine is not None:
-                    out["checks"]["parity_before_direct"] = _parity(policy, engine, seqs, a.parity_tol).to_dict()
+                    out["checks"]["parity_before_direct"] = _parity(
+                        policy, engine, seqs, a.parity_tol
+                    ).to_dict()
             delivered: dict[str, torch.Tensor] = {}
             sent_sums: dict = {}
             if engine is not None:
@@ -278,8 +286,18 @@ def summarize(a: BenchSyncArgs, per_rank: list[dict], hf_dir: Path) -> dict:
     spec = load_spec(hf_dir)
 
     def method(reports: list[dict]) -> dict:
-        keys = ("bytes", "wire_bytes", "local_bytes", "seconds", "pack_s", "transfer_s",
-                "unpack_s", "load_s", "finish_s", "handshake_s")
+        keys = (
+            "bytes",
+            "wire_bytes",
+            "local_bytes",
+            "seconds",
+            "pack_s",
+            "transfer_s",
+            "unpack_s",
+            "load_s",
+            "finish_s",
+            "handshake_s",
+        )
         d = {k: _median([r[k] for r in reports]) for k in keys}
         d["bytes"] = int(reports[0]["bytes"])
         d["wire_bytes"] = int(reports[0]["wire_bytes"])

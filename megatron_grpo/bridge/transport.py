@@ -163,8 +163,14 @@ def build_schedule(plan: SyncPlan, bucket_bytes: int) -> dict[tuple[int, int], l
                     room_rows = 1  # a single row larger than a bucket: its own bucket
                 n = min(room_rows, c.length - done)
                 part = Copy(
-                    c.src_rank, c.src_name, c.dst_rank, c.dst_name, c.dim,
-                    c.src_start + done, c.dst_start + done, n,
+                    c.src_rank,
+                    c.src_name,
+                    c.dst_rank,
+                    c.dst_name,
+                    c.dim,
+                    c.src_start + done,
+                    c.dst_start + done,
+                    n,
                 )
                 entries.append(Entry(part, fill, n * row, _slice_shape(shape, c.dim, n)))
                 fill += n * row
@@ -278,7 +284,9 @@ class Transport:
 
     def link_bytes(self) -> dict[tuple[int, int], int]:
         """Bytes per link this rank sends, including its in-process link."""
-        out = {k: sum(b.numel for b in v) * self.plan.element_size for k, v in self.send_links.items()}
+        out = {
+            k: sum(b.numel for b in v) * self.plan.element_size for k, v in self.send_links.items()
+        }
         local = sum(self.plan.copy_bytes(c) for c in self.local_copies)
         if local:
             out[(self.rank, self.rank)] = local
@@ -313,8 +321,18 @@ class Transport:
         out_b, out_n = counts((self.rank, peer))
         in_b, in_n = counts((peer, self.rank))
         vals = [
-            _HEADER_MAGIC, _HEADER_VERSION, self.rank, peer, self.plan.element_size,
-            self.bucket_bytes, fp >> 66, (fp >> 4) & (2**62 - 1), out_b, out_n, in_b, in_n,
+            _HEADER_MAGIC,
+            _HEADER_VERSION,
+            self.rank,
+            peer,
+            self.plan.element_size,
+            self.bucket_bytes,
+            fp >> 66,
+            (fp >> 4) & (2**62 - 1),
+            out_b,
+            out_n,
+            in_b,
+            in_n,
             len(self.plan.copies),
         ]
         return torch.tensor(vals, dtype=torch.int64, device=self.device)
@@ -323,12 +341,18 @@ class Transport:
         """Exchange plan headers with every peer; raise if any peer's plan differs."""
         t0 = time.perf_counter()
         mine = {p: self._header(p) for p in self.peers}
-        theirs = {p: torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device) for p in self.peers}
+        theirs = {
+            p: torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device) for p in self.peers
+        }
         ops: list[tuple[str, int, object]] = []
         for p in self.peers:
-            ops.append(("recv", p, dist.irecv(theirs[p], src=p, group=self.group, tag=_HANDSHAKE_TAG)))
+            ops.append(
+                ("recv", p, dist.irecv(theirs[p], src=p, group=self.group, tag=_HANDSHAKE_TAG))
+            )
         for p in self.peers:
-            ops.append(("send", p, dist.isend(mine[p], dst=p, group=self.group, tag=_HANDSHAKE_TAG)))
+            ops.append(
+                ("send", p, dist.isend(mine[p], dst=p, group=self.group, tag=_HANDSHAKE_TAG))
+            )
         self._poll(
             ops,
             lambda kind, peer, *_: (
@@ -459,7 +483,9 @@ class Transport:
             )
         return s
 
-    def _pack(self, sources: Mapping[str, torch.Tensor], bucket: Bucket, buf: torch.Tensor) -> torch.Tensor:
+    def _pack(
+        self, sources: Mapping[str, torch.Tensor], bucket: Bucket, buf: torch.Tensor
+    ) -> torch.Tensor:
         for e in bucket.entries:
             buf[e.offset : e.offset + e.numel].view(e.shape).copy_(self._source(sources, e))
         return buf[: bucket.numel]
@@ -481,8 +507,12 @@ class Transport:
         ``sink`` took them).
         """
         t_start = time.perf_counter()
-        st = SyncStats(rank=self.rank, method="direct", sync_index=self._syncs,
-                       minimal_bytes=self.minimal_bytes)
+        st = SyncStats(
+            rank=self.rank,
+            method="direct",
+            sync_index=self._syncs,
+            minimal_bytes=self.minimal_bytes,
+        )
         self._syncs += 1
         if not self._handshaken and self.peers:
             st.handshake_s = self.handshake()
@@ -494,7 +524,9 @@ class Transport:
         def dst(name: str) -> torch.Tensor:
             t = built.get(name)
             if t is None:  # allocated on first touch: shards handed off early can be freed
-                t = built[name] = torch.zeros(self.dst_shapes[name], dtype=self.dtype, device=self.device)
+                t = built[name] = torch.zeros(
+                    self.dst_shapes[name], dtype=self.dtype, device=self.device
+                )
             return t
 
         def piece_done(name: str) -> None:
@@ -600,7 +632,8 @@ class Transport:
             reported = finish()
             st.finish_s = float(reported) if reported is not None else time.perf_counter() - t0
         st.total_s = time.perf_counter() - t_start
-        st.transfer_s = max(0.0, st.total_s - st.pack_s - st.unpack_s - st.load_s
-                            - st.finish_s - st.handshake_s)
+        st.transfer_s = max(
+            0.0, st.total_s - st.pack_s - st.unpack_s - st.load_s - st.finish_s - st.handshake_s
+        )
         st.peak_bucket_bytes = self.bucket_memory_bytes
         return st, built

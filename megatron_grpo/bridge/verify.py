@@ -129,7 +129,9 @@ def logprob_parity(
     )
 
 
-def fixed_sequences(vocab_size: int, n: int = 4, length: int = 12, seed: int = 0) -> list[list[int]]:
+def fixed_sequences(
+    vocab_size: int, n: int = 4, length: int = 12, seed: int = 0
+) -> list[list[int]]:
     """Deterministic token sequences for parity checks (ids in [3, vocab) to skip specials)."""
     g = torch.Generator().manual_seed(seed)
     hi = max(4, min(vocab_size, 1000))

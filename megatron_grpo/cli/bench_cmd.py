@@ -31,15 +31,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "hosting one colocated vLLM TP rank; runs the bridge, the baseline and a raw flat "
         "transfer of the same bytes over the same gloo group; prints a table, writes JSON.",
     )
-    s.add_argument("--model", default="tiny", help="HF model directory or preset "
-                   "(tiny, Qwen2.5-0.5B, Qwen2.5-1.5B, Qwen2.5-7B)")
+    s.add_argument(
+        "--model",
+        default="tiny",
+        help="HF model directory or preset (tiny, Qwen2.5-0.5B, Qwen2.5-1.5B, Qwen2.5-7B)",
+    )
     s.add_argument("--train-tp", type=int, default=1)
     s.add_argument("--train-pp", type=int, default=1)
     s.add_argument("--rollout-tp", type=int, default=1)
     s.add_argument("--bucket-mb", type=_floats, default=[64.0], help="bucket size(s), e.g. 16,64")
     s.add_argument("--repeats", type=int, default=3, help="timed syncs per method (median)")
-    s.add_argument("--sink", choices=("vllm", "null"), default="vllm",
-                   help="vllm: load into real colocated engines; null: transfer only")
+    s.add_argument(
+        "--sink",
+        choices=("vllm", "null"),
+        default="vllm",
+        help="vllm: load into real colocated engines; null: transfer only",
+    )
     s.add_argument("--timeout-s", type=float, default=120.0, help="sync.timeout_s of the bridge")
     s.add_argument("--parity-tol", type=float, default=1e-3, help="max |logp diff| accepted")
     s.add_argument("--cache-dir", default="runs/bench", help="where presets are built")
