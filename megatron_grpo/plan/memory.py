@@ -1,0 +1,187 @@
+"""Memory per GPU of a launch, estimated from shapes alone (no GPU, no weights).
+
+Trainer (per rank, the largest (pipeline stage, TP rank) shard set, read from
+``layouts.megatron.chunk_shards`` so vocabulary padding and tied/untied embeddings count):
+
+- ``params``: parameter bytes in the training dtype (``model.dtype=auto`` plans bf16).
+- ``grads``: megatron DDP's gradient buffer, fp32 (``grad_reduce_in_fp32=True`` in
+  ``policy.policy``), not sharded.
+- ``optimizer``: Adam moments (2 x fp32) plus an fp32 master copy when the parameters are
+  16-bit; divided by DP when the distributed optimizer is on (``optim.distributed_optimizer``
+  ``on``, or ``auto``, which is on with CUDA).
+- ``reference``: a weight copy for pi_ref when ``grpo.kl_coef > 0``; ``served``: the copy of
+  the weights vLLM serves, kept for exact resume when ``checkpoint.exact_resume`` and
+  ``sync.interval > 1`` (``trainer.loop``).
+- ``activations``: Korthikanti et al. (arXiv 2205.05198, Table 2) with flash attention (no
+  s^2 term): per layer ``s*b*h*(10 + 24/t)`` bytes in 16 bit (``34*s*b*h/t`` with sequence
+  parallelism); with full recompute only each layer's input (``2*s*b*h``, /t with sequence
+  parallelism) plus one layer's full activations. ``s = data.max_prompt_tokens +
+  rollout.max_new_tokens``, ``b = grpo.micro_batch_size``, layers of one stage, times the
+  micro-batches in flight on the first stage of a 1F1B pipeline (min(pp, micro-batches)),
+  plus fp32 logits and their gradient on the vocab-parallel output (``8*s*b*V/t``). The
+  formula is for GPT's 4h MLP: SwiGLU models with a wider MLP use somewhat more.
+- ``runtime``: a flat 1.5 GiB for the CUDA context, NCCL buffers and allocator slack.
+
+vLLM (per rollout TP rank):
+
+- ``vllm_weights``: ``layouts.vllm.rank_shards`` of the rank, in the model dtype.
+- ``vllm_kv_cache``: vLLM reserves ``gpu_memory_utilization * capacity`` and fills what the
+  weights leave with KV cache; that reservation is what the GPU holds.
+  ``kv_cache_needed`` is what all sequences of one step need at once:
+  ``sequences per engine * max_model_len * layers * 2 * kv_heads_per_rank * head_dim *
+  bytes``, ``kv_heads_per_rank = max(1, num_kv_heads / rollout.tp)``.
+
+Peak of a colocated GPU: trainer state stays resident while vLLM generates, so
+``max(state + vLLM reservation, state + activations [+ vLLM reservation unless
+rollout.sleep_between_rollouts])``. Disaggregated: a trainer GPU holds state + activations,
+a rollout GPU the vLLM reservation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_grpo.config.schema import Config
+from megatron_grpo.layouts import megatron as mg
+from megatron_grpo.layouts import vllm as vl
+from megatron_grpo.models.spec import ModelSpec, megatron_padded_vocab
+
+GIB = 1 << 30
+RUNTIME_OVERHEAD_BYTES = int(1.5 * GIB)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def plan_dtype(cfg: Config) -> str:
+    """The dtype a GPU run trains and serves in (``auto`` is bf16 on GPU)."""
+    return "bfloat16" if cfg.model.dtype == "auto" else cfg.model.dtype
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def trainer_params_per_rank(spec: ModelSpec, cfg: Config) -> int:
+    """Parameters of the largest (pp stage, tp rank) shard set, vocabulary padding included."""
+    p = cfg.parallel
+    vpp = p.vpp or 1
+    padded = megatron_padded_vocab(spec.vocab_size, p.tp, cfg.model.make_vocab_size_divisible_by)
+    ml = mg.MegatronLayout(p.tp, p.pp, vpp, padded)
+    return max(
+        sum(_numel(s.shape) for vp in range(vpp) for s in mg.chunk_shards(spec, ml, pp, vp, tp))
+        for pp in range(p.pp)
+        for tp in range(p.tp)
+    )
+
+
+def vllm_params_per_rank(spec: ModelSpec, rollout_tp: int) -> int:
+    return max(
+        sum(_numel(s.shape) for s in vl.rank_shards(spec, rollout_tp, r)) for r in range(rollout_tp)
+    )
+
+
+def distributed_optimizer_on(cfg: Config) -> bool:
+    return cfg.optim.distributed_optimizer in ("on", "auto")  # auto = on with CUDA
+
+
+def activation_bytes(spec: ModelSpec, cfg: Config, dp: int, recompute: bool) -> int:
+    p, g = cfg.parallel, cfg.grpo
+    s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    b, h, t = g.micro_batch_size, spec.hidden_size, p.tp
+    elem = DTYPE_BYTES[plan_dtype(cfg)]
+    scale = elem / 2  # the formula counts 16-bit activations
+    full_layer = s * b * h * (34 / t if p.sequence_parallel else 10 + 24 / t) * scale
+    layers = spec.num_layers // p.pp
+    if recompute:
+        per_micro = layers * 2 * s * b * h * scale / (t if p.sequence_parallel else 1)
+        per_micro += full_layer
+    else:
+        per_micro = layers * full_layer
+    batch = g.mini_batch_size or g.prompts_per_step * g.group_size
+    micro_batches = max(1, batch // max(dp, 1) // b)
+    in_flight = min(p.pp, micro_batches)
+    padded = megatron_padded_vocab(spec.vocab_size, t, cfg.model.make_vocab_size_divisible_by)
+    logits = 8 * s * b * padded // t
+    return int(per_micro * in_flight + logits)
+
+
+def kv_bytes_per_token(spec: ModelSpec, rollout_tp: int, elem: int) -> int:
+    kv_heads = max(1, spec.num_kv_heads // rollout_tp)
+    return spec.num_layers * 2 * kv_heads * spec.head_dim * elem
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU, by component, for one GPU role (``train``, ``rollout`` or both)."""
+
+    role: str
+    components: dict[str, int]
+    total: int
+    """The peak over the phases of a step (see the module docstring)."""
+
+    def to_dict(self) -> dict[str, int]:
+        return {**self.components, "total": self.total}
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    per_role: dict[str, MemoryEstimate]
+    kv_cache_needed: int
+    """KV cache one engine needs to hold all its sequences of a step at once."""
+    kv_cache_reserved: int
+    sequences_per_engine: int
+
+    @property
+    def peak(self) -> MemoryEstimate:
+        return max(self.per_role.values(), key=lambda m: m.total)
+
+
+def estimate_memory(
+    spec: ModelSpec,
+    cfg: Config,
+    *,
+    dp: int,
+    num_engines: int,
+    colocated: bool,
+    capacity_bytes: int,
+    recompute: bool = False,
+) -> MemoryReport:
+    elem = DTYPE_BYTES[plan_dtype(cfg)]
+    n = trainer_params_per_rank(spec, cfg)
+    opt_per_param = 8 + (4 if elem < 4 else 0)
+    opt = n * opt_per_param
+    if distributed_optimizer_on(cfg):
+        opt //= dp
+    trainer = {
+        "params": n * elem,
+        "grads": n * 4,
+        "optimizer": opt,
+        "reference": n * elem if cfg.grpo.kl_coef > 0 else 0,
+        "served": n * elem if cfg.checkpoint.exact_resume and cfg.sync.interval > 1 else 0,
+        "activations": activation_bytes(spec, cfg, dp, recompute),
+    }
+    state = sum(v for k, v in trainer.items() if k != "activations")
+    r = cfg.rollout
+    weights = vllm_params_per_rank(spec, r.tp) * elem
+    reserved = int(r.gpu_memory_utilization * capacity_bytes)
+    kv_reserved = max(0, reserved - weights)
+    seqs = cfg.grpo.prompts_per_step // max(num_engines, 1) * cfg.grpo.group_size
+    kv_needed = seqs * r.max_model_len * kv_bytes_per_token(spec, r.tp, elem)
+    vllm = {"vllm_weights": weights, "vllm_kv_cache": kv_reserved}
+    rt = {"runtime": RUNTIME_OVERHEAD_BYTES}
+    roles: dict[str, MemoryEstimate] = {}
+    if colocated:
+        during_train = trainer["activations"] + (0 if r.sleep_between_rollouts else reserved)
+        total = RUNTIME_OVERHEAD_BYTES + state + max(reserved, during_train)
+        roles["train+rollout"] = MemoryEstimate("train+rollout", {**trainer, **vllm, **rt}, total)
+    else:
+        t_total = RUNTIME_OVERHEAD_BYTES + state + trainer["activations"]
+        zero_v = {k: 0 for k in vllm}
+        roles["train"] = MemoryEstimate("train", {**trainer, **zero_v, **rt}, t_total)
+        zero_t = {k: 0 for k in trainer}
+        roles["rollout"] = MemoryEstimate(
+            "rollout", {**zero_t, **vllm, **rt}, RUNTIME_OVERHEAD_BYTES + reserved
+        )
+    return MemoryReport(roles, kv_needed, kv_reserved, seqs)
