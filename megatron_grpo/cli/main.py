@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "megatron_grpo.cli.train_cmd": "train",
     "megatron_grpo.cli.convert_cmd": "convert",
     "megatron_grpo.cli.bench_cmd": "bench",
+    "megatron_grpo.cli.plan_cmd": "plan",
 }
 
 
