@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# torchrun on ONE node (a workstation, a cloud VM, an interactive allocation):
+#   NPROC=8 CONFIG=configs/qwen2.5-7b-throughput.yaml launchers/torchrun.sh [key=value ...]
+#   PLAN=1 NPROC=8 CONFIG=... launchers/torchrun.sh   # dry run only: `megatron-grpo plan`
+# For several nodes and for Slurm, use slurm/*.sbatch (docs/launch.md).
+#
+# Knobs (environment):
+#   NPROC (or GPUS)  ranks to start (default: the GPUs nvidia-smi lists, else 1)
+#   CONFIG           YAML config (default: the embedded tiny default)
+#   RUN_DIR          run directory (default: the config's run_dir)
+#   RESUME           auto (default): --resume when RUN_DIR holds a checkpoint; 1 always; 0 never
+#   MASTER_ADDR      rendezvous address (default 127.0.0.1)
+#   MASTER_PORT      rendezvous port (default: a free port, torchrun --standalone)
+#   PLAN             1: only run the GPU-free dry run for this node and exit
+#   PLAN_ARGS        extra plan arguments (e.g. "--preset Qwen2.5-7B --gpu-memory-gb 141")
+#   OMP_NUM_THREADS  threads per rank (default 1 on CPU-only machines, torchrun's otherwise)
+#   TORCHRUN         the torchrun executable (default: torchrun on PATH)
+# Extra arguments are passed to `megatron-grpo train` (key=value overrides, --steps N, ...).
+# Nothing outside the run directory is touched; no process but the ones started here is
+# signalled (torchrun forwards SIGTERM/SIGINT to its own workers; the trainer then
+# checkpoints and exits).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if command -v nvidia-smi >/dev/null 2>&1; then
+    detected=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+else
+    detected=0
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
+NPROC=${NPROC:-${GPUS:-$((detected > 0 ? detected : 1))}}
+CONFIG=${CONFIG:-}
+RUN_DIR=${RUN_DIR:-}
+RESUME=${RESUME:-auto}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-}
+PLAN=${PLAN:-0}
+PLAN_ARGS=${PLAN_ARGS:-}
+TORCHRUN=${TORCHRUN:-torchrun}
+
+config_args=()
+[[ -n "$CONFIG" ]] && config_args=(--config "$CONFIG")
+
+if [[ "$PLAN" == 1 ]]; then
+    plan_args=()
+    if [[ -n "$PLAN_ARGS" ]]; then read -r -a plan_args <<<"$PLAN_ARGS"; fi
+    exec "${PYTHON:-python}" -m megatron_grpo.cli.main plan "${config_args[@]}" --nodes 1 \
+        --gpus-per-node "$NPROC" "${plan_args[@]}" "$@"
+fi
+
+train_args=("${config_args[@]}")
+[[ -n "$RUN_DIR" ]] && train_args+=(--run-dir "$RUN_DIR")
+case "$RESUME" in
+    auto) if [[ -n "$RUN_DIR" && -f "$RUN_DIR/checkpoints/latest" ]]; then train_args+=(--resume); fi ;;
+    1) train_args+=(--resume) ;;
+    0) ;;
+    *) echo "error: RESUME=$RESUME: use auto, 1 or 0." >&2; exit 2 ;;
+esac
+
+if [[ -n "$MASTER_PORT" ]]; then
+    rendezvous=(--nnodes=1 --node-rank=0 --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT")
+else
+    rendezvous=(--standalone)
+fi
+
+echo "torchrun.sh: $NPROC rank(s), ${CONFIG:-embedded default config}, train args: ${train_args[*]} $*"
+exec "$TORCHRUN" "${rendezvous[@]}" --nproc-per-node="$NPROC" -m megatron_grpo.cli.main \
+    train "${train_args[@]}" "$@"
