@@ -66,6 +66,28 @@ class ModelSpec:
         return asdict(self)
 
 
+def _rope_theta(cfg: dict, arch: str) -> float:
+    """The RoPE base of an HF config, from either config.json layout.
+
+    transformers >= 5 writes ``rope_parameters: {rope_type, rope_theta}`` and no top-level
+    ``rope_theta``; older versions write ``rope_theta`` (and ``rope_scaling``). Reading only
+    the top-level key silently gave 10000 for every v5 config (e.g. Qwen2.5's 1e6).
+    """
+    params = cfg.get("rope_parameters") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise UnsupportedModelError(
+            f"{arch} with rope_parameters={params!r} is not supported: "
+            "only plain RoPE (rope_type default) is."
+        )
+    if params and "rope_theta" not in params:
+        raise UnsupportedModelError(
+            f"{arch} with rope_parameters={params!r} is not supported: expected a flat "
+            "{rope_type: default, rope_theta: ...} (per-layer-type RoPE is not)."
+        )
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
 def spec_from_hf_config(cfg: dict) -> ModelSpec:
     """Build a ModelSpec from a parsed HF ``config.json``; raise for unsupported models."""
     archs = cfg.get("architectures") or []
@@ -81,6 +103,7 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
             f"{arch} with rope_scaling={cfg['rope_scaling']!r} is not supported: "
             "only plain RoPE (rope_scaling null) is."
         )
+    rope_theta = _rope_theta(cfg, arch)
     if family == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
         raise UnsupportedModelError(
             "LlamaForCausalLM with attention_bias or mlp_bias is not supported: "
@@ -109,7 +132,7 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
         ffn_hidden_size=cfg["intermediate_size"],
         vocab_size=cfg["vocab_size"],
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_theta=rope_theta,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         qkv_bias=family == "qwen2",
