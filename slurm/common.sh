@@ -26,7 +26,7 @@
 #
 # Preemption: `#SBATCH --signal=B:USR1@120` sends USR1 to this batch shell only. The trap
 # below forwards it to the srun step this script started (never to anything else); srun
-# forwards it to its torchrun tasks, torchrun (TORCHELASTIC_SIGNALS_TO_HANDLE) to its
+# forwards it to its torchrun tasks, torchrun (--signals-to-handle) to its
 # workers, and the trainer finishes its step, saves a checkpoint and exits 0. The script
 # then requeues the job (`scontrol requeue`, needs `#SBATCH --requeue`) unless the run is
 # complete; the requeued job starts this script again and resumes. A SIGTERM (scancel, or
@@ -70,10 +70,6 @@ mapfile -t MG_HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 MASTER_ADDR=${MASTER_ADDR:-${MG_HOSTS[0]}}
 export MASTER_ADDR MASTER_PORT
 
-# torchrun forwards these signals to its workers (torch.distributed.elastic.multiprocessing)
-# and waits GRACE_S for them before SIGKILL; USR1 is not in its default list.
-export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$GRACE_S
 
 MG_CONFIG_ARGS=()
 [[ -n "$CONFIG" ]] && MG_CONFIG_ARGS=(--config "$CONFIG")
@@ -103,8 +99,12 @@ esac
 
 MG_SRUN_ARGS=(--nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1)
 [[ -n "$SRUN_MPI" ]] && MG_SRUN_ARGS+=(--mpi="$SRUN_MPI")
+# --signals-to-handle: torchrun forwards these to its workers and then waits
+# --shutdown-timeout seconds for them before SIGKILL (torch/distributed/run.py; USR1 is not
+# in its default list, and without it torchrun dies of USR1 and orphans its workers).
 MG_TORCHRUN_ARGS=(
     --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE" --max-restarts=0
+    "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" --shutdown-timeout="$GRACE_S"
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
     --rdzv-id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"
 )
