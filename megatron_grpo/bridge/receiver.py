@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 _VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
 _CHECKSUM_CHUNK = 1 << 24
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_STORES: dict[int, Any] = {}
 
 
 # ---------------------------------------------------------------------------- checksums
@@ -202,7 +203,7 @@ def init_transfer_group(
         pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
     else:
         raise ValueError(f"transfer backend {backend!r} must be 'gloo' (CPU) or 'nccl' (GPU).")
-    pg._megatron_grpo_store = store  # keep the store alive as long as the group
+    _STORES[id(pg)] = store  # the group needs its store alive (pybind objects take no attrs)
     return pg
 
 
@@ -270,6 +271,7 @@ class ShardReceiver:
         self._captured_sums: dict[str, ParamChecksum] = {}
         self._session: _Session | None = None
         self._expected: dict[str, tuple[torch.nn.Module, str, tuple[int, ...], torch.dtype]] = {}
+        self._tied: list[tuple[str, torch.nn.Module]] = []
         self._build_index()
 
     # -- index of the logical (loadable) parameters
@@ -283,6 +285,21 @@ class ShardReceiver:
             meta = get_layerwise_info(module).restore_metadata[0].get(attr)
             ref = meta if meta is not None else live  # e.g. `bias` is never moved to meta
             self._expected[name] = (module, attr, tuple(ref.shape), ref.dtype)
+        # Modules that share a parameter with another module (tied lm_head): vLLM's reload
+        # loads and processes only the owner (reload/__init__.py, "Limitations 2"), but on
+        # CPU the tied lm_head keeps its own packed GEMM copy made at start
+        # (vocab_parallel_embedding.py: UnquantizedEmbeddingMethod.process_weights_after_
+        # loading -> dispatch_cpu_unquantized_gemm(remove_weight=False)), which then goes
+        # stale: logits would use the old embedding. ``finish`` re-processes these modules.
+        owners = {id(p) for p in self.model.parameters()}
+        seen: set[int] = set()
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if id(p) in seen and id(p) in owners:
+                prefix = name.rpartition(".")[0]
+                module = modules[prefix]
+                if getattr(module, "quant_method", None) is not None:
+                    self._tied.append((prefix, module))
+            seen.add(id(p))
 
     def expected_shards(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """``{vLLM name: (this rank's logical shape, dtype)}``: what a sync must deliver.
@@ -328,6 +345,9 @@ class ShardReceiver:
             finalize_layerwise_reload(self.model, self.model_config)
         finally:
             session.close()
+        for prefix, module in self._tied:
+            if prefix not in session.processed:
+                module.quant_method.process_weights_after_loading(module)
         if session.presharded:
             missing = sorted(set(self._expected) - session.loaded)
             if missing:
@@ -415,6 +435,7 @@ class _Session:
         self.rx = rx
         self.presharded = presharded
         self.loaded: set[str] = set()
+        self.processed: set[str] = set()
         self._restore: list[Callable[[], None]] = []
         prefixes = {id(m): p for p, m in rx.model.named_modules()}
         # Capture logical tensors right before vLLM's post-load processing (the repack).
@@ -425,7 +446,9 @@ class _Session:
             original = qm.process_weights_after_loading
 
             def hook(layer: torch.nn.Module, _orig: Callable = original) -> Any:
-                rx._capture(prefixes.get(id(layer), ""), layer)
+                prefix = prefixes.get(id(layer), "")
+                self.processed.add(prefix)
+                rx._capture(prefix, layer)
                 return _orig(layer)
 
             qm.process_weights_after_loading = hook

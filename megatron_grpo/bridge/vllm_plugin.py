@@ -58,8 +58,8 @@ class TransferInitInfo:
     """Group rank of vLLM worker 0 (trainer ranks come first)."""
     backend: str = "gloo"
     timeout_s: float = 600.0
-    keep_copies: bool = False
-    """Keep a CPU-side copy of every logical shard (for ``mgrpo_export``)."""
+    keep_copies: bool | None = None
+    """Keep a copy of every logical shard (for ``mgrpo_export``); None leaves it as is."""
 
 
 @dataclass
@@ -98,7 +98,8 @@ class MegatronShardTransferEngine(_engine_base()):  # type: ignore[misc]
     def init_transfer_engine(self, init_info: TransferInitInfo) -> None:
         from megatron_grpo.bridge.receiver import init_transfer_group
 
-        self.receiver.keep_copies = init_info.keep_copies
+        if init_info.keep_copies is not None:
+            self.receiver.keep_copies = init_info.keep_copies
         if init_info.world_size <= 0:
             return  # in-process only: no transport group
         self.group = init_transfer_group(

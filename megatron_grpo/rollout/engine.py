@@ -34,6 +34,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -313,6 +314,30 @@ class RolloutEngine:
         worker = self._in_process_worker()
         self._run_update(worker, lambda rx: rx.receive_bucket(flat, entries))
         return self._version
+
+    def begin_weight_update(self) -> ShardReceiver:
+        """Colocated: open vLLM's reload protocol on this rank's worker and return its
+        receiver; feed it shards (``receive_shard``), then call ``finish_weight_update``.
+        Used by the resharding bridge, whose transport hands over shards as they complete."""
+        from vllm.config import set_current_vllm_config
+
+        worker = self._in_process_worker()
+        worker.start_weight_update()
+        self._update_ctx = set_current_vllm_config(worker.vllm_config)
+        self._update_ctx.__enter__()
+        return worker.weight_transfer_engine.receiver
+
+    def finish_weight_update(self) -> float:
+        """Close the reload protocol opened by ``begin_weight_update`` (vLLM re-runs its
+        post-load processing); returns the seconds it took."""
+        t0 = time.perf_counter()
+        worker = self._in_process_worker()
+        try:
+            self._update_ctx.__exit__(None, None, None)
+        finally:
+            worker.finish_weight_update()
+        self._after_update()
+        return time.perf_counter() - t0
 
     def _run_update(self, worker: Any, body: Any) -> None:
         from vllm.config import set_current_vllm_config
