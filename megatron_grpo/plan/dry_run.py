@@ -90,7 +90,7 @@ class LaunchPlan:
     def table(self, max_links: int = 16) -> str:
         r, mem = self.ranks, self.memory
         lines = [
-            f"model        {self.model}: {self.spec.num_parameters / 1e9:.2f} B parameters, "
+            f"model        {self.model}: {_count(self.spec.num_parameters)} parameters, "
             f"{self.dtype}",
             f"cluster      {self.nodes} node(s) x {self.gpus_per_node} GPU(s) = world "
             f"{self.world_size}, {self.gpu_memory_bytes / GIB:.0f} GiB per GPU",
@@ -143,6 +143,10 @@ class LaunchPlan:
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
 
 def _ranges(ranks: list[int]) -> str:
