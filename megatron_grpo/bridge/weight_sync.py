@@ -41,7 +41,12 @@ def norm_style(names: list[str]) -> str:
 
 
 class WeightSync:
-    """Builds the static plan and transport once; ``sync()`` pushes the current weights."""
+    """Builds the static plan and transport once; ``sync(policy)`` pushes its weights.
+
+    ``sync.method=direct`` runs the resharding bridge; ``baseline`` runs what the anchors do
+    (``bridge.baseline``: gather full HF tensors on rank 0, broadcast, vLLM's own
+    ``load_weights``), measured by the same accounting. The plan is built either way so
+    ``minimal_bytes`` is known."""
 
     def __init__(
         self,
@@ -76,14 +81,39 @@ class WeightSync:
             device=ctx.device,
         )
         self.minimal_bytes = self.plan.minimal_bytes
+        self.method = sync_cfg.method
+        self.padded_vocab = padded_vocab
+        self.spec = spec
+        self._baselines: dict[int, object] = {}
         self.syncs = 0
 
-    def sync(self, shards: Mapping[str, torch.Tensor]) -> SyncReport:
-        """Push ``shards`` (this rank's trainer shards by name) into the local vLLM rank.
+    def sync(self, policy) -> SyncReport:
+        """Push ``policy``'s weights into every colocated vLLM rank.
 
         Collective over the job: every rank calls it. Returns the merged report of all ranks
         (bytes summed over senders, phase times of the slowest rank).
         """
+        if self.method == "baseline":
+            return self._sync_baseline(policy)
+        return self.sync_shards(dict(policy.named_shards()))
+
+    def _sync_baseline(self, policy) -> SyncReport:
+        from megatron_grpo.bridge.baseline import BaselineSync
+
+        base = self._baselines.get(id(policy))
+        if base is None:
+            base = BaselineSync(
+                policy.models, self.spec, self.ctx, self.engine, padded_vocab=self.padded_vocab
+            )
+            self._baselines[id(policy)] = base
+        with torch.no_grad():
+            stats = base.sync()
+        stats.minimal_bytes = self.minimal_bytes
+        self.syncs += 1
+        return merge_over_ranks(stats)
+
+    def sync_shards(self, shards: Mapping[str, torch.Tensor]) -> SyncReport:
+        """The direct bridge: push ``shards`` (this rank's trainer shards by name)."""
         receiver = self.engine.begin_weight_update()
         with torch.no_grad():
             stats, _ = self.transport.sync(

@@ -12,9 +12,13 @@ from megatron_grpo.config import ConfigError
 def exit_on_user_error():
     """Turn configuration and input errors into ``error: <message>`` and exit code 2."""
     from megatron_grpo.models.spec import UnsupportedModelError
+    from megatron_grpo.trainer.loop import RolloutFailure
 
     try:
         yield
     except (ConfigError, UnsupportedModelError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RolloutFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

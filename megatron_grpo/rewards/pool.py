@@ -54,6 +54,13 @@ def load_callable(path: str) -> Callable:
 
 
 def _worker_main(conn: Connection, target: str) -> None:
+    # Launchers deliver pre-emption warnings (SIGUSR1/SIGTERM) to the trainer's whole process
+    # group; the trainer checkpoints and stops its workers itself (SIGKILL, by pid), so a
+    # worker must not die mid-step on that signal.
+    import signal
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         fn = load_callable(target)
     except BaseException as e:  # report, then exit: the parent fails the build

@@ -35,6 +35,10 @@ from megatron_grpo.trainer.batch import collate, dp_shard, mini_batches
 log = logging.getLogger("megatron_grpo.trainer")
 
 
+class RolloutFailure(RuntimeError):
+    """The vLLM engine failed during a rollout; the message names the last checkpoint."""
+
+
 def _say(ctx, msg: str) -> None:
     if ctx.rank == 0:
         print(f"[megatron-grpo] {msg}", flush=True)
@@ -82,6 +86,10 @@ class GRPOTrainer:
 
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
+        # Installed first: a pre-emption warning during start-up (model load, engine start)
+        # must not kill the process before it can exit cleanly.
+        self.stop_requested = False
+        self._install_signal_handlers()
         rank = int(os.environ.get("RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.num_engines = validate_world(cfg, world)
@@ -121,12 +129,11 @@ class GRPOTrainer:
         self.reward_fn = build_reward(cfg.reward, cfg.data)
         self.advantage_fn = build_advantage_fn(g)
         self.loss_fn = make_loss_fn(g, cfg.rollout.max_new_tokens)
-        self.stop_requested = False
         self.start_step, self.policy_version = 0, 0
         if resume:
             self._resume()
         else:
-            report = self.weight_sync.sync(dict(self.policy.named_shards()))
+            report = self.weight_sync.sync(self.policy)
             self._snapshot_served()
             _say(ctx, f"initial sync: {report.bytes / 2**20:.2f} MiB in {report.seconds:.2f}s "
                  f"(minimal {report.minimal_bytes / 2**20:.2f} MiB)")  # fmt: skip
@@ -141,14 +148,16 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
         cfg, g, timer = self.cfg, self.cfg.grpo, self.timer
-        self._install_signal_handlers()
         last_saved = self.start_step
+        if self._stop_agreed():  # signalled during start-up: nothing new to save
+            _say(self.ctx, f"preemption signal during start-up: exiting at step {last_saved}")
+            return {"preempted": True, "step": last_saved}
         for step in range(self.start_step + 1, cfg.steps + 1):
             timer.reset()
             t_step = time.perf_counter()
             version = self.policy_version
             with timer.phase("rollout"):
-                prompts, samples = self.rollout(step)
+                prompts, samples = self._rollout_or_fail(step, last_saved)
             with timer.phase("reward"):
                 rewards, reward_info = self.score(prompts, samples)
             batch = collate(samples, self.tokenizer.pad_token_id)
@@ -191,6 +200,20 @@ class GRPOTrainer:
             seed=r.seed + 7919 * step, stop_token_ids=[self.tokenizer.eos_token_id],
         )  # fmt: skip
         return prompts, self._gather_engines(samples)
+
+    def _rollout_or_fail(self, step: int, last_saved: int):
+        try:
+            return self.rollout(step)
+        except Exception as e:
+            from megatron_grpo.checkpoint import find_latest
+
+            latest = find_latest(self.run_dir)
+            where = f"the last checkpoint {latest} is intact" if latest else "no checkpoint yet"
+            raise RolloutFailure(
+                f"vLLM engine failed during the rollout of step {step} ({type(e).__name__}: "
+                f"{e}); {where}. Fix the cause, then continue with `megatron-grpo train --resume "
+                f"--run-dir {self.run_dir}`."
+            ) from e
 
     def score(self, prompts, samples):
         g = self.cfg.grpo.group_size
@@ -245,7 +268,7 @@ class GRPOTrainer:
         return out
 
     def sync(self, step: int):
-        report = self.weight_sync.sync(dict(self.policy.named_shards()))
+        report = self.weight_sync.sync(self.policy)
         self.policy_version = step
         self._snapshot_served()
         return report
@@ -321,7 +344,7 @@ class GRPOTrainer:
             log.warning("checkpoint.exact_resume=false: serving step %d's weights, not %d's",
                         st.step, st.policy_version)  # fmt: skip
             self.policy_version = st.step
-        self.weight_sync.sync(dict(served.named_shards()))
+        self.weight_sync.sync(served)
         _say(self.ctx, f"resumed from {latest} (step {st.step}, vLLM serves step "
              f"{self.policy_version})")  # fmt: skip
 
