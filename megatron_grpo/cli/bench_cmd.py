@@ -2,6 +2,9 @@
 
 megatron-grpo bench sync --model HF_DIR|PRESET --train-tp A --train-pp B --rollout-tp C
     [--bucket-mb X[,Y,...]] [--repeats N] [--sink vllm|null] --json OUT.json
+megatron-grpo bench throughput [--config FILE] --v 1,2,5,10 --steps N [--warmup W]
+    [--nproc P] [--out-dir DIR] --json OUT.json [key=value ...]
+megatron-grpo bench project [--json OUT.json] [--plot OUT.png]
 """
 
 from __future__ import annotations
@@ -21,8 +24,17 @@ def _floats(text: str) -> list[float]:
         ) from None
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--v {text!r}: expected sync periods separated by commas, e.g. 1,2,5,10"
+        ) from None
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks (weight sync)")
+    p = sub.add_parser("bench", help="benchmarks (weight sync, throughput vs v, projection)")
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     s = bsub.add_parser(
         "sync",
@@ -53,6 +65,116 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     s.add_argument("--json", dest="json_out", help="write the results here")
     s.set_defaults(func=run_sync)
+    _add_throughput(bsub)
+    _add_project(bsub)
+
+
+def _add_throughput(bsub: argparse._SubParsersAction) -> None:
+    t = bsub.add_parser(
+        "throughput",
+        help="the training loop at several sync periods v, side by side (docs/benchmarks.md)",
+        description="Runs `megatron-grpo train` once per v (same config, seed and overrides; "
+        "one after the other; under torchrun when --nproc > 1), reads each metrics.jsonl and "
+        "reports steps/s, tokens/s and their ratio to the smallest v, the mean time per phase "
+        "and the sync cost amortized per step. The first --warmup steps of every run are "
+        "excluded. Writes JSON, two PNG plots and a markdown table into --out-dir.",
+    )
+    t.add_argument("--config", help="YAML config (default: configs/tiny_cpu.yaml if present, "
+                   "else the embedded defaults)")  # fmt: skip
+    t.add_argument("--v", dest="vs", type=_ints, default=[1, 2, 5, 10], help="e.g. 1,2,5,10")
+    t.add_argument("--steps", type=int, default=11, help="steps per run, warm-up included")
+    t.add_argument("--warmup", type=int, default=1, help="leading steps left out of the rates")
+    t.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun when > 1)")
+    t.add_argument("--out-dir", default="runs/bench_throughput", help="run dirs and report")
+    t.add_argument("--timeout-s", type=float, default=1800.0, help="time limit of one run")
+    t.add_argument("--json", dest="json_out", help="also write the results here")
+    t.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    t.set_defaults(func=run_throughput)
+
+
+def _add_project(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser(
+        "project",
+        help="step-time model of the paper's 1.35x (Qwen2.5-7B, 8xH100): where S comes from",
+        description="Calibrates step_time = T_other + S/v on the paper's two throughputs, "
+        "computes the bridge's and the baseline's bytes per sync from the static plan, and "
+        "predicts the v=1..20 throughput ratio for each sync-cost scenario. GPU-free, seconds.",
+    )
+    p.add_argument("--trainer-tp", type=int, default=1, help="trainer TP of the 7B layout")
+    p.add_argument("--trainer-pp", type=int, default=1, help="trainer PP of the 7B layout")
+    p.add_argument("--v", dest="vs", type=_ints, default=[1, 2, 5, 10, 20])
+    p.add_argument("--throughput-json", help="also check the model on a bench throughput JSON")
+    p.add_argument("--json", dest="json_out", help="write the projection here")
+    p.add_argument("--plot", help="write the ratio-vs-v plot here (PNG)")
+    p.set_defaults(func=run_project)
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    from megatron_grpo.bench.throughput import (
+        BenchRunFailed,
+        ThroughputArgs,
+        default_config,
+        format_table,
+        run_bench_throughput,
+        write_json,
+    )
+
+    try:
+        a = ThroughputArgs(
+            vs=args.vs, steps=args.steps, warmup=args.warmup,
+            config=args.config or default_config(), overrides=list(args.overrides),
+            nproc=args.nproc, out_dir=args.out_dir, timeout_s=args.timeout_s,
+        )  # fmt: skip
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        res = run_bench_throughput(a)
+    except BenchRunFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(format_table(res))
+    print(res["warmup_note"])
+    for f in res.get("files", []):
+        print(f"wrote {f}")
+    if args.json_out:
+        write_json(res, args.json_out)
+        print(f"wrote {args.json_out}")
+    return 0
+
+
+def run_project(args: argparse.Namespace) -> int:
+    from megatron_grpo.bench.projection import (
+        Assumptions,
+        calibrate_from_throughput,
+        format_projection,
+        project,
+    )
+
+    try:
+        p = project(Assumptions(trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp),
+                    vs=args.vs)  # fmt: skip
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_projection(p))
+    if args.throughput_json:
+        check = calibrate_from_throughput(json.loads(Path(args.throughput_json).read_text()))
+        p["measured_check"] = check
+        print(f"\nModel vs measured ({args.throughput_json}): T_other={check['t_other_s']:.3f} "
+              f"s, S={check['sync_s']:.3f} s from v={check['reference_v']}")  # fmt: skip
+        for r in check["rows"]:
+            print(f"  v={r['v']:>3}: predicted {r['predicted_ratio']:.3f}, "
+                  f"measured {r['measured_ratio']:.3f}")  # fmt: skip
+    if args.plot:
+        from megatron_grpo.bench.report import plot_projection
+
+        print(f"wrote {plot_projection(p, args.plot)}")
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(p, indent=2, default=str))
+        print(f"wrote {args.json_out}")
+    return 0
 
 
 def run_sync(args: argparse.Namespace) -> int:

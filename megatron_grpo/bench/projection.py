@@ -1,0 +1,381 @@
+"""Where the paper's 1.35x comes from: a step-time model of off-policy GRPO at sync period v.
+
+    step_time(v) = T_other + S / v
+    T_other = rollout + reward + logprob recompute + train      (paid every step)
+    S       = wire + in-process copies + fixed                  (paid once per sync)
+    fixed   = engine reload (vLLM ``load_weights`` + post-processing) + wake/sleep + cache reset
+    throughput ratio(v) = step_time(1) / step_time(v)
+
+**Calibration from the paper** (Mroueh et al., arXiv 2505.22257: Qwen2.5-7B, one 8xH100
+node, vLLM TP=4 colocated; 0.02828 it/s at v=1, 0.03828 it/s at v=10). Two throughputs
+give two equations in (T_other, S)::
+
+    1/x_a = T_other + S/v_a,   1/x_b = T_other + S/v_b
+    S       = (1/x_a - 1/x_b) / (1/v_a - 1/v_b)
+    T_other = 1/x_a - S/v_a
+
+(:func:`calibrate`): S = 10.26 s per sync, T_other = 25.10 s per step.
+
+**Sync cost candidates** for the same model and node (:func:`default_scenarios`): the wire
+time of the resharding bridge's bytes (the static plan, ``bridge.plan.build_plan``) and of
+the anchors' gather-to-one-rank + broadcast, at NVLink4 speed; the anchors' published sync
+times (verl, NeMo-RL); the physical limits of NVLink4 / PCIe Gen5 / 400G NIC for the
+model's bytes; the paper's implied S itself. Each gives a predicted ratio(v) with the
+paper's T_other. Every assumption is a named field (:class:`Assumptions`) and is printed.
+
+Pure Python (plus the plan, which is GPU-free), deterministic, fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+GB = 1e9
+GiB = float(1 << 30)
+
+PAPER_IT_S = {1: 0.02828, 10: 0.03828}
+"""Paper's measured training throughput (it/s) for Qwen2.5-7B on 8xH100, vLLM TP=4."""
+
+
+# ------------------------------------------------------------------------------ algebra
+
+
+def calibrate(x_a: float, v_a: int, x_b: float, v_b: int) -> tuple[float, float]:
+    """(T_other, S) from two throughputs ``x_a`` it/s at ``v_a`` and ``x_b`` at ``v_b``.
+
+    Solves ``1/x = T_other + S/v`` at both points. Raises ValueError naming the inputs when
+    the system is singular (v_a == v_b) or the solution is not physical (S < 0 or
+    T_other <= 0, i.e. the larger v was not faster, or faster than S/v can explain).
+    """
+    if v_a == v_b:
+        raise ValueError(f"calibrate: v_a == v_b == {v_a}; two different sync periods needed.")
+    if x_a <= 0 or x_b <= 0:
+        raise ValueError(f"calibrate: throughputs must be > 0, got {x_a} and {x_b} it/s.")
+    s = (1.0 / x_a - 1.0 / x_b) / (1.0 / v_a - 1.0 / v_b)
+    t_other = 1.0 / x_a - s / v_a
+    if s < 0 or t_other <= 0:
+        raise ValueError(
+            f"calibrate: {x_a} it/s at v={v_a} and {x_b} it/s at v={v_b} give S={s:.4g} s, "
+            f"T_other={t_other:.4g} s; a sync cost amortized over v needs S >= 0 and "
+            "T_other > 0 (the larger v must be faster, by less than 1/T_other)."
+        )
+    return t_other, s
+
+
+def step_time(t_other: float, sync_s: float, v: int) -> float:
+    """Seconds per trainer step when a sync of ``sync_s`` seconds happens every ``v`` steps."""
+    if v < 1:
+        raise ValueError(f"v={v} must be >= 1.")
+    return t_other + sync_s / v
+
+
+def throughput_ratio(t_other: float, sync_s: float, v: int, ref_v: int = 1) -> float:
+    """Steps/s at ``v`` over steps/s at ``ref_v`` (1 when ``sync_s`` is 0; grows with v)."""
+    return step_time(t_other, sync_s, ref_v) / step_time(t_other, sync_s, v)
+
+
+def sync_s_for_ratio(t_other: float, ratio: float, v: int) -> float:
+    """The per-sync cost S that makes ``throughput_ratio(T_other, S, v) == ratio``."""
+    if v == 1:
+        raise ValueError("v=1: every S gives ratio 1; pick v > 1.")
+    # (T + S) / (T + S/v) = r  ->  S (1 - r/v) = T (r - 1)
+    den = 1.0 - ratio / v
+    if den <= 0:
+        raise ValueError(f"ratio {ratio} >= v={v} is unreachable (the bound is v as S -> inf).")
+    return t_other * (ratio - 1.0) / den
+
+
+# ------------------------------------------------------------------------------ assumptions
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """Every number the projection uses that was not computed here, with its source."""
+
+    model: str = "Qwen2.5-7B"
+    """Shape from ``models.tiny.PRESETS`` (hidden 3584, 28 layers, 28/4 heads, vocab 152064)."""
+    gpus: int = 8
+    """One 8xH100 SXM node (paper)."""
+    trainer_tp: int = 1
+    """Trainer layout: TP=1 x DP=8, the closest Megatron layout to the paper's FSDP-style
+    data parallel trainer (every rank can hand its colocated vLLM rank its shard in-process;
+    an FSDP trainer would first all-gather, which this lower bound leaves out)."""
+    trainer_pp: int = 1
+    rollout_tp: int = 4
+    """vLLM TP=4 colocated (paper): two engines on ranks 0-3 and 4-7."""
+    dtype_bytes: int = 2
+    """bf16 weights on the wire."""
+    nvlink_GBps: float = 450.0
+    """H100 SXM NVLink4, per GPU per direction (900 GB/s bidirectional); DESIGN.md §5:
+    15.2 GB in ~34 ms."""
+    pcie_GBps: float = 63.0
+    """PCIe Gen5 x16 usable (DESIGN.md §5: 15.2 GB in ~0.24 s)."""
+    nic_GBps: float = 50.0
+    """One 400 Gb/s NIC (DESIGN.md §5: 15.2 GB in ~0.30 s)."""
+    hbm_copy_GBps: float = 1675.0
+    """A device-to-device copy on H100 (3.35 TB/s HBM3; a copy reads and writes)."""
+    verl_sync_s: tuple[float, float] = (0.55, 0.79)
+    """verl, Qwen2.5-7B weight sync on 8xL20: colocated, and over NCCL."""
+    nemo_rl_sync_s: float = 5.0
+    """NeMo-RL, Llama-3.1-8B refit on 8 GPUs (4.5% of a 112 s step); 8B, not 7B."""
+    paper_it_s: tuple[tuple[int, float], ...] = ((1, 0.02828), (10, 0.03828))
+    """(v, it/s) pairs measured by the paper."""
+    baseline_broadcast: str = "ring"
+    """Gather+broadcast baseline on NVLink: NCCL's pipelined ring, ~M / link bandwidth
+    for any number of receivers (the best case for the baseline; a naive root-sends-to-each
+    broadcast would be (receivers - 1) x slower)."""
+
+
+# ------------------------------------------------------------------------------ bytes
+
+
+@dataclass
+class PlanBytes:
+    """Bytes of one sync for a layout, from the static plan (direct) and by construction
+    (baseline)."""
+
+    model_bytes: int
+    """One full copy of the weights (what vLLM holds per engine, summed over its ranks)."""
+    engines: int
+    vllm_ranks: int
+    direct_total: int
+    direct_in_process: int
+    direct_cross: int
+    direct_busiest_rank: int
+    """max over ranks of cross-process bytes sent or received (the bottleneck link end)."""
+    direct_busiest_in_process: int
+    baseline_gather_into_root: int
+    baseline_broadcast_wire: int
+    """Full tensors to every vLLM rank but the root's own: M x (vLLM ranks - 1)."""
+    baseline_total: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_bytes(a: Assumptions) -> PlanBytes:
+    """Direct bridge bytes from ``build_plan`` on the preset shape; baseline by construction:
+    gather every shard the root (rank 0) does not hold, then broadcast the full model to all
+    vLLM ranks (``bridge/baseline.py``)."""
+    from megatron_grpo.bridge.plan import TrainerPlacement, build_plan, plan_report
+    from megatron_grpo.bridge.weight_sync import colocated_engine_ranks
+    from megatron_grpo.models.spec import megatron_padded_vocab
+    from megatron_grpo.plan.model import preset_spec
+
+    spec = preset_spec(a.model)
+    if a.gpus % (a.trainer_tp * a.trainer_pp) or a.gpus % a.rollout_tp:
+        raise ValueError(
+            f"gpus({a.gpus}) must be a multiple of trainer tp*pp ({a.trainer_tp}*"
+            f"{a.trainer_pp}) and of rollout_tp({a.rollout_tp})."
+        )
+    dp = a.gpus // (a.trainer_tp * a.trainer_pp)
+    placement = TrainerPlacement(
+        tp=a.trainer_tp, pp=a.trainer_pp, dp=dp,
+        padded_vocab=megatron_padded_vocab(spec.vocab_size, a.trainer_tp),
+    )  # fmt: skip
+    engines = colocated_engine_ranks(a.gpus, a.rollout_tp)
+    rep = plan_report(build_plan(spec, placement, a.rollout_tp, engines, a.dtype_bytes))
+    links = rep.bytes_per_link
+    in_proc: dict[int, int] = {}
+    for (s, d), n in links.items():
+        if s == d:
+            in_proc[s] = in_proc.get(s, 0) + n
+    busiest = max(
+        [*rep.sent_per_rank.values(), *rep.received_per_rank.values(), 0],
+    )
+    model_bytes = spec.num_parameters * a.dtype_bytes
+    n_vllm = len(engines) * a.rollout_tp
+    root_share = 1.0 / (a.trainer_tp * a.trainer_pp)
+    gather = int(round(model_bytes * (1.0 - root_share)))
+    bcast = model_bytes * (n_vllm - 1)
+    return PlanBytes(
+        model_bytes=model_bytes, engines=len(engines), vllm_ranks=n_vllm,
+        direct_total=rep.bytes_per_sync, direct_in_process=rep.in_process_bytes,
+        direct_cross=rep.cross_process_bytes, direct_busiest_rank=busiest,
+        direct_busiest_in_process=max(in_proc.values(), default=0),
+        baseline_gather_into_root=gather, baseline_broadcast_wire=bcast,
+        baseline_total=gather + bcast + model_bytes,
+    )  # fmt: skip
+
+
+def direct_wire_s(b: PlanBytes, link_GBps: float, copy_GBps: float) -> float:
+    """Every link works at once: the busiest rank's cross-process bytes over its link, plus
+    its in-process copies (they run on the same device, not overlapped here)."""
+    return b.direct_busiest_rank / (link_GBps * GB) + b.direct_busiest_in_process / (copy_GBps * GB)
+
+
+def baseline_wire_s(b: PlanBytes, link_GBps: float, copy_GBps: float) -> float:
+    """Gather into the root over its one link, then a pipelined ring broadcast of the full
+    model (~M / link bandwidth), plus the root's own in-process copy."""
+    return (
+        b.baseline_gather_into_root / (link_GBps * GB)
+        + b.model_bytes / (link_GBps * GB)
+        + b.model_bytes / b.vllm_ranks / (copy_GBps * GB)
+    )
+
+
+# ------------------------------------------------------------------------------ scenarios
+
+
+@dataclass
+class Scenario:
+    name: str
+    sync_s: float
+    """Per-sync cost S (seconds) in this scenario."""
+    source: str
+    """Where S comes from."""
+    ratios: dict[int, float] = field(default_factory=dict)
+
+
+def default_scenarios(a: Assumptions, b: PlanBytes, s_paper: float) -> list[Scenario]:
+    m = b.model_bytes
+    direct = direct_wire_s(b, a.nvlink_GBps, a.hbm_copy_GBps)
+    base = baseline_wire_s(b, a.nvlink_GBps, a.hbm_copy_GBps)
+    residual = max(0.0, s_paper - base)
+    fsdp = m * (a.gpus - 1) / a.gpus / (a.nvlink_GBps * GB) + direct
+    return [
+        Scenario("paper (implied S)", s_paper,
+                 "solved from the paper's two throughputs (calibrate)"),
+        Scenario("direct bridge, wire only (NVLink4)", direct,
+                 f"busiest rank {b.direct_busiest_rank / GiB:.2f} GiB cross-process at "
+                 f"{a.nvlink_GBps:g} GB/s + {b.direct_busiest_in_process / GiB:.2f} GiB "
+                 f"in-process at {a.hbm_copy_GBps:g} GB/s"),
+        Scenario("baseline gather+bcast, wire only (NVLink4)", base,
+                 f"gather {b.baseline_gather_into_root / GiB:.2f} GiB into rank 0 + ring "
+                 f"broadcast of {m / GiB:.2f} GiB at {a.nvlink_GBps:g} GB/s"),
+        Scenario("FSDP trainer: all-gather + direct", fsdp,
+                 f"each rank all-gathers {(a.gpus - 1) / a.gpus:.3f} of {m / GB:.2f} GB at "
+                 f"{a.nvlink_GBps:g} GB/s, then copies its vLLM shard in-process"),
+        Scenario("direct bridge + paper's non-wire overhead", direct + residual,
+                 f"bridge wire + ({s_paper:.2f} - baseline wire {base:.3f}) s of reload, "
+                 "wake/sleep, cache reset kept"),
+        Scenario("verl-like sync (colocated)", a.verl_sync_s[0], "verl Qwen2.5-7B, 8xL20"),
+        Scenario("verl-like sync (NCCL)", a.verl_sync_s[1], "verl Qwen2.5-7B, 8xL20"),
+        Scenario("NeMo-RL-like refit", a.nemo_rl_sync_s, "NeMo-RL Llama-3.1-8B, 8 GPUs"),
+        Scenario("full model over PCIe Gen5 x16", m / (a.pcie_GBps * GB),
+                 f"{m / GB:.2f} GB at {a.pcie_GBps:g} GB/s"),
+        Scenario("full model over one 400G NIC", m / (a.nic_GBps * GB),
+                 f"{m / GB:.2f} GB at {a.nic_GBps:g} GB/s"),
+        Scenario("full model over NVLink4", m / (a.nvlink_GBps * GB),
+                 f"{m / GB:.2f} GB at {a.nvlink_GBps:g} GB/s"),
+    ]  # fmt: skip
+
+
+def project(
+    a: Assumptions | None = None,
+    vs: Sequence[int] = (1, 2, 5, 10, 20),
+    layouts: Sequence[tuple[int, int]] = ((1, 1), (2, 1), (4, 1)),
+) -> dict[str, Any]:
+    """The whole projection: calibration, bytes per trainer layout, scenarios, ratios."""
+    a = a or Assumptions()
+    (va, xa), (vb, xb) = a.paper_it_s
+    t_other, s_paper = calibrate(xa, va, xb, vb)
+    b = plan_bytes(a)
+    scenarios = default_scenarios(a, b, s_paper)
+    for sc in scenarios:
+        sc.ratios = {v: throughput_ratio(t_other, sc.sync_s, v) for v in vs}
+    by_layout = []
+    for tp, pp in layouts:
+        la = Assumptions(**{**asdict(a), "trainer_tp": tp, "trainer_pp": pp})
+        lb = b if (tp, pp) == (a.trainer_tp, a.trainer_pp) else plan_bytes(la)
+        d = direct_wire_s(lb, a.nvlink_GBps, a.hbm_copy_GBps)
+        bw = baseline_wire_s(lb, a.nvlink_GBps, a.hbm_copy_GBps)
+        by_layout.append({
+            "trainer_tp": tp, "trainer_pp": pp, "trainer_dp": a.gpus // (tp * pp),
+            "bytes": lb.to_dict(), "direct_wire_s": d, "baseline_wire_s": bw,
+            "direct_ratio_v10": throughput_ratio(t_other, d, 10),
+            "baseline_ratio_v10": throughput_ratio(t_other, bw, 10),
+        })  # fmt: skip
+    return {
+        "assumptions": asdict(a),
+        "calibration": {
+            "equations": [f"1/{xa} = T_other + S/{va}", f"1/{xb} = T_other + S/{vb}"],
+            "t_other_s": t_other,
+            "sync_s": s_paper,
+            "step_s": {va: 1 / xa, vb: 1 / xb},
+            "sync_share_of_v1_step": s_paper / (1 / xa),
+            "check_it_s": {
+                va: 1 / step_time(t_other, s_paper, va),
+                vb: 1 / step_time(t_other, s_paper, vb),
+            },
+        },  # fmt: skip
+        "bytes": b.to_dict(),
+        "scenarios": [asdict(s) for s in scenarios],
+        "layouts": by_layout,
+        "vs": list(vs),
+        "gap": {
+            "paper_S_over_verl_nccl": s_paper / a.verl_sync_s[1],
+            "paper_S_over_direct_wire": s_paper / scenarios[1].sync_s,
+            "S_needed_for_1.10x_at_v10": sync_s_for_ratio(t_other, 1.10, 10),
+            "S_needed_for_1.35x_at_v10": sync_s_for_ratio(t_other, 1.35, 10),
+        },
+    }
+
+
+def calibrate_from_throughput(res: Mapping[str, Any]) -> dict[str, Any]:
+    """Check the model on a measured ``bench throughput`` result: T_other and S from the
+    reference run alone (its non-sync step time, its mean seconds per sync), then the
+    predicted ratio for every other v against the measured one."""
+    ref = min(res["runs"], key=lambda r: r["v"])
+    s = ref["sync_time_mean_s"] or 0.0
+    t_other = ref["step_time_mean_s"] - ref["sync_amortized_s"]
+    rows = []
+    for r in res["runs"]:
+        rows.append({
+            "v": r["v"], "measured_ratio": r["steps_per_s_ratio"],
+            "predicted_ratio": throughput_ratio(t_other, s, r["v"], ref["v"]),
+        })  # fmt: skip
+    return {"reference_v": ref["v"], "t_other_s": t_other, "sync_s": s, "rows": rows}
+
+
+# ------------------------------------------------------------------------------ text
+
+
+def format_projection(p: Mapping[str, Any]) -> str:
+    c, a, b = p["calibration"], p["assumptions"], p["bytes"]
+    (va, xa), (vb, xb) = a["paper_it_s"]
+    vs = p["vs"]
+    out = [
+        f"Calibration ({a['model']}, {a['gpus']}xH100, vLLM TP={a['rollout_tp']} colocated):",
+        f"  1/{xa} = {1 / xa:.3f} s = T_other + S/{va}",
+        f"  1/{xb} = {1 / xb:.3f} s = T_other + S/{vb}",
+        f"  S = ({1 / xa:.3f} - {1 / xb:.3f}) / (1/{va} - 1/{vb}) = {c['sync_s']:.3f} s per sync;"
+        f" T_other = {c['t_other_s']:.3f} s per step "
+        f"(sync = {100 * c['sync_share_of_v1_step']:.1f}% of a v={va} step)",
+        f"Bytes per sync (bf16, trainer TP={a['trainer_tp']} PP={a['trainer_pp']} "
+        f"DP={a['gpus'] // (a['trainer_tp'] * a['trainer_pp'])} -> {b['engines']} engines x "
+        f"TP={a['rollout_tp']}): model {b['model_bytes'] / GB:.2f} GB; direct "
+        f"{b['direct_total'] / GiB:.2f} GiB ({b['direct_in_process'] / GiB:.2f} in-process, "
+        f"busiest rank {b['direct_busiest_rank'] / GiB:.2f} GiB cross); baseline "
+        f"{b['baseline_total'] / GiB:.2f} GiB (gather {b['baseline_gather_into_root'] / GiB:.2f}"
+        f" + broadcast wire {b['baseline_broadcast_wire'] / GiB:.2f} + root in-process)",
+        "",
+        f"{'scenario':<46}{'S (s)':>9}" + "".join(f"{'v=' + str(v):>8}" for v in vs),
+    ]
+    for s in p["scenarios"]:
+        out.append(
+            f"{s['name']:<46}{s['sync_s']:>9.3f}" + "".join(f"{s['ratios'][v]:>8.4f}" for v in vs)
+        )
+    out.append("")
+    out.append(f"{'trainer layout':<18}{'direct GiB':>11}{'busiest':>9}{'baseline GiB':>13}"
+               f"{'direct s':>10}{'base s':>9}{'dir v10':>9}{'base v10':>9}")  # fmt: skip
+    for lay in p["layouts"]:
+        lb = lay["bytes"]
+        out.append(
+            f"TP{lay['trainer_tp']} PP{lay['trainer_pp']} DP{lay['trainer_dp']:<9}"
+            f"{lb['direct_total'] / GiB:>11.2f}{lb['direct_busiest_rank'] / GiB:>9.2f}"
+            f"{lb['baseline_total'] / GiB:>13.2f}{lay['direct_wire_s']:>10.4f}"
+            f"{lay['baseline_wire_s']:>9.4f}{lay['direct_ratio_v10']:>9.4f}"
+            f"{lay['baseline_ratio_v10']:>9.4f}"
+        )
+    g = p["gap"]
+    out += [
+        "",
+        f"Gap: the paper's S is {g['paper_S_over_verl_nccl']:.0f}x verl's NCCL sync and "
+        f"{g['paper_S_over_direct_wire']:.0f}x the bridge's NVLink wire time; 1.10x at v=10 "
+        f"needs S >= {g['S_needed_for_1.10x_at_v10']:.2f} s, 1.35x needs "
+        f"{g['S_needed_for_1.35x_at_v10']:.2f} s.",
+    ]
+    return "\n".join(out)

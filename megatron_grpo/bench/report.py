@@ -1,0 +1,138 @@
+"""Plots and markdown for ``bench throughput`` and ``bench project`` (matplotlib's Agg
+canvas through ``metrics.plots._save``; no pyplot, no global backend switch)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from megatron_grpo.metrics.plots import _save
+
+PHASE_COLORS = {
+    "rollout": "tab:blue", "reward": "tab:green", "logprobs": "tab:purple",
+    "train": "tab:red", "sync": "tab:orange", "other": "tab:gray",
+}  # fmt: skip
+
+
+def plot_throughput(res: Mapping[str, Any], path: str | os.PathLike) -> Path:
+    """steps/s and tokens/s ratios to the reference v, and what the sync saving alone
+    predicts; the paper's 1.35x at v=10 (Qwen2.5-7B, 8xH100) as a marker."""
+    from matplotlib.figure import Figure
+
+    runs = res["runs"]
+    vs = [r["v"] for r in runs]
+    fig = Figure(figsize=(6, 3.6))
+    ax = fig.add_subplot()
+    ax.plot(vs, [r["steps_per_s_ratio"] for r in runs], "o-", label="steps/s (measured)")
+    ax.plot(vs, [r["tokens_per_s_ratio"] for r in runs], "s--", label="tokens/s (measured)")
+    ax.plot(vs, [r["sync_only_ratio"] for r in runs], "^:", label="sync saving alone")
+    ax.plot([10], [1.35], "k*", ms=10, label="paper, 7B on 8xH100")
+    ax.axhline(1.0, color="gray", lw=0.6)
+    ax.set_xlabel("sync period v (steps)")
+    ax.set_ylabel(f"throughput / throughput at v={res['reference_v']}")
+    ax.set_title("Throughput vs sync period (this machine, tiny default)", fontsize=9)
+    ax.set_xticks(vs)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    _save(fig, Path(path))
+    return Path(path)
+
+
+def plot_phases(res: Mapping[str, Any], path: str | os.PathLike) -> Path:
+    """Mean seconds per step by phase, stacked, one bar per v (sync amortized per step)."""
+    from matplotlib.figure import Figure
+
+    runs = res["runs"]
+    labels = [f"v={r['v']}" for r in runs]
+    fig = Figure(figsize=(6, 3.6))
+    ax = fig.add_subplot()
+    bottom = [0.0] * len(runs)
+    for phase, color in PHASE_COLORS.items():
+        vals = [r["phase_mean_s"][phase] for r in runs]
+        ax.bar(labels, vals, bottom=bottom, color=color, label=phase)
+        bottom = [b + x for b, x in zip(bottom, vals)]
+    ax.set_ylabel("seconds per step (mean over measured steps)")
+    ax.set_title("Per-step time by phase (sync amortized per step)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper right", ncol=2)
+    ax.grid(axis="y", alpha=0.3)
+    _save(fig, Path(path))
+    return Path(path)
+
+
+def throughput_markdown(res: Mapping[str, Any]) -> str:
+    a = res["args"]
+    ref = res["reference_v"]
+    lines = [
+        f"Runs: {a['steps']} steps each, first {a['warmup']} excluded (warm-up); "
+        f"nproc={a['nproc']}; config={a['config'] or 'embedded defaults'}; overrides: "
+        f"`{' '.join(a['overrides']) or '(none)'}`. Ratios are to v={ref}.",
+        "",
+        "| v | steps/s | ratio | tokens/s | ratio | syncs (measured) | s/sync | sync/step "
+        "| rollout | reward | logprobs | train | other | step | sync-only ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["runs"]:
+        p = r["phase_mean_s"]
+        sps = r["sync_time_mean_s"]
+        lines.append(
+            f"| {r['v']} | {r['steps_per_s']:.4f} | {r['steps_per_s_ratio']:.3f} | "
+            f"{r['tokens_per_s']:.1f} | {r['tokens_per_s_ratio']:.3f} | {r['num_syncs']} "
+            f"({r['measured_syncs']}) | {f'{sps:.3f}' if sps is not None else '-'} | "
+            f"{r['sync_amortized_s']:.3f} | {p['rollout']:.3f} | {p['reward']:.3f} | "
+            f"{p['logprobs']:.3f} | {p['train']:.3f} | {p['other']:.3f} | "
+            f"{r['step_time_mean_s']:.3f} | {r['sync_only_ratio']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_throughput_report(res: Mapping[str, Any], out_dir: str | os.PathLike) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [plot_throughput(res, out / "throughput_vs_v.png"),
+             plot_phases(res, out / "phase_breakdown.png")]  # fmt: skip
+    md = out / "throughput.md"
+    md.write_text("# bench throughput\n\n" + throughput_markdown(res) + "\n")
+    files.append(md)
+    js = out / "throughput.json"
+    js.write_text(json.dumps(res, indent=2, default=str))
+    files.append(js)
+    return files
+
+
+def plot_projection(p: Mapping[str, Any], path: str | os.PathLike) -> Path:
+    """Predicted throughput ratio vs v for each sync-cost scenario (7B, 8xH100)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot()
+    vs = p["vs"]
+    for s in p["scenarios"]:
+        ax.plot(vs, [s["ratios"][v] for v in vs], "o-", ms=3,
+                label=f"{s['name']} (S={s['sync_s']:.3g} s)")  # fmt: skip
+    ax.plot([10], [1.35], "k*", ms=11, label="paper measured 1.35x")
+    ax.set_xlabel("sync period v (steps)")
+    ax.set_ylabel("throughput / throughput at v=1")
+    ax.set_title("Qwen2.5-7B, 8xH100, vLLM TP=4 colocated: projected ratio", fontsize=9)
+    ax.set_xticks(vs)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, loc="upper left")
+    _save(fig, Path(path))
+    return Path(path)
+
+
+def projection_markdown(p: Mapping[str, Any]) -> str:
+    vs = p["vs"]
+    lines = [
+        "| scenario | S per sync (s) | " + " | ".join(f"v={v}" for v in vs) + " | source |",
+        "|---|---|" + "---|" * len(vs) + "---|",
+    ]
+    for s in p["scenarios"]:
+        lines.append(
+            f"| {s['name']} | {s['sync_s']:.4g} | "
+            + " | ".join(f"{s['ratios'][v]:.4f}" for v in vs)
+            + f" | {s['source']} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,314 @@
+"""``megatron-grpo bench throughput``: the real training loop at several sync periods v.
+
+One ``megatron-grpo train`` process per v (under torchrun when ``nproc > 1``), the same
+config, seed and overrides, run one after the other in one invocation; each run's
+``metrics.jsonl`` is read back and reduced to:
+
+- steps/s and tokens/s over the measured steps, and their ratio to the smallest v;
+- the mean seconds per step of each phase (rollout, reward, logprobs, train, sync, other =
+  time_step minus the named phases), sync counted 0 on steps that did not sync -- so the
+  mean ``sync`` column *is* the sync cost amortized per step;
+- the sync count and the mean seconds per sync.
+
+Warm-up: the first ``warmup`` steps of every run are left out of every rate and mean
+(first-call costs: vLLM's first generate, allocator growth, the first optimizer step).
+The measured window holds exactly ``(steps - warmup) / v`` syncs only when v divides
+``steps - warmup``; :func:`check_args` refuses windows that would give one v an unfair
+share of syncs (pick ``steps = warmup + k * lcm(vs)``).
+
+Every process started here is waited for, or killed through its own process group (its
+id), before the function returns.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PHASES = ("rollout", "reward", "logprobs", "train", "sync")
+BENCH_OVERRIDES = (
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "logging.plots=false",
+    # The end-of-run checkpoint is saved inside the last step's time_step: keep it out.
+    "checkpoint.save_at_end=false",
+)
+"""Applied before the user's overrides (which may set them back)."""
+
+
+class BenchRunFailed(RuntimeError):
+    """One ``megatron-grpo train`` run exited non-zero or ran past its time limit."""
+
+
+@dataclass
+class ThroughputArgs:
+    vs: list[int] = field(default_factory=lambda: [1, 2, 5, 10])
+    """The sync periods to compare; the smallest is the reference of every ratio."""
+    steps: int = 11
+    """Trainer steps per run (warm-up included)."""
+    warmup: int = 1
+    """Leading steps of every run left out of the rates and means."""
+    config: str | None = None
+    """YAML config; None = configs/tiny_cpu.yaml when it exists, else the embedded defaults."""
+    overrides: list[str] = field(default_factory=list)
+    """key=value overrides passed to every run (the same for every v)."""
+    nproc: int = 1
+    """Ranks per run: 1 = one process, > 1 = torchrun --standalone --nproc-per-node."""
+    out_dir: str = "runs/bench_throughput"
+    """One run directory per v under here (``v{v}/``), plus the report files."""
+    timeout_s: float = 1800.0
+    """Time limit of one run."""
+    threads: int = 1
+    """OMP_NUM_THREADS of each rank."""
+
+    def __post_init__(self) -> None:
+        check_args(self)
+
+    @property
+    def measured_steps(self) -> int:
+        return self.steps - self.warmup
+
+
+def check_args(a: ThroughputArgs) -> None:
+    if not a.vs or any(v < 1 for v in a.vs):
+        raise ValueError(f"--v {a.vs}: give sync periods >= 1, e.g. --v 1,2,5,10.")
+    if len(set(a.vs)) != len(a.vs):
+        raise ValueError(f"--v {a.vs}: each v once.")
+    if a.warmup < 0 or a.nproc < 1 or a.threads < 1:
+        raise ValueError(
+            f"--warmup({a.warmup}) must be >= 0, --nproc({a.nproc}) and threads({a.threads}) >= 1."
+        )
+    n = a.steps - a.warmup
+    if n < 1:
+        raise ValueError(
+            f"--steps({a.steps}) leaves no measured step after --warmup({a.warmup}): use "
+            f"--steps {a.warmup + max(a.vs)} or more."
+        )
+    bad = [v for v in a.vs if n % v]
+    if bad:
+        lcm = math.lcm(*a.vs)
+        raise ValueError(
+            f"--steps({a.steps}) - --warmup({a.warmup}) = {n} measured steps is not a multiple "
+            f"of v in {bad}: those runs would sync a different share of the measured steps. "
+            f"Use --steps {a.warmup + lcm * max(1, round(n / lcm))} (warm-up + a multiple of "
+            f"lcm(v) = {lcm})."
+        )
+    for o in a.overrides:
+        key = o.split("=", 1)[0]
+        if "=" not in o or key in ("steps", "sync.interval", "run_dir", "seed"):
+            raise ValueError(
+                f"override {o!r}: give key=value, and not steps / sync.interval / run_dir / "
+                "seed, which the benchmark sets itself (--steps, --v, --out-dir; the config's "
+                "seed is shared by every run)."
+            )
+
+
+def default_config() -> str | None:
+    """configs/tiny_cpu.yaml of the repository when it exists, else None (embedded defaults)."""
+    path = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
+    return str(path) if path.is_file() else None
+
+
+def train_command(a: ThroughputArgs, v: int, run_dir: Path) -> list[str]:
+    """The command line of the run for sync period ``v``."""
+    if a.nproc > 1:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  f"--nproc-per-node={a.nproc}", "-m", "megatron_grpo.cli.main"]  # fmt: skip
+    else:
+        launch = [sys.executable, "-m", "megatron_grpo.cli.main"]
+    cmd = [*launch, "train", "--run-dir", str(run_dir), "--steps", str(a.steps),
+           "--sync-interval", str(v)]  # fmt: skip
+    if a.config:
+        cmd += ["--config", a.config]
+    return cmd + [*BENCH_OVERRIDES, *a.overrides]
+
+
+def _run(cmd: list[str], log_path: Path, timeout_s: float, threads: int) -> float:
+    """Run ``cmd`` in its own process group, output to ``log_path``; returns wall seconds."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except BaseException:
+            # Its own session: the group id is the pid we started (torchrun's ranks, vLLM's
+            # workers and the reward pool are in it); nothing else is touched.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            raise
+    if rc != 0:
+        tail = log_path.read_text(errors="replace").splitlines()[-15:]
+        raise BenchRunFailed(
+            f"`{' '.join(cmd)}` exited with {rc}; its log is {log_path}. Last lines:\n"
+            + "\n".join(tail)
+        )
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------ analysis
+
+
+def _f(row: Mapping[str, Any], key: str) -> float:
+    x = row.get(key)
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else 0.0
+
+
+def analyze_run(rows: Sequence[Mapping[str, Any]], v: int, warmup: int) -> dict[str, Any]:
+    """Rates and phase means of one run's metrics rows, its first ``warmup`` steps left out."""
+    measured = [r for r in rows if r["step"] > warmup]
+    if not measured:
+        raise ValueError(f"v={v}: no step after the {warmup} warm-up step(s) in {len(rows)} rows")
+    n = len(measured)
+    step_s = [_f(r, "time_step") for r in measured]
+    total = sum(step_s)
+    tokens = sum(_f(r, "tokens_per_s") * _f(r, "time_step") for r in measured)
+    phases = {p: sum(_f(r, f"time_{p}") for r in measured) / n for p in PHASES}
+    phases["other"] = max(0.0, total / n - sum(phases.values()))
+    synced = [r for r in measured if r.get("synced")]
+    sync_s = [_f(r, "time_sync") for r in synced]
+    return {
+        "v": v,
+        "steps_logged": len(rows),
+        "measured_steps": n,
+        "warmup_steps": len(rows) - n,
+        "num_syncs": sum(1 for r in rows if r.get("synced")),
+        "measured_syncs": len(synced),
+        "synced_steps": [r["step"] for r in rows if r.get("synced")],
+        "step_time_mean_s": total / n,
+        "steps_per_s": n / total if total else None,
+        "tokens_per_s": tokens / total if total else None,
+        "phase_mean_s": phases,
+        "sync_time_mean_s": sum(sync_s) / len(sync_s) if sync_s else None,
+        "sync_amortized_s": phases["sync"],
+        "sync_bytes_mean": (
+            sum(_f(r, "sync_bytes") for r in synced) / len(synced) if synced else None
+        ),
+        "response_len_mean": sum(_f(r, "response_len_mean") for r in measured) / n,
+        "reward_mean": sum(_f(r, "reward_mean") for r in measured) / n,
+    }
+
+
+def compare(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Ratios of every run to the run with the smallest v."""
+    ref = min(runs, key=lambda r: r["v"])
+    out = []
+    for r in sorted(runs, key=lambda r: r["v"]):
+        r = dict(r)
+        r["steps_per_s_ratio"] = (
+            r["steps_per_s"] / ref["steps_per_s"]
+            if r["steps_per_s"] and ref["steps_per_s"]
+            else None
+        )
+        r["tokens_per_s_ratio"] = (
+            r["tokens_per_s"] / ref["tokens_per_s"]
+            if r["tokens_per_s"] and ref["tokens_per_s"]
+            else None
+        )
+        # What the sync saving alone predicts: the reference's step time with its amortized
+        # sync replaced by this run's (other phases held at the reference's values).
+        t_ref = ref["step_time_mean_s"]
+        t_pred = t_ref - ref["sync_amortized_s"] + r["sync_amortized_s"]
+        r["sync_only_ratio"] = t_ref / t_pred if t_pred > 0 else None
+        out.append(r)
+    return {"reference_v": ref["v"], "runs": out}
+
+
+# ------------------------------------------------------------------------------ driver
+
+
+def run_bench_throughput(a: ThroughputArgs, report: bool = True) -> dict[str, Any]:
+    from megatron_grpo.metrics.logger import read_metrics
+
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs, commands = [], {}
+    t_all = time.perf_counter()
+    for v in sorted(a.vs):
+        run_dir = out / f"v{v}"
+        cmd = train_command(a, v, run_dir)
+        commands[v] = " ".join(cmd)
+        print(f"[bench throughput] v={v}: {commands[v]}", flush=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        wall = _run(cmd, out / f"v{v}.log", a.timeout_s, a.threads)
+        rows = read_metrics(run_dir / "metrics.jsonl")
+        res = analyze_run(rows, v, a.warmup)
+        res["wall_s"] = wall
+        res["run_dir"] = str(run_dir)
+        runs.append(res)
+        print(
+            f"[bench throughput] v={v}: {res['steps_per_s']:.4f} steps/s, "
+            f"{res['num_syncs']} syncs, {wall:.0f} s wall",
+            flush=True,
+        )
+    result = compare(runs)
+    result.update(
+        args=asdict(a), commands=commands, wall_s=time.perf_counter() - t_all,
+        warmup_note=f"the first {a.warmup} step(s) of every run are excluded from rates/means",
+        machine=machine_info(),
+    )  # fmt: skip
+    if report:
+        from megatron_grpo.bench.report import write_throughput_report
+
+        result["files"] = [str(p) for p in write_throughput_report(result, out)]
+    return result
+
+
+def machine_info() -> dict[str, Any]:
+    import platform
+
+    info: dict[str, Any] = {"nproc": os.cpu_count(), "platform": platform.platform()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["mem_gib"] = round(int(line.split()[1]) / 2**20, 1)
+                break
+        info["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
+    except OSError:
+        pass
+    return info
+
+
+def format_table(res: Mapping[str, Any]) -> str:
+    ref = res["reference_v"]
+    lines = [
+        f"bench throughput: {res['args']['steps']} steps per run, first "
+        f"{res['args']['warmup']} excluded; ratios to v={ref}",
+        f"{'v':>3}{'steps/s':>9}{'ratio':>7}{'tok/s':>8}{'ratio':>7}{'syncs':>6}"
+        f"{'s/sync':>8}{'sync/step':>10}{'rollout':>8}{'reward':>7}{'logp':>6}{'train':>7}"
+        f"{'other':>7}{'step':>7}",
+    ]
+    for r in res["runs"]:
+        p = r["phase_mean_s"]
+        sps = r["sync_time_mean_s"]
+        lines.append(
+            f"{r['v']:>3}{r['steps_per_s']:>9.4f}{r['steps_per_s_ratio']:>7.3f}"
+            f"{r['tokens_per_s']:>8.1f}{r['tokens_per_s_ratio']:>7.3f}{r['num_syncs']:>6}"
+            f"{(f'{sps:.3f}' if sps is not None else '-'):>8}{r['sync_amortized_s']:>10.3f}"
+            f"{p['rollout']:>8.3f}{p['reward']:>7.3f}{p['logprobs']:>6.3f}{p['train']:>7.3f}"
+            f"{p['other']:>7.3f}{r['step_time_mean_s']:>7.3f}"
+        )
+    return "\n".join(lines)
+
+
+def write_json(res: Mapping[str, Any], path: str | os.PathLike) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(res, indent=2, default=str))

@@ -1,0 +1,106 @@
+"""``megatron-grpo bench throughput``: argument checks and the analysis (fast), and the real
+loop at v=1 and v=2 end to end (slow). No timing assertions: benchmarks print figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from megatron_grpo.bench.throughput import ThroughputArgs, analyze_run, compare, train_command
+
+
+def _row(step: int, synced: bool, **t) -> dict:
+    times = dict(time_rollout=1.0, time_reward=0.1, time_logprobs=0.2, time_train=0.5)
+    times.update(t)
+    sync = 0.4 if synced else 0.0
+    return dict(step=step, synced=synced, time_sync=sync, time_step=2.0 + sync,
+                tokens_per_s=240.0 / (2.0 + sync), sync_bytes=8 if synced else 0,
+                **times)  # fmt: skip
+
+
+def test_measured_window_must_hold_whole_sync_periods():
+    with pytest.raises(ValueError, match=r"--steps 11"):
+        ThroughputArgs(vs=[1, 2, 5, 10], steps=10, warmup=1)
+    with pytest.raises(ValueError, match="no measured step"):
+        ThroughputArgs(vs=[1], steps=1, warmup=1)
+    with pytest.raises(ValueError, match="sync.interval"):
+        ThroughputArgs(vs=[1, 2], steps=3, overrides=["sync.interval=3"])
+    with pytest.raises(ValueError, match=">= 1"):
+        ThroughputArgs(vs=[0, 2], steps=3)
+    ThroughputArgs(vs=[1, 2, 5, 10], steps=21, warmup=1)
+
+
+def test_command_line_per_v(tmp_path):
+    a = ThroughputArgs(vs=[1, 2], steps=3, overrides=["grpo.group_size=4"], nproc=2)
+    cmd = train_command(a, 2, tmp_path / "v2")
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node=2" in cmd
+    assert cmd[cmd.index("--sync-interval") + 1] == "2" and cmd[-1] == "grpo.group_size=4"
+    assert "checkpoint.save_at_end=false" in cmd  # out of the last step's time
+    one = train_command(ThroughputArgs(vs=[1, 2], steps=3), 1, tmp_path / "v1")
+    assert "torch.distributed.run" not in one
+
+
+def test_analysis_excludes_warmup_and_amortizes_the_sync():
+    rows_v1 = [_row(k, True, time_rollout=9.0 if k == 1 else 1.0) for k in (1, 2, 3)]
+    rows_v2 = [_row(k, k % 2 == 0, time_rollout=9.0 if k == 1 else 1.0) for k in (1, 2, 3)]
+    r1, r2 = analyze_run(rows_v1, 1, 1), analyze_run(rows_v2, 2, 1)
+    assert r1["measured_steps"] == 2 and r1["warmup_steps"] == 1
+    assert r1["phase_mean_s"]["rollout"] == 1.0  # step 1's 9 s left out
+    assert r1["measured_syncs"] == 2 and r2["measured_syncs"] == 1
+    assert r1["sync_amortized_s"] == pytest.approx(0.4)
+    assert r2["sync_amortized_s"] == pytest.approx(0.2)
+    assert r1["phase_mean_s"]["other"] == pytest.approx(2.4 - 1.8 - 0.4)
+    c = compare([r2, r1])
+    assert c["reference_v"] == 1 and [r["v"] for r in c["runs"]] == [1, 2]
+    assert c["runs"][1]["steps_per_s_ratio"] == pytest.approx(2.4 / 2.2)
+    assert c["runs"][1]["sync_only_ratio"] == pytest.approx(2.4 / 2.2)
+    assert c["runs"][1]["tokens_per_s_ratio"] == pytest.approx(2.4 / 2.2)
+
+
+# A very short real run: 4 prompts x 4 samples, 4 new tokens (as tests/test_trainer.py).
+FAST = [
+    "grpo.group_size=4", "grpo.prompts_per_step=4", "grpo.micro_batch_size=16",
+    "rollout.max_new_tokens=4", "rollout.cpu_kv_cache_gb=0.25", "model.warm_start_steps=5",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_throughput_end_to_end(tmp_path):
+    out = tmp_path / "bench"
+    js = tmp_path / "res.json"
+    cmd = [sys.executable, "-m", "megatron_grpo.cli.main", "bench", "throughput",
+           "--v", "1,2", "--steps", "3", "--warmup", "1", "--out-dir", str(out),
+           "--json", str(js), *FAST]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)  # fmt: skip
+    try:
+        text, _ = proc.communicate(timeout=840)
+    finally:
+        if proc.poll() is None:  # its own session: the bench and the runs it started
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, text[-4000:]
+    res = json.loads(js.read_text())
+    assert res["reference_v"] == 1
+    runs = {r["v"]: r for r in res["runs"]}
+    assert set(runs) == {1, 2}
+    for r in runs.values():
+        assert r["measured_steps"] == 2 and r["warmup_steps"] == 1
+        assert r["steps_per_s"] > 0 and r["tokens_per_s"] > 0
+        assert set(r["phase_mean_s"]) == {"rollout", "reward", "logprobs", "train", "sync", "other"}
+        assert r["sync_time_mean_s"] > 0 and r["sync_bytes_mean"] > 0
+    assert runs[1]["synced_steps"] == [1, 2, 3] and runs[2]["synced_steps"] == [2]
+    assert runs[1]["measured_syncs"] == 2 * runs[2]["measured_syncs"]  # half as often
+    assert runs[1]["steps_per_s_ratio"] == 1.0
+    assert runs[2]["steps_per_s_ratio"] is not None and runs[2]["sync_only_ratio"] is not None
+    assert runs[2]["sync_amortized_s"] < runs[1]["sync_amortized_s"]
+    for name in ("throughput_vs_v.png", "phase_breakdown.png", "throughput.md", "throughput.json"):
+        assert (out / name).stat().st_size > 0
+    assert "| v | steps/s |" in (out / "throughput.md").read_text()

@@ -1,0 +1,103 @@
+"""The projection's algebra (bench/projection.py): calibration, ratios, bytes. No timings."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from megatron_grpo.bench.projection import (
+    PAPER_IT_S,
+    Assumptions,
+    calibrate,
+    calibrate_from_throughput,
+    step_time,
+    sync_s_for_ratio,
+    throughput_ratio,
+)
+
+
+def test_calibration_reproduces_the_papers_throughputs_exactly():
+    t_other, s = calibrate(PAPER_IT_S[1], 1, PAPER_IT_S[10], 10)
+    assert 1 / step_time(t_other, s, 1) == pytest.approx(0.02828, rel=1e-12)
+    assert 1 / step_time(t_other, s, 10) == pytest.approx(0.03828, rel=1e-12)
+    # Hand-derived: S = (1/0.02828 - 1/0.03828) / 0.9, T_other = 1/0.02828 - S.
+    s_hand = (1 / 0.02828 - 1 / 0.03828) / 0.9
+    assert s == pytest.approx(s_hand, rel=1e-12)
+    assert s == pytest.approx(10.264, abs=1e-3)
+    assert t_other == pytest.approx(1 / 0.02828 - s_hand, rel=1e-12)
+    assert throughput_ratio(t_other, s, 10) == pytest.approx(0.03828 / 0.02828, rel=1e-12)
+
+
+def test_calibration_is_symmetric_in_its_two_points():
+    assert calibrate(0.03828, 10, 0.02828, 1) == pytest.approx(calibrate(0.02828, 1, 0.03828, 10))
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [((0.03, 2, 0.04, 2), "v_a == v_b"), ((0.04, 1, 0.03, 10), "S="), ((0, 1, 0.03, 10), "> 0")],
+)
+def test_calibration_refuses_singular_or_unphysical_inputs(args, match):
+    with pytest.raises(ValueError, match=match):
+        calibrate(*args)
+
+
+def test_ratio_is_one_without_sync_cost_and_monotone_in_v():
+    assert all(throughput_ratio(25.0, 0.0, v) == 1.0 for v in (1, 2, 5, 10, 20))
+    for s in (0.01, 0.5, 10.0):
+        r = [throughput_ratio(25.0, s, v) for v in (1, 2, 5, 10, 20, 100)]
+        assert r[0] == 1.0
+        assert all(b > a for a, b in zip(r, r[1:]))
+        assert r[-1] < (25.0 + s) / 25.0  # bounded by removing the sync entirely
+
+
+def test_sync_cost_for_a_ratio_inverts_the_ratio():
+    for ratio in (1.01, 1.1, 1.35):
+        s = sync_s_for_ratio(25.0, ratio, 10)
+        assert throughput_ratio(25.0, s, 10) == pytest.approx(ratio, rel=1e-12)
+    with pytest.raises(ValueError, match="unreachable"):
+        sync_s_for_ratio(25.0, 10.0, 10)
+
+
+def test_step_time_refuses_v_below_one():
+    with pytest.raises(ValueError, match="v=0"):
+        step_time(1.0, 1.0, 0)
+
+
+def test_check_on_a_measured_throughput_result():
+    res = {"runs": [
+        {"v": 1, "step_time_mean_s": 3.0, "sync_amortized_s": 1.0, "sync_time_mean_s": 1.0,
+         "steps_per_s_ratio": 1.0},
+        {"v": 2, "step_time_mean_s": 2.5, "sync_amortized_s": 0.5, "sync_time_mean_s": 1.0,
+         "steps_per_s_ratio": 1.2},
+    ]}  # fmt: skip
+    c = calibrate_from_throughput(res)
+    assert c["t_other_s"] == 2.0 and c["sync_s"] == 1.0
+    assert c["rows"][1]["predicted_ratio"] == pytest.approx(3.0 / 2.5)
+
+
+@pytest.mark.timeout(300)
+def test_plan_bytes_of_the_7b_layouts():
+    from megatron_grpo.bench.projection import plan_bytes, project
+
+    b = plan_bytes(Assumptions())
+    # bf16 Qwen2.5-7B (untied lm_head): 7.615e9 params -> 15.23 GB per copy.
+    assert b.model_bytes == pytest.approx(15.23e9, rel=2e-3)
+    # Two engines of TP=4: every vLLM rank receives its shard once -> two copies in all.
+    assert b.direct_total == pytest.approx(2 * b.model_bytes, rel=1e-3)
+    # TP1 x DP8: every trainer rank holds the whole model; all copies are in-process.
+    assert b.direct_cross == 0 and b.direct_in_process == b.direct_total
+    # Baseline: the full model to each of 8 vLLM ranks (7 over the wire, 1 in-process).
+    assert b.baseline_broadcast_wire == 7 * b.model_bytes
+    assert b.baseline_total == 8 * b.model_bytes
+    tp2 = plan_bytes(Assumptions(trainer_tp=2))
+    assert tp2.direct_total == pytest.approx(b.direct_total, rel=1e-3)
+    assert tp2.direct_cross > 0
+    assert tp2.baseline_gather_into_root == pytest.approx(b.model_bytes / 2, rel=1e-6)
+    p = project(layouts=((1, 1),))
+    paper = p["scenarios"][0]
+    assert paper["ratios"][10] == pytest.approx(0.03828 / 0.02828, rel=1e-12)
+    for s in p["scenarios"]:
+        rs = [s["ratios"][v] for v in p["vs"]]
+        assert rs[0] == 1.0 and all(b2 >= a2 for a2, b2 in zip(rs, rs[1:]))
+    assert math.isclose(p["calibration"]["check_it_s"][1], 0.02828, rel_tol=1e-12)
