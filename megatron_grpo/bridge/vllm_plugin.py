@@ -167,8 +167,16 @@ class ReceiverWorkerExtension:
             for n, c in self._mgrpo_receiver().checksums().items()
         }
 
-    def mgrpo_export(self) -> dict[str, torch.Tensor]:
-        return self._mgrpo_receiver().export()
+    def mgrpo_export(self) -> dict[str, tuple[list[int], str, bytes]]:
+        """``{name: (shape, dtype, raw bytes)}``: bytes survive vLLM's RPC result encoding."""
+        return {
+            n: (
+                list(t.shape),
+                str(t.dtype).removeprefix("torch."),
+                t.view(-1).view(torch.uint8).numpy().tobytes(),
+            )
+            for n, t in self._mgrpo_receiver().export().items()
+        }
 
     def mgrpo_reload_from_hf(self, path: str) -> int:
         from vllm.config import set_current_vllm_config

@@ -391,7 +391,17 @@ class RolloutEngine:
     def export_shards(self) -> list[dict[str, torch.Tensor]]:
         """Per worker rank: the logical per-rank shards in vLLM layout (needs
         ``keep_weight_copies=True`` on CPU; see ``ShardReceiver.export``)."""
-        return list(self.llm.collective_rpc("mgrpo_export"))
+        # Raw bytes on the wire: vLLM's RPC result encoding turns tensors into nested lists
+        # or memoryview-backed buffers, which lose dtype or cannot be pickled.
+        return [
+            {
+                k: torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                .view(getattr(torch, dtype))
+                .reshape(shape)
+                for k, (shape, dtype, raw) in shards.items()
+            }
+            for shards in self.llm.collective_rpc("mgrpo_export")
+        ]
 
     def shutdown(self) -> None:
         """Release the engine (and its processes when disaggregated)."""
