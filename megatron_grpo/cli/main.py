@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "megatron_grpo.cli.convert_cmd": "convert",
     "megatron_grpo.cli.bench_cmd": "bench",
     "megatron_grpo.cli.plan_cmd": "plan",
+    "megatron_grpo.cli.eval_cmd": "eval",
 }
 
 

@@ -66,6 +66,35 @@ def validate_world(cfg: Config, world_size: int) -> int:
     return engines
 
 
+def build_rollout(hf_dir, spec, ctx, cfg: Config, policy, **engine_kwargs) -> tuple[Any, Any]:
+    """This rank's colocated vLLM engine (serving ``hf_dir``; ``engine_kwargs`` go to
+    ``RolloutEngine``) and the resharding bridge that feeds it ``policy``'s shards:
+    ``(RolloutEngine, WeightSync)``. Shared with ``megatron-grpo eval`` (trainer/evaluate.py)."""
+    from megatron_grpo.bridge.weight_sync import WeightSync
+    from megatron_grpo.rollout.engine import RolloutEngine
+
+    engine = RolloutEngine.from_config(hf_dir, cfg.rollout, **engine_kwargs)
+    weight_sync = WeightSync(
+        spec, ctx, dict(policy.named_shards()), engine, cfg.sync, cfg.rollout.tp,
+        policy.vocab_per_rank * ctx.tp,
+    )  # fmt: skip
+    return engine, weight_sync
+
+
+def generate_on_engines(engine, ctx, rollout_tp: int, prompt_ids: list, **sampling) -> list:
+    """Colocated engine ``e`` (ranks ``[e*t, (e+1)*t)``) samples prompts
+    ``[e*P//E, (e+1)*P//E)`` of the P given (the same list on every rank); every rank gets
+    all engines' samples, prompt-major. ``sampling``: ``RolloutEngine.generate``'s keywords."""
+    engines = ctx.world_size // rollout_tp
+    e, p = ctx.rank // rollout_tp, len(prompt_ids)
+    samples = engine.generate(prompt_ids[e * p // engines : (e + 1) * p // engines], **sampling)
+    if ctx.world_size == 1:
+        return samples
+    everyone: list = [None] * ctx.world_size
+    dist.all_gather_object(everyone, samples)
+    return [s for k in range(engines) for s in everyone[k * rollout_tp]]
+
+
 class GRPOTrainer:
     """Everything a run holds, built once; ``run()`` is the loop."""
 
@@ -74,14 +103,12 @@ class GRPOTrainer:
 
         from megatron_grpo.algorithms.advantages import build_advantage_fn
         from megatron_grpo.algorithms.aggregation import make_loss_fn
-        from megatron_grpo.bridge.weight_sync import WeightSync
         from megatron_grpo.data import build_prompt_source
         from megatron_grpo.distributed import init_distributed
         from megatron_grpo.layouts.io import load_hf_into_megatron
         from megatron_grpo.models.spec import load_spec
         from megatron_grpo.policy.policy import build_policy
         from megatron_grpo.rewards import build_reward
-        from megatron_grpo.rollout.engine import RolloutEngine
         from megatron_grpo.trainer.model_dir import prepare_model_dir
 
         self.cfg = cfg
@@ -119,12 +146,8 @@ class GRPOTrainer:
         keep_served = cfg.checkpoint.exact_resume and cfg.sync.interval > 1
         self.served = self.policy.make_reference() if keep_served else None
         t0 = time.perf_counter()
-        self.engine = RolloutEngine.from_config(self.hf_dir, cfg.rollout)
+        self.engine, self.weight_sync = build_rollout(self.hf_dir, self.spec, ctx, cfg, self.policy)
         _say(ctx, f"vLLM engine up in {time.perf_counter() - t0:.1f}s")
-        self.weight_sync = WeightSync(
-            self.spec, ctx, dict(self.policy.named_shards()), self.engine, cfg.sync,
-            cfg.rollout.tp, self.policy.vocab_per_rank * ctx.tp,
-        )  # fmt: skip
         self.prompts = build_prompt_source(cfg.data, self.tokenizer)
         self.reward_fn = build_reward(cfg.reward, cfg.data)
         self.advantage_fn = build_advantage_fn(g)
@@ -190,16 +213,14 @@ class GRPOTrainer:
         """This engine's share of the step's prompts, G samples each; gathered on all ranks."""
         cfg = self.cfg
         prompts = self.prompts.next_batch(cfg.grpo.prompts_per_step)  # same on every rank
-        per = len(prompts) // self.num_engines
-        engine_idx = self.ctx.rank // cfg.rollout.tp
-        mine = prompts[engine_idx * per : (engine_idx + 1) * per]
         r = cfg.rollout
-        samples = self.engine.generate(
-            [p.prompt_ids for p in mine], n=cfg.grpo.group_size, temperature=r.temperature,
+        samples = generate_on_engines(
+            self.engine, self.ctx, r.tp, [p.prompt_ids for p in prompts],
+            n=cfg.grpo.group_size, temperature=r.temperature,
             top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
             seed=r.seed + 7919 * step, stop_token_ids=[self.tokenizer.eos_token_id],
         )  # fmt: skip
-        return prompts, self._gather_engines(samples)
+        return prompts, samples
 
     def _rollout_or_fail(self, step: int, last_saved: int):
         try:
@@ -274,15 +295,6 @@ class GRPOTrainer:
         return report
 
     # ------------------------------------------------------------------------ helpers
-    def _gather_engines(self, samples):
-        """Every rank gets all engines' samples, engine-major (each engine once)."""
-        if self.ctx.world_size == 1:
-            return samples
-        everyone: list = [None] * self.ctx.world_size
-        dist.all_gather_object(everyone, samples)
-        t = self.cfg.rollout.tp
-        return [s for e in range(self.num_engines) for s in everyone[e * t]]
-
     def _snapshot_served(self) -> None:
         if self.served is not None:
             self.served.copy_weights_from(self.policy)

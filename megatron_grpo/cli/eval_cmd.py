@@ -1,0 +1,71 @@
+"""``megatron-grpo eval``: pass@k and mean reward of a model, generated through the bridge.
+
+megatron-grpo eval --model HF_DIR|RUN_DIR|STEP_DIR|CKPT_DIR --data FILE|synthetic:TASK
+    [--train-tp A] [--train-pp B] [--rollout-tp C] [--max-new-tokens N]
+    [--greedy | --samples K] [--limit P] [--dump OUT.jsonl] [--hf-config HF_DIR]
+    [--config FILE] [key=value ...]
+
+See docs/eval.md and ``megatron_grpo.trainer.evaluate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="generate through Megatron -> bridge -> vLLM and report pass@1, pass@k, reward",
+        description="Loads the weights into the Megatron policy (TP x PP), sends them to "
+        "colocated vLLM engines through the resharding bridge, generates for every prompt of "
+        "--data, scores with reward.name and prints pass@1, pass@K and the mean reward. "
+        "Spawns lcm(A*B, C) ranks itself, or runs as the torchrun world when WORLD_SIZE is set.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="HF directory, training run / checkpoints / step_NNNNNN directory, or a "
+        "`convert hf-to-mcore` output",
+    )
+    p.add_argument("--data", required=True, help=".jsonl/.parquet file or synthetic:<task>")
+    p.add_argument("--train-tp", type=int, default=1, help="Megatron tensor parallel size")
+    p.add_argument("--train-pp", type=int, default=1, help="Megatron pipeline parallel size")
+    p.add_argument("--rollout-tp", type=int, default=1, help="vLLM tensor parallel size")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--greedy", action="store_true", help="one greedy response per prompt (the default)"
+    )
+    mode.add_argument(
+        "--samples", type=int, help="K samples per prompt at rollout.temperature (pass@K)"
+    )
+    p.add_argument("--limit", type=int, default=0, help="only the first P prompts (0: all)")
+    p.add_argument("--dump", help="write one JSON line per response here")
+    p.add_argument("--hf-config", help="HF directory with config.json + tokenizer files")
+    p.add_argument("--config", help="YAML config for data/reward/rollout settings")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="limit for spawned ranks")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_grpo.cli.errors import exit_on_user_error
+    from megatron_grpo.trainer import evaluate as ev
+
+    with exit_on_user_error():
+        settings = ev.prepare(
+            model=args.model, data=args.data, train_tp=args.train_tp, train_pp=args.train_pp,
+            rollout_tp=args.rollout_tp, max_new_tokens=args.max_new_tokens,
+            samples=args.samples or 1, greedy=args.samples is None, limit=args.limit,
+            hf_config=args.hf_config, config=args.config, overrides=args.overrides,
+        )  # fmt: skip
+    out = ev.generate(settings, timeout_s=args.timeout_s)
+    if out is None:  # a torchrun rank other than 0
+        return 0
+    res = ev.score(settings, out)
+    print(ev.format_report(settings, res, out["layout"]), flush=True)
+    if args.dump:
+        ev.write_dump(args.dump, res.rows)
+        print(f"wrote {args.dump} ({len(res.rows)} responses)", flush=True)
+    return 0

@@ -1,0 +1,437 @@
+"""``megatron-grpo eval``: generate from a model through the trainer's own path and score it.
+
+The weights go exactly where a training run's go: into the Megatron policy (TP x PP), then
+through the resharding bridge (``bridge.weight_sync.WeightSync``) into colocated vLLM
+engines, which generate. So an evaluation also checks the bridge: with ``--greedy`` the
+responses must equal those of vLLM loading the same HF weights itself
+(``tests/test_eval.py``).
+
+Model sources (:func:`resolve_model`):
+
+- an HF directory (``config.json`` + safetensors): ``layouts.io.load_hf_into_megatron``;
+- a training run directory, its ``checkpoints/`` or a ``step_NNNNNN/`` directory: the
+  ``policy`` part's ``model`` state via dist_checkpointing (any TP/PP); config and tokenizer
+  from ``--hf-config``, else the run's ``config.yaml`` (``model.hf_path``);
+- a ``convert hf-to-mcore`` output: its dist checkpoint; config and tokenizer from its
+  ``hf/`` folder (or ``--hf-config``).
+
+For Megatron checkpoints vLLM starts from dummy weights (``load_format="dummy"``): every
+value it generates with came through the bridge.
+
+Placement: colocated, as in training (``trainer.loop.build_rollout``): every rank is a
+Megatron rank hosting one vLLM TP rank; ``world = lcm(tp*pp, rollout_tp)`` spawned ranks
+(Megatron DP fills the world), one process when that is 1, or the torchrun world when
+``WORLD_SIZE`` is set. Engine ``e`` samples its contiguous share of the prompts
+(``trainer.loop.generate_on_engines``).
+
+pass@k (Chen et al. 2021, arXiv 2107.03374, eq. 1): with ``n`` samples of a prompt of which
+``c`` are correct, ``pass@k = 1 - C(n-c, k) / C(n, k)``, averaged over prompts. Correct
+means a task score >= 1 (an exact answer; the format reward is not counted).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from megatron_grpo.config import Config, ConfigError, load_config, parse_overrides
+
+SourceKind = Literal["hf", "training", "converted"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights and the HF config/tokenizer come from."""
+
+    kind: SourceKind
+    path: Path
+    """The HF directory, the training step directory, or the converted checkpoint."""
+    hf_dir: Path
+    """config.json + tokenizer files (the weights too when ``kind == "hf"``)."""
+    step: int | None = None
+
+    def describe(self) -> str:
+        if self.kind == "hf":
+            return f"{self.path} (HF directory)"
+        if self.kind == "training":
+            return f"{self.path} (training checkpoint, step {self.step})"
+        step = f", step {self.step}" if self.step is not None else ""
+        return f"{self.path} (converted Megatron checkpoint{step})"
+
+
+@dataclass
+class EvalSettings:
+    """Everything a rank needs; built once by :func:`prepare`, pickled to spawned ranks."""
+
+    cfg: Config
+    source: ModelSource
+    prompt_ids: list[list[int]]
+    samples: int
+    """K samples per prompt (1 with ``greedy``)."""
+    greedy: bool
+    eos_token_id: int | None
+    threads: int = 0
+    """torch threads per spawned rank (0: leave torch's default)."""
+
+
+@dataclass
+class EvalResult:
+    pass_at: dict[int, float]
+    mean_reward: float
+    num_prompts: int
+    samples: int
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    sync: dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- metrics
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples with ``c`` correct: ``1 - C(n-c, k) / C(n, k)``
+    (Chen et al. 2021, eq. 1). ``k <= n``."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c({c}) <= n({n}) and 1 <= k({k}) <= n({n}).")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def mean_pass_at_k(correct_PK: list[list[bool]], k: int) -> float:
+    """pass@k averaged over prompts; ``correct_PK[p]`` holds prompt p's K sample outcomes."""
+    vals = [pass_at_k(len(row), sum(row), k) for row in correct_PK]
+    return sum(vals) / len(vals)
+
+
+# ----------------------------------------------------------------------------- sources
+def _run_dir_hf(run_dir: Path) -> Path:
+    """The HF directory a training run trained from (its ``config.yaml``'s model.hf_path)."""
+    from megatron_grpo.models.tiny import PRESETS
+
+    cfg_file = run_dir / "config.yaml"
+    if not cfg_file.is_file():
+        raise ConfigError(
+            f"{run_dir} has no config.yaml to find the model's HF config: pass --hf-config "
+            "with the HF directory the run trained from."
+        )
+    hf_path = load_config(cfg_file).model.hf_path
+    hf = run_dir / "hf_model" / hf_path if hf_path in PRESETS else Path(hf_path)
+    if not (hf / "config.json").is_file():
+        raise ConfigError(
+            f"{cfg_file} names model.hf_path={hf_path!r}, but {hf} has no config.json: pass "
+            "--hf-config with the HF directory the run trained from."
+        )
+    return hf
+
+
+def resolve_model(model: str, hf_config: str | None = None) -> ModelSource:
+    """Classify ``--model`` (see the module docstring); errors name the path and the fix."""
+    from checkpoints_tools.common import HF_SUBDIR, INFO_FILE, CheckpointInfo
+    from megatron_grpo.checkpoint.core import is_complete, resolve_checkpoint
+    from megatron_grpo.models.spec import load_spec
+
+    path = Path(model)
+    override = Path(hf_config) if hf_config else None
+    if override is not None and not (override / "config.json").is_file():
+        raise ConfigError(f"--hf-config {override} has no config.json: pass an HF directory.")
+    if not path.is_dir():
+        raise ConfigError(
+            f"--model {model}: no such directory; pass an HF model directory, a training run "
+            "(or its checkpoints/step_NNNNNN) or a `convert hf-to-mcore` output."
+        )
+    if (path / INFO_FILE).is_file():
+        info = CheckpointInfo.read(path)
+        hf = override or path / HF_SUBDIR
+        if not (hf / "config.json").is_file():
+            raise ConfigError(f"{path} carries no {HF_SUBDIR}/config.json: pass --hf-config.")
+        if info is not None and info.model_spec() != load_spec(hf):
+            raise ConfigError(
+                f"--hf-config {hf} describes another model than {path} was written for "
+                f"({info.model_spec().family}, {info.model_spec().num_layers} layers)."
+            )
+        return ModelSource("converted", path, hf, info.step if info else None)
+    if (path / "config.json").is_file():
+        if not any(path.glob("*.safetensors")):
+            raise ConfigError(f"--model {model} has a config.json but no *.safetensors weights.")
+        return ModelSource("hf", path, override or path)
+    if is_complete(path) or (path / "checkpoints").is_dir() or path.name == "checkpoints":
+        step_dir = resolve_checkpoint(path)
+        if not (step_dir / "policy").is_dir():
+            raise ConfigError(f"{step_dir} has no policy/ part: it is not a training checkpoint.")
+        state = json.loads((step_dir / "state.json").read_text())
+        hf = override or _run_dir_hf(step_dir.parent.parent)
+        return ModelSource("training", step_dir, hf, state.get("step"))
+    raise ConfigError(
+        f"--model {model} is neither an HF directory (config.json), a training run / "
+        "checkpoints / step_NNNNNN directory (state.json), nor a converted checkpoint "
+        f"({INFO_FILE}): point it at one of those."
+    )
+
+
+def load_megatron_weights(policy, source: ModelSource) -> None:
+    """Fill ``policy`` (any TP/PP) from a Megatron checkpoint; collective over the world.
+
+    dist_checkpointing stores global tensors and the vocabulary rows allow a different
+    padding, so the saving layout does not matter (docs/convert.md)."""
+    if source.kind == "training":
+        from megatron_grpo.checkpoint import load_checkpoint
+
+        # Only the model: the template has no optimizer entries, and dist_checkpointing's
+        # default strictness (ASSUME_OK_UNEXPECTED) skips the checkpoint's extra keys.
+        loaded = load_checkpoint(
+            source.path, {"policy": policy.sharded_state_dict()}, restore_rng=False
+        )
+        policy.load_sharded_state_dict(loaded.state_dicts["policy"])
+    else:
+        from megatron.core import dist_checkpointing
+
+        policy.load_sharded_state_dict(
+            dist_checkpointing.load(policy.sharded_state_dict(), str(source.path))
+        )
+
+
+# ----------------------------------------------------------------------------- plan
+def eval_world(train_tp: int, train_pp: int, rollout_tp: int) -> int:
+    """Ranks to spawn: the smallest world both layouts fit (Megatron DP fills it)."""
+    return math.lcm(train_tp * train_pp, rollout_tp)
+
+
+def _reward_name(data: str, config: str | None, overrides: list[str]) -> str | None:
+    """reward.name when set in --config or the overrides, else None."""
+    import yaml
+
+    name = None
+    if config and Path(config).is_file():
+        raw = yaml.safe_load(Path(config).read_text()) or {}
+        name = (raw.get("reward") or {}).get("name") if isinstance(raw, dict) else None
+    tree = parse_overrides([o for o in overrides if o.split("=", 1)[0].strip() == "reward.name"])
+    return (tree.get("reward") or {}).get("name", name)
+
+
+def prepare(
+    *,
+    model: str,
+    data: str,
+    train_tp: int = 1,
+    train_pp: int = 1,
+    rollout_tp: int = 1,
+    max_new_tokens: int = 16,
+    samples: int = 1,
+    greedy: bool = True,
+    limit: int = 0,
+    hf_config: str | None = None,
+    config: str | None = None,
+    overrides: list[str] | None = None,
+) -> EvalSettings:
+    """Validate the command and load the prompts (no process groups, no vLLM)."""
+    from transformers import AutoTokenizer
+
+    from megatron_grpo.data import build_prompt_source
+
+    overrides = list(overrides or [])
+    for flag, v in (("--train-tp", train_tp), ("--train-pp", train_pp),
+                    ("--rollout-tp", rollout_tp), ("--max-new-tokens", max_new_tokens),
+                    ("--samples", samples)):  # fmt: skip
+        if v < 1:
+            raise ConfigError(f"{flag}={v} must be >= 1.")
+    if greedy and samples != 1:
+        raise ConfigError(f"--greedy draws one sample per prompt, not --samples {samples}.")
+    if not data.startswith("synthetic:") and not Path(data).exists():
+        raise ConfigError(f"--data {data}: no such file; pass a .jsonl/.parquet file or "
+                          "synthetic:<task>.")  # fmt: skip
+    reward = _reward_name(data, config, overrides)
+    if reward is None and not data.startswith("synthetic:"):
+        raise ConfigError(
+            f"--data {data} is not synthetic, so the reward cannot be guessed: add "
+            "reward.name=gsm8k (or gsm8k_flexible, math, synthetic, package.module:function)."
+        )
+    source = resolve_model(model, hf_config)
+    forced = [
+        f"data.source={data}", f"parallel.tp={train_tp}", f"parallel.pp={train_pp}",
+        "parallel.vpp=null", f"rollout.tp={rollout_tp}", "rollout.placement=colocated",
+        f"rollout.max_new_tokens={max_new_tokens}", f"model.hf_path={source.hf_dir}",
+    ]  # fmt: skip
+    cfg = load_config(config, overrides + forced)
+    if cfg.model.dtype == "auto":
+        cfg = replace(cfg, model=replace(cfg.model, dtype="float32"))
+    world = int(os.environ.get("WORLD_SIZE", "0")) or eval_world(train_tp, train_pp, rollout_tp)
+    if world % (train_tp * train_pp) or world % rollout_tp:
+        raise ConfigError(
+            f"WORLD_SIZE={world} is not a multiple of tp*pp={train_tp * train_pp} and of "
+            f"rollout tp={rollout_tp}: launch {eval_world(train_tp, train_pp, rollout_tp)} "
+            "ranks (or a multiple), or run without torchrun to let eval spawn them."
+        )
+    tok = AutoTokenizer.from_pretrained(source.hf_dir)
+    try:
+        prompts = build_prompt_source(cfg.data, tok)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    # Every prompt once, in the file's order (the source shuffles; rows identify them).
+    ordered = sorted(prompts.next_batch(len(prompts)), key=lambda p: p.meta["row"])
+    if limit:
+        ordered = ordered[:limit]
+    return EvalSettings(
+        cfg=cfg, source=source, prompt_ids=[list(p.prompt_ids) for p in ordered],
+        samples=samples, greedy=greedy, eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- ranks
+def eval_rank(rank: int, world: int, s: EvalSettings) -> dict[str, Any] | None:
+    """One rank: Megatron policy <- weights, bridge -> vLLM, generate. Collective.
+
+    Returns (on rank 0) the samples, prompt-major, and the sync report; None elsewhere."""
+    from functools import partial
+
+    import torch
+
+    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.layouts.io import load_hf_into_megatron
+    from megatron_grpo.models.spec import load_spec
+    from megatron_grpo.policy.policy import build_policy
+    from megatron_grpo.trainer.loop import build_rollout, generate_on_engines
+
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    cfg, src = s.cfg, s.source
+    spec = load_spec(src.hf_dir)
+    ctx = init_distributed(cfg.parallel, spec, seed=cfg.seed)
+    engine = None
+    try:
+        init = None
+        if src.kind == "hf":
+            init = partial(load_hf_into_megatron, hf_dir=src.hf_dir, spec=spec, ctx=ctx)
+        policy = build_policy(spec, ctx, cfg.model, None, init_weights=init)
+        engine_kwargs: dict[str, Any] = {}
+        if src.kind != "hf":
+            load_megatron_weights(policy, src)
+            engine_kwargs["load_format"] = "dummy"  # every weight arrives through the bridge
+        engine, weight_sync = build_rollout(src.hf_dir, spec, ctx, cfg, policy, **engine_kwargs)
+        report = weight_sync.sync(policy)
+        r = cfg.rollout
+        samples = generate_on_engines(
+            engine, ctx, r.tp, s.prompt_ids, n=s.samples,
+            temperature=0.0 if s.greedy else r.temperature, top_p=1.0 if s.greedy else r.top_p,
+            top_k=-1 if s.greedy else r.top_k, max_new_tokens=r.max_new_tokens, seed=r.seed,
+            stop_token_ids=[s.eos_token_id] if s.eos_token_id is not None else None,
+        )  # fmt: skip
+        layout = {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, "world": ctx.world_size}
+    finally:
+        shm = _cpu_shm_segments() if engine is not None else []
+        if engine is not None:
+            engine.shutdown()
+        _unlink_after_barrier(shm)
+        destroy_distributed()
+    if rank != 0:
+        return None
+    return {"samples": samples, "sync": report.to_dict(), "layout": layout}
+
+
+def _cpu_shm_segments() -> list[Path]:
+    """/dev/shm files of this rank's vLLM CPU TP all-reduce (first rank of its group only).
+
+    vLLM's CPU SHM communicator (vllm/distributed/device_communicators/cpu_communicator.py,
+    ``_CPUSHMDistributed``) names them after ``VLLM_DIST_IDENT`` + group, which under
+    external_launcher is the same for every run (``"env://"``), and nothing unlinks them when
+    a spawned rank leaves by ``os._exit``: the next colocated TP>1 engine then fails with
+    ``create shm in SHMManager failed. errno: 17``. The rank that unlinks waits for a barrier.
+    """
+    from vllm.distributed import parallel_state as vps
+
+    try:
+        tp = vps.get_tp_group()
+    except AssertionError:  # no vLLM groups
+        return []
+    mod = getattr(tp.device_communicator, "dist_module", None)
+    name = getattr(mod, "group_name", None)
+    if not name or tp.rank_in_group != 0:
+        return []
+    return [Path("/dev/shm") / f"{name.lstrip('/')}_{i}" for i in range(tp.world_size)]
+
+
+def _unlink_after_barrier(paths: list[Path]) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()  # every rank's engine is down before its segment goes
+    for p in paths:
+        p.unlink(missing_ok=True)
+
+
+def generate(s: EvalSettings, timeout_s: float = 1800.0) -> dict[str, Any] | None:
+    """Run :func:`eval_rank` on the right processes; rank 0's result (None on other ranks)."""
+    if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+        return eval_rank(int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"]), s)
+    p, r = s.cfg.parallel, s.cfg.rollout
+    world = eval_world(p.tp, p.pp, r.tp)
+    if world == 1:
+        return eval_rank(0, 1, s)
+    from megatron_grpo.bench.spawn import spawn_ranks
+
+    threads = max(1, (os.cpu_count() or 1) // world)
+    return spawn_ranks(eval_rank, world, replace(s, threads=threads), timeout_s=timeout_s)[0]
+
+
+# ----------------------------------------------------------------------------- scoring
+def score(s: EvalSettings, out: dict[str, Any]) -> EvalResult:
+    """Rewards, pass@{1,K} and the dump rows of rank 0's samples."""
+    from transformers import AutoTokenizer
+
+    from megatron_grpo.data import build_prompt_source
+    from megatron_grpo.rewards import build_reward
+
+    cfg = s.cfg
+    tok = AutoTokenizer.from_pretrained(s.source.hf_dir)
+    src = build_prompt_source(cfg.data, tok)
+    by_ids = {tuple(p.prompt_ids): p for p in src.next_batch(len(src))}
+    samples, k = out["samples"], s.samples
+    prompts = [by_ids[tuple(ids)] for ids in s.prompt_ids]
+    texts = tok.batch_decode([x.response_ids for x in samples], skip_special_tokens=True)
+    args = ([prompts[i // k].text for i in range(len(samples))], texts,
+            [prompts[i // k].answer for i in range(len(samples))])  # fmt: skip
+    with build_reward(cfg.reward, cfg.data) as reward_fn:
+        rewards, _ = reward_fn(*args)
+    task = rewards
+    if cfg.reward.format_weight:  # correctness is the task score alone
+        with build_reward(replace(cfg.reward, format_weight=0.0), cfg.data) as task_fn:
+            task, _ = task_fn(*args)
+    correct = [t >= 1.0 for t in task]
+    correct_PK = [correct[i * k : (i + 1) * k] for i in range(len(prompts))]
+    rows = [
+        {"prompt_index": i // k, "sample_index": i % k, "prompt": args[0][i],
+         "answer": args[2][i], "response": texts[i], "response_token_ids": x.response_ids,
+         "reward": rewards[i], "correct": correct[i], "finish_reason": x.finish_reason}
+        for i, x in enumerate(samples)
+    ]  # fmt: skip
+    return EvalResult(
+        pass_at={kk: mean_pass_at_k(correct_PK, kk) for kk in sorted({1, k})},
+        mean_reward=sum(rewards) / len(rewards), num_prompts=len(prompts), samples=k,
+        rows=rows, sync=out["sync"],
+    )  # fmt: skip
+
+
+def write_dump(path: str | Path, rows: list[dict[str, Any]]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def format_report(s: EvalSettings, res: EvalResult, layout: dict[str, Any]) -> str:
+    cfg, r = s.cfg, s.cfg.rollout
+    mode = "greedy" if s.greedy else f"{s.samples} samples/prompt at T={r.temperature}"
+    sync = res.sync
+    lines = [
+        f"model   {s.source.describe()}",
+        f"data    {cfg.data.source}: {res.num_prompts} prompts, {mode}, "
+        f"max_new_tokens={r.max_new_tokens}, reward={cfg.reward.name}",
+        f"layout  Megatron tp={layout['tp']} pp={layout['pp']} dp={layout['dp']} -> "
+        f"{layout['world'] // r.tp} vLLM engine(s) of tp={r.tp} (world {layout['world']}); "
+        f"bridge {sync.get('bytes', 0) / 2**20:.2f} MiB in {sync.get('seconds', 0.0):.2f}s",
+    ]
+    lines += [f"{f'pass@{kk}':<12}{v:.4f}" for kk, v in res.pass_at.items()]
+    lines.append(f"{'mean reward':<12}{res.mean_reward:.4f}")
+    return "\n".join(lines)
