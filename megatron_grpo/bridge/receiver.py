@@ -204,6 +204,12 @@ def init_transfer_group(
     else:
         raise ValueError(f"transfer backend {backend!r} must be 'gloo' (CPU) or 'nccl' (GPU).")
     _STORES[id(pg)] = store  # the group needs its store alive (pybind objects take no attrs)
+    # torch.distributed's isend/irecv(group=pg, dst=global rank) translate the rank through
+    # the registry of groups made by new_group (distributed_c10d.py: get_group_rank). This
+    # group's ranks ARE the plan's ranks (trainer rank r -> r, engine workers -> their
+    # engine ranks, bridge.remote_sync), so register it with the identity map: the bridge's
+    # Transport then runs unchanged on it.
+    dist.distributed_c10d._world.pg_group_ranks[pg] = {r: r for r in range(world_size)}
     return pg
 
 

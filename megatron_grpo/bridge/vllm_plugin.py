@@ -60,6 +60,9 @@ class TransferInitInfo:
     timeout_s: float = 600.0
     keep_copies: bool | None = None
     """Keep a copy of every logical shard (for ``mgrpo_export``); None leaves it as is."""
+    plan: dict[str, Any] | None = None
+    """``bridge.remote_sync.PlanInputs`` as a dict: the worker rebuilds the trainer's sync
+    plan from it and receives through the same ``Transport`` (``TransferUpdateInfo.plan``)."""
 
 
 @dataclass
@@ -67,6 +70,9 @@ class TransferUpdateInfo:
     buckets: list[dict[str, Any]] = field(default_factory=list)
     """Each ``{"src": group rank, "dtype": "float32", "numel": int, "tag": int,
     "entries": [[name, shape, dtype, offset, numel], ...]}`` (``BucketEntry.to_wire``)."""
+    plan: bool = False
+    """Receive this worker's shards by running the receiving half of the plan's
+    ``Transport`` (set up by ``TransferInitInfo.plan``) instead of explicit buckets."""
 
 
 def _engine_base() -> type:
@@ -90,6 +96,7 @@ class MegatronShardTransferEngine(_engine_base()):  # type: ignore[misc]
         super().__init__(config, vllm_config, device, model)
         self.receiver = ShardReceiver(model, vllm_config.model_config)
         self.group: torch.distributed.ProcessGroup | None = None
+        self.transport: Any = None
 
     def worker_group_rank(self, rank_offset: int) -> int:
         pc = self.parallel_config
@@ -110,6 +117,11 @@ class MegatronShardTransferEngine(_engine_base()):  # type: ignore[misc]
             init_info.backend,
             init_info.timeout_s,
         )
+        if init_info.plan is not None:
+            from megatron_grpo.bridge.remote_sync import worker_transport
+
+            rank = self.worker_group_rank(init_info.rank_offset)
+            self.transport = worker_transport(init_info.plan, rank, self.group, self.device)
 
     def start_weight_update(self) -> None:
         self.receiver.start()
@@ -122,6 +134,16 @@ class MegatronShardTransferEngine(_engine_base()):  # type: ignore[misc]
                 "megatron_grpo transfer group not initialized: call "
                 "init_weight_transfer_engine with a TransferInitInfo (world_size > 0) first."
             )
+        if update_info.plan:
+            if self.transport is None:
+                raise RuntimeError(
+                    "update_weights(plan=True) but this worker has no plan transport: pass "
+                    "TransferInitInfo.plan (bridge.remote_sync.PlanInputs) at init."
+                )
+            # The receiving half of the trainer's sync: every shard of this rank, handed to
+            # the receiver as soon as it is complete (inside vLLM's reload session).
+            self.transport.sync({}, sink=self.receiver.receive_shard)
+            return
         for b in update_info.buckets:
             dtype = getattr(torch, b["dtype"])
             flat = recv_bucket(
@@ -135,6 +157,7 @@ class MegatronShardTransferEngine(_engine_base()):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self.group = None
+        self.transport = None
 
 
 class ReceiverWorkerExtension:

@@ -180,7 +180,12 @@ def _resolve_backend(parallel: ParallelConfig) -> str:
 
 
 def init_distributed(
-    parallel: ParallelConfig, spec: ModelSpec | None = None, *, seed: int = 1234
+    parallel: ParallelConfig,
+    spec: ModelSpec | None = None,
+    *,
+    seed: int = 1234,
+    store: dist.Store | None = None,
+    world_size: int | None = None,
 ) -> ParallelContext:
     """Initialize torch.distributed and megatron's parallel groups; return the context.
 
@@ -188,6 +193,12 @@ def init_distributed(
     environment). Without WORLD_SIZE it runs as a single process (an in-memory store).
     On CPU the platform layer (``megatron_grpo.platform.cpu``) is applied first.
     ``seed`` seeds megatron's model-parallel RNG tracker (per-TP-rank streams).
+
+    ``store`` and ``world_size``: a trainer *sub-world* (disaggregated placement: the first
+    ``world_size`` torchrun ranks train). The default process group is then built over
+    those ranks only, from ``store``, so megatron's ``initialize_model_parallel`` (which
+    sizes everything from the default group, ``megatron/core/parallel_state.py``), DDP and
+    checkpoint barriers see exactly the trainer ranks, unchanged.
     """
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
@@ -198,7 +209,8 @@ def init_distributed(
 
         apply_cpu_platform()
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     dp = validate_parallel(parallel, world_size, spec)
@@ -218,6 +230,15 @@ def init_distributed(
                 f"{dist.get_world_size()}, but WORLD_SIZE={world_size}: call "
                 "destroy_distributed() first."
             )
+    elif store is not None:
+        if rank >= world_size:
+            raise RuntimeError(
+                f"RANK={rank} is outside the trainer sub-world of {world_size} ranks: only "
+                "trainer ranks call init_distributed (rollout ranks serve, rollout.server)."
+            )
+        dist.init_process_group(
+            backend=backend, timeout=timeout, rank=rank, world_size=world_size, store=store
+        )
     elif "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend, timeout=timeout, rank=rank, world_size=world_size)
     else:

@@ -45,12 +45,23 @@ def _say(ctx, msg: str) -> None:
 
 
 def validate_world(cfg: Config, world_size: int) -> int:
-    """Rollout placement against the world size; returns the number of colocated engines."""
-    if cfg.rollout.placement != "colocated":
-        raise ConfigError(
-            f"rollout.placement={cfg.rollout.placement!r}: the training loop runs colocated "
-            "engines (each trainer rank hosts its vLLM rank); set rollout.placement=colocated."
-        )
+    """Rollout placement against the world size; returns the number of vLLM engines."""
+    if cfg.rollout.placement == "disaggregated":
+        from megatron_grpo.plan.placement import place_ranks
+
+        engines = len(place_ranks(cfg.rollout, world_size).engines)
+        if cfg.sync.method != "direct":
+            raise ConfigError(
+                f"sync.method={cfg.sync.method!r} gathers full tensors into in-process vLLM "
+                "ranks (colocated only): set sync.method=direct with rollout.placement="
+                "disaggregated."
+            )
+        if cfg.grpo.prompts_per_step % engines:
+            raise ConfigError(
+                f"grpo.prompts_per_step({cfg.grpo.prompts_per_step}) is not a multiple of "
+                f"rollout.num_engines({engines}): make it a multiple of {engines}."
+            )
+        return engines
     if world_size % cfg.rollout.tp:
         raise ConfigError(
             f"rollout.tp({cfg.rollout.tp}) does not divide WORLD_SIZE({world_size}): colocated "
@@ -98,7 +109,9 @@ def generate_on_engines(engine, ctx, rollout_tp: int, prompt_ids: list, **sampli
 class GRPOTrainer:
     """Everything a run holds, built once; ``run()`` is the loop."""
 
-    def __init__(self, cfg: Config, resume: bool = False) -> None:
+    def __init__(self, cfg: Config, resume: bool = False, world: Any = None) -> None:
+        """``world``: this trainer rank's ``rollout.server.DisaggregatedWorld`` when
+        ``rollout.placement=disaggregated`` (None: colocated)."""
         from transformers import AutoTokenizer
 
         from megatron_grpo.algorithms.advantages import build_advantage_fn
@@ -112,6 +125,7 @@ class GRPOTrainer:
         from megatron_grpo.trainer.model_dir import prepare_model_dir
 
         self.cfg = cfg
+        self.world = world  # disaggregated: the default group is the trainer sub-world
         self.run_dir = Path(cfg.run_dir)
         # Installed first: a pre-emption warning during start-up (model load, engine start)
         # must not kill the process before it can exit cleanly.
@@ -122,7 +136,8 @@ class GRPOTrainer:
         self.num_engines = validate_world(cfg, world)
         self.hf_dir = prepare_model_dir(cfg, rank, cfg.parallel.timeout_s)
         self.spec = load_spec(self.hf_dir)
-        self.ctx = ctx = init_distributed(cfg.parallel, self.spec, seed=cfg.seed)
+        sub_world = self.world.trainer_world() if self.world is not None else {}
+        self.ctx = ctx = init_distributed(cfg.parallel, self.spec, seed=cfg.seed, **sub_world)
         if ctx.rank == 0:
             save_config(cfg, self.run_dir)
             print(format_config(cfg), flush=True)
@@ -146,7 +161,16 @@ class GRPOTrainer:
         keep_served = cfg.checkpoint.exact_resume and cfg.sync.interval > 1
         self.served = self.policy.make_reference() if keep_served else None
         t0 = time.perf_counter()
-        self.engine, self.weight_sync = build_rollout(self.hf_dir, self.spec, ctx, cfg, self.policy)
+        if self.world is None:
+            self.engine, self.weight_sync = build_rollout(
+                self.hf_dir, self.spec, ctx, cfg, self.policy
+            )
+        else:
+            from megatron_grpo.rollout.server import connect_rollout
+
+            self.engine, self.weight_sync = connect_rollout(
+                cfg, self.world, ctx, self.hf_dir, self.policy
+            )
         _say(ctx, f"vLLM engine up in {time.perf_counter() - t0:.1f}s")
         self.prompts = build_prompt_source(cfg.data, self.tokenizer)
         self.reward_fn = build_reward(cfg.reward, cfg.data)
@@ -214,8 +238,13 @@ class GRPOTrainer:
         cfg = self.cfg
         prompts = self.prompts.next_batch(cfg.grpo.prompts_per_step)  # same on every rank
         r = cfg.rollout
-        samples = generate_on_engines(
-            self.engine, self.ctx, r.tp, [p.prompt_ids for p in prompts],
+        generate = (
+            partial(generate_on_engines, self.engine, self.ctx, r.tp)
+            if self.world is None
+            else self.engine.generate  # disaggregated: rollout.server.RolloutClient
+        )
+        samples = generate(
+            [p.prompt_ids for p in prompts],
             n=cfg.grpo.group_size, temperature=r.temperature,
             top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
             seed=r.seed + 7919 * step, stop_token_ids=[self.tokenizer.eos_token_id],
@@ -428,8 +457,24 @@ class GRPOTrainer:
 
 
 def train(cfg: Config, resume: bool = False) -> dict[str, Any]:
-    """Build the run, train, and tear down (every process started here is stopped)."""
-    trainer = GRPOTrainer(cfg, resume=resume)
+    """Build the run, train, and tear down (every process started here is stopped).
+
+    ``rollout.placement=disaggregated``: the last ranks serve vLLM (``rollout.server.serve``,
+    until trainer rank 0 says stop) and the others train."""
+    world = None
+    if cfg.rollout.placement == "disaggregated":
+        from megatron_grpo.rollout.server import join_world, serve
+
+        validate_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        world = join_world(cfg)
+        if not world.is_trainer:
+            return serve(cfg, world)
+    try:
+        trainer = GRPOTrainer(cfg, resume=resume, world=world)
+    except BaseException as e:
+        if world is not None:
+            world.abort(f"trainer rank {world.rank} failed to start: {type(e).__name__}: {e}")
+        raise
     try:
         return trainer.run()
     finally:

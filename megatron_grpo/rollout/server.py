@@ -1,0 +1,409 @@
+"""Disaggregated placement: rollout ranks serve vLLM engines, trainer ranks drive them.
+
+One torchrun world, split by ``plan.placement.place_ranks``: the first ``n_train`` ranks
+train, the last ``num_engines * rollout.tp`` serve (engine ``e`` = consecutive ranks
+``engines[e]``; its first rank, the *driver*, owns a standalone ``RolloutEngine`` whose
+worker processes vLLM spawns; the other ranks of the engine idle until told to stop).
+
+Three channels, each with one job:
+
+- **trainer sub-world** (the trainer ranks' default process group): built from torchrun's
+  rendezvous store with ``world_size = n_train`` (``distributed.init_distributed(store=...)``),
+  so megatron-core, DDP and checkpoint barriers see the trainer ranks only. Megatron 0.16.1
+  sizes every group from the default group (``parallel_state.initialize_model_parallel``
+  asserts ``world_size == tp*pp*cp*dp``) and its optimizer/checkpoint code calls
+  ``torch.distributed`` collectives on the default group, so giving the trainers their own
+  default group is the one change that keeps all of that untouched.
+- **control** (this module): small pickled messages in torchrun's rendezvous store
+  (``TCPStore``): trainer rank 0 posts commands ``cmd/<seq>`` (generate, init_transfer,
+  update, stop), each driver answers ``res/<seq>/<e>``; waits poll with liveness checks
+  (heartbeat counters both ways), so a dead peer ends in a clear error, never a hang.
+  Trainer rank 0 shares results with the other trainer ranks over the sub-world.
+- **weights**: the transfer group of trainer ranks + engine workers
+  (``bridge.receiver.init_transfer_group``), running the bridge's plan and transport on
+  both sides (``bridge.remote_sync``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.config import Config
+from megatron_grpo.plan.placement import RankPlacement, place_ranks
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "megatron_grpo/ctl/"
+_HEARTBEAT_S = 2.0
+_POLL_S = 0.02
+# torchrun's environment, dropped in the driver before vLLM spawns its processes: they must
+# not mistake themselves for ranks of the torchrun world.
+_TORCHRUN_ENV = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+)  # fmt: skip
+
+
+class PeerGone(RuntimeError):
+    """The other side of the control channel stopped beating."""
+
+
+@dataclass
+class DisaggregatedWorld:
+    """This process's place in a disaggregated torchrun world."""
+
+    rank: int
+    placement: RankPlacement
+    store: Any
+    """torchrun's rendezvous store (``torch.distributed.rendezvous("env://")``)."""
+    timeout_s: float
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.rank in self.placement.train_ranks
+
+    @property
+    def n_train(self) -> int:
+        return len(self.placement.train_ranks)
+
+    def abort(self, reason: str) -> None:
+        """Trainer side: make every rollout rank stop waiting (start-up failed)."""
+        Channel(self.store, self.timeout_s).post("abort", reason)
+
+    def trainer_world(self) -> dict[str, Any]:
+        """``init_distributed`` keywords for the trainer sub-world."""
+        return {"store": dist.PrefixStore("megatron_grpo/train", self.store),
+                "world_size": self.n_train}  # fmt: skip
+
+
+def join_world(cfg: Config) -> DisaggregatedWorld:
+    """Connect to torchrun's rendezvous store; nothing collective happens here."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    placement = place_ranks(cfg.rollout, world)
+    timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    store, rank, _ = next(dist.rendezvous("env://", timeout=timeout))
+    return DisaggregatedWorld(rank, placement, store, cfg.parallel.timeout_s)
+
+
+# ------------------------------------------------------------------------------ channel
+class Channel:
+    """Pickled messages and heartbeats in a key-value store (the control channel)."""
+
+    def __init__(self, store: Any, timeout_s: float) -> None:
+        self.store = dist.PrefixStore(_PREFIX, store)
+        self.timeout_s = timeout_s
+        self._beat_stop = threading.Event()
+
+    def post(self, key: str, obj: Any) -> None:
+        self.store.set(key, pickle.dumps(obj))
+
+    def beat_forever(self, key: str) -> None:
+        """Bump ``key`` every few seconds from a daemon thread until ``stop_beating``."""
+
+        def beat() -> None:
+            while not self._beat_stop.is_set():
+                try:
+                    self.store.add(key, 1)
+                except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+                    return
+                self._beat_stop.wait(_HEARTBEAT_S)
+
+        self.store.add(key, 1)
+        threading.Thread(target=beat, name=f"heartbeat-{key}", daemon=True).start()
+
+    def stop_beating(self) -> None:
+        self._beat_stop.set()
+
+    def wait(self, key: str, alive: list[str], what: str, take: bool = True) -> Any:
+        """The object at ``key`` once posted; raises ``PeerGone`` when any heartbeat in
+        ``alive`` has not moved for ``timeout_s`` (a peer that never started counts)."""
+        last = {k: (self.store.add(k, 0), time.monotonic()) for k in alive}
+        while not self.store.check([key]):
+            if self.store.check(["abort"]):
+                reason = pickle.loads(self.store.get("abort"))
+                raise PeerGone(f"gave up waiting for {what}: {reason}")
+            now = time.monotonic()
+            for k in alive:
+                value = self.store.add(k, 0)
+                if value != last[k][0]:
+                    last[k] = (value, now)
+                elif now - last[k][1] > self.timeout_s:
+                    raise PeerGone(
+                        f"waited {self.timeout_s:.0f}s (parallel.timeout_s) for {what}, and "
+                        f"heartbeat {k!r} stopped: that process died or hangs. Check its log; "
+                        "the other ranks stop."
+                    )
+            time.sleep(_POLL_S)
+        value = pickle.loads(self.store.get(key))
+        if take:
+            self.store.delete_key(key)
+        return value
+
+
+def _trainer_beat() -> str:
+    return "hb/trainer"
+
+
+def _engine_beat(e: int) -> str:
+    return f"hb/engine/{e}"
+
+
+# ------------------------------------------------------------------------------ server
+def serve(cfg: Config, world: DisaggregatedWorld) -> dict[str, Any]:
+    """A rollout rank's whole life: host (driver) or idle beside an engine until ``stop``."""
+    from megatron_grpo.trainer.model_dir import prepare_model_dir
+
+    pl = world.placement
+    e = next(i for i, ranks in enumerate(pl.engines) if world.rank in ranks)
+    driver = pl.engines[e][0] == world.rank
+    # Slurm's pre-emption warning reaches every rank; the trainer checkpoints and then
+    # says stop, so a rollout rank only notes it.
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda s, f: log.warning("rollout rank: signal %d, serving on", s))
+    ch = Channel(world.store, world.timeout_s)
+    engine = None
+    try:
+        if driver:
+            hf_dir = prepare_model_dir(cfg, world.rank, cfg.parallel.timeout_s)
+            engine = _start_engine(cfg, hf_dir, e, ch)
+        return _serve_loop(cfg, ch, engine, e, world.rank)
+    finally:
+        ch.stop_beating()
+        if engine is not None:
+            engine.shutdown()
+
+
+def _start_engine(cfg: Config, hf_dir: Any, e: int, ch: Channel) -> Any:
+    from megatron_grpo.rollout.engine import RolloutEngine
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    for k in _TORCHRUN_ENV:
+        os.environ.pop(k, None)
+    # vLLM's engine core runs in-process when this is 0, and its worker would then build
+    # its torch.distributed world in this process (vllm/v1/engine/llm_engine.py).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    if torch.cuda.is_available() and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        # This node's GPUs [local_rank, local_rank + tp): the engine's workers use them.
+        gpus = range(local_rank, local_rank + cfg.rollout.tp)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    ch.beat_forever(_engine_beat(e))
+    t0 = time.perf_counter()
+    try:
+        engine = RolloutEngine.from_config(hf_dir, cfg.rollout)
+    except Exception as exc:
+        ch.post(f"ready/{e}", {"error": f"{type(exc).__name__}: {exc}"})
+        raise
+    engine.replica_index = e  # per-replica sampling seeds, as colocated engines have
+    ch.post(f"ready/{e}", {"seconds": time.perf_counter() - t0})
+    return engine
+
+
+def _serve_loop(cfg: Config, ch: Channel, engine: Any, e: int, rank: int) -> dict[str, Any]:
+    seq = 0
+    while True:
+        cmd = ch.wait(f"cmd/{seq}", [_trainer_beat()], f"command {seq} from trainer rank 0",
+                      take=False)  # fmt: skip
+        op = cmd["op"]
+        if op == "stop":
+            return {"preempted": False, "step": None, "role": "rollout", "rank": rank}
+        if engine is not None:
+            try:
+                result = _run(engine, cmd, e)
+            except Exception as exc:  # reported to the trainer, which decides
+                log.exception("rollout engine %d: %s failed", e, op)
+                result = {"error": f"{type(exc).__name__}: {exc}"}
+            ch.post(f"res/{seq}/{e}", result)
+        seq += 1
+
+
+def _run(engine: Any, cmd: dict[str, Any], e: int) -> Any:
+    op = cmd["op"]
+    if op == "generate":
+        prompts, engines = cmd["prompts"], cmd["engines"]
+        p = len(prompts)
+        return engine.generate(prompts[e * p // engines : (e + 1) * p // engines], **cmd["sampling"])
+    if op == "init_transfer":
+        info = dict(cmd["info"], rank_offset=cmd["rank_offsets"][e])
+        engine.init_transfer(info)
+        return {"ok": True}
+    if op == "update":
+        # Each worker runs the receiving half of the plan's transport (update_info by
+        # worker rank, vllm/v1/worker/gpu_worker.py: update_weights).
+        engine.update_weights_remote([{"plan": True}] * engine.tp)
+        return {"version": engine.weight_version}
+    raise ValueError(f"unknown rollout command {op!r}")
+
+
+# ------------------------------------------------------------------------------ client
+class RolloutClient:
+    """The trainer ranks' handle on the disaggregated engines (``generate``, ``shutdown``).
+
+    Trainer rank 0 talks to the drivers; every trainer rank gets the same results.
+    """
+
+    def __init__(self, world: DisaggregatedWorld, ctx: Any) -> None:
+        self.world, self.ctx = world, ctx
+        self.engines = len(world.placement.engines)
+        self.ch = Channel(world.store, world.timeout_s) if ctx.rank == 0 else None
+        self._seq = 0
+        self._stopped = False
+        if self.ch is not None:
+            self.ch.beat_forever(_trainer_beat())
+
+    # -- rank 0's side of the protocol
+    def _post(self, op: str, **payload: Any) -> int:
+        assert self.ch is not None
+        seq, self._seq = self._seq, self._seq + 1
+        self.ch.post(f"cmd/{seq}", {"op": op, **payload})
+        return seq
+
+    def _collect(self, seq: int, what: str) -> list[Any]:
+        assert self.ch is not None
+        out = []
+        for e in range(self.engines):
+            r = self.ch.wait(f"res/{seq}/{e}", [_engine_beat(e)], f"engine {e}'s {what}")
+            if isinstance(r, dict) and "error" in r:
+                raise RuntimeError(
+                    f"rollout engine {e} (rank {self.world.placement.engines[e][0]}) failed "
+                    f"its {what}: {r['error']}"
+                )
+            out.append(r)
+        return out
+
+    def _shared(self, fn: Any) -> Any:
+        """``fn()`` on rank 0, its result (or its error) on every trainer rank."""
+        box: list[Any] = [None]
+        if self.ctx.rank == 0:
+            try:
+                box[0] = ("ok", fn())
+            except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+                box[0] = ("error", f"{type(exc).__name__}: {exc}")
+                if self.ctx.world_size == 1:
+                    raise
+        if self.ctx.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        status, value = box[0]
+        if status == "error":
+            raise RuntimeError(value)
+        return value
+
+    # -- what the trainer calls
+    def wait_ready(self) -> float:
+        """Seconds the slowest engine took to start."""
+
+        def ready() -> float:
+            assert self.ch is not None
+            secs = []
+            for e in range(self.engines):
+                r = self.ch.wait(f"ready/{e}", [_engine_beat(e)], f"engine {e} to start")
+                if "error" in r:
+                    raise RuntimeError(f"rollout engine {e} failed to start: {r['error']}")
+                secs.append(r["seconds"])
+            return max(secs)
+
+        return self._shared(ready)
+
+    def generate(self, prompt_ids: list, **sampling: Any) -> list:
+        """All prompts' samples, prompt-major: engine e samples prompts
+        ``[e*P//E, (e+1)*P//E)``, as colocated engines do (``generate_on_engines``)."""
+
+        def run() -> list:
+            seq = self._post("generate", prompts=[list(p) for p in prompt_ids],
+                             engines=self.engines, sampling=sampling)  # fmt: skip
+            return [s for part in self._collect(seq, "generate") for s in part]
+
+        return self._shared(run)
+
+    def init_transfer(self, inputs: Any, backend: str, timeout_s: float) -> Any:
+        """Build the transfer group (trainer ranks + every engine worker); returns it."""
+        from megatron_grpo.bridge.receiver import init_transfer_group
+
+        def address() -> tuple[str, int]:
+            addr = _my_address(self.world.placement.world_size)
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            return addr, port
+
+        addr, port = self._shared(address)
+        world = self.world.placement.world_size
+        seq = None
+        if self.ctx.rank == 0:
+            info = dict(master_address=addr, master_port=port, world_size=world,
+                        backend=backend, timeout_s=timeout_s, plan=inputs.to_dict())  # fmt: skip
+            offsets = [ranks[0] for ranks in self.world.placement.engines]
+            seq = self._post("init_transfer", info=info, rank_offsets=offsets)
+        # Gloo/NCCL group construction blocks until all WORLD ranks joined (drivers' workers
+        # join inside the init_weight_transfer_engine RPC).
+        group = init_transfer_group(addr, port, self.ctx.rank, world, backend, timeout_s)
+        self._shared(lambda: self._collect(seq, "init_transfer"))
+        return group
+
+    def begin_update(self) -> None:
+        self._update_seq = self._post("update")
+
+    def end_update(self) -> None:
+        self._collect(self._update_seq, "weight update")
+
+    def shutdown(self) -> None:
+        """Tell every rollout rank to stop (idempotent; trainer rank 0 only)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.ch is not None:
+            try:
+                self._post("stop")
+            finally:
+                self.ch.stop_beating()
+
+
+def _my_address(world_size: int) -> str:
+    """Trainer rank 0's address for the transfer group's store."""
+    explicit = os.environ.get("MEGATRON_GRPO_TRANSFER_ADDR")
+    if explicit:
+        return explicit
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "0")) == world_size:
+        return "127.0.0.1"  # one node
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return socket.getfqdn()
+
+
+def connect_rollout(cfg: Config, world: DisaggregatedWorld, ctx: Any, hf_dir: Any, policy: Any):
+    """Trainer ranks: wait for the engines, build the transfer group and the bridge.
+    Returns ``(RolloutClient, RemoteWeightSync)``: the colocated ``(engine, WeightSync)``'s
+    faces."""
+    from megatron_grpo.bridge.remote_sync import PlanInputs, RemoteWeightSync
+    from megatron_grpo.bridge.weight_sync import norm_style
+
+    client = RolloutClient(world, ctx)
+    client.wait_ready()
+    shards = dict(policy.named_shards())
+    dtype = next(iter(shards.values())).dtype
+    inputs = PlanInputs(
+        model_dir=str(hf_dir), tp=ctx.tp, pp=ctx.pp, vpp=ctx.vpp or 1, dp=ctx.dp,
+        norm_style=norm_style(list(shards)), padded_vocab=policy.vocab_per_rank * ctx.tp,
+        rollout_tp=cfg.rollout.tp, engines=world.placement.engines,
+        dtype=str(dtype).removeprefix("torch."), bucket_mb=cfg.sync.bucket_mb,
+        timeout_s=cfg.sync.timeout_s,
+    )  # fmt: skip
+    group = client.init_transfer(inputs, ctx.backend, cfg.sync.timeout_s)
+    rank0 = ctx.rank == 0
+    sync = RemoteWeightSync(
+        inputs, ctx.rank, group, ctx.device,
+        begin=client.begin_update if rank0 else None, end=client.end_update if rank0 else None,
+    )  # fmt: skip
+    return client, sync

@@ -1,0 +1,119 @@
+"""``rollout.placement=disaggregated`` end to end on CPU: torchrun world of 2 (trainer rank 0,
+rollout rank 1 driving a standalone vLLM engine of tp 1 whose worker is its own process);
+the weights cross processes through the bridge's plan and transport on both sides.
+
+Runs ``python -m torch.distributed.run ... megatron_grpo.cli.main train`` in a subprocess
+with a timeout; the process group it starts (torchrun, its ranks, vLLM's processes) is
+killed by this helper if it is still alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from tests.test_trainer import FAST
+
+pytestmark = pytest.mark.slow
+
+
+def torchrun_train(run_dir: Path, *args: str, timeout: int) -> tuple[int, str, list[str]]:
+    """(return code, output, processes of the run still alive 10 s after torchrun exited)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "megatron_grpo.cli.main", "train", "--run-dir", str(run_dir), *args,
+    ]  # fmt: skip
+    # A session of its own: on timeout the whole tree (torchrun, ranks, vLLM) is killed.
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    left: list[str] = []
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        deadline = time.monotonic() + 10
+        while (left := _leftovers(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    except subprocess.TimeoutExpired:
+        out = f"[test] killed after {timeout}s"
+    finally:
+        if proc.poll() is None or _leftovers(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            out = (proc.communicate()[0] or "") + out
+    return proc.returncode, out, left
+
+
+def _leftovers(session: int) -> list[str]:
+    """Processes still alive in the launcher's session (vLLM engine cores, workers)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session and fields[0] != "Z":  # fields[3]: session id
+            out.append(p.name)
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_disaggregated_trains_syncs_every_v_and_serves_the_trainers_weights(tmp_path):
+    run = tmp_path / "run"
+    t0 = time.perf_counter()
+    rc, out, left = torchrun_train(
+        run, "--steps", "4", "--sync-interval", "2", "rollout.placement=disaggregated",
+        "rollout.num_engines=1", *FAST, timeout=840,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - t0
+    assert rc == 0, out[-4000:]
+    assert not left, f"processes of the run still alive after it ended: {left}"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2, 3, 4]
+    assert [x["synced"] for x in rows] == [False, True, False, True]
+    assert [x["policy_version"] for x in rows] == [0, 0, 2, 2]
+    assert [x["lag"] for x in rows] == [0, 1, 0, 1]
+    minimal = rows[1]["sync_minimal_bytes"]
+    assert minimal > 0
+    assert [x["sync_bytes"] for x in rows] == [0, minimal, 0, minimal]
+    # All of it crossed processes: trainer rank 0 -> the engine's worker (transfer rank 1).
+    assert [x.get("sync_wire_bytes") for x in rows if x["synced"]] == [minimal, minimal]
+    # At lag 0 the engine serves exactly the trainer's weights: ratio pi_theta/alpha == 1.
+    for x in rows:
+        if x["lag"] == 0:
+            assert abs(x["ratio_mean"] - 1.0) < 1e-4, x
+    assert (run / "checkpoints" / "step_000004" / "state.json").is_file()
+    print(
+        f"\n[disaggregated] {elapsed:.0f}s; sync bytes {minimal}; sync seconds "
+        f"{[round(x['sync_seconds'], 3) for x in rows if x['synced']]}"
+    )
+
+
+# ------------------------------------------------------------------------------ control
+def test_channel_gives_up_on_a_silent_peer_and_on_abort():
+    from megatron_grpo.rollout.server import Channel, PeerGone
+
+    store = dist.HashStore()
+    ch = Channel(store, timeout_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(PeerGone, match="heartbeat 'hb/trainer' stopped"):
+        ch.wait("cmd/0", ["hb/trainer"], "command 0")
+    assert time.monotonic() - t0 < 5
+    ch.post("abort", "trainer rank 0 failed to start: boom")
+    with pytest.raises(PeerGone, match="boom"):
+        ch.wait("cmd/0", ["hb/trainer"], "command 0")
+    ch.post("cmd/1", {"op": "stop"})
+    assert ch.wait("cmd/1", [], "command 1") == {"op": "stop"}
+    assert not store.check(["megatron_grpo/ctl/cmd/1"])
