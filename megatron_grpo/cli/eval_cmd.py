@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         settings = ev.prepare(
             model=args.model, data=args.data, train_tp=args.train_tp, train_pp=args.train_pp,
             rollout_tp=args.rollout_tp, max_new_tokens=args.max_new_tokens,
-            samples=args.samples or 1, greedy=args.samples is None, limit=args.limit,
+            samples=1 if args.samples is None else args.samples, greedy=args.samples is None, limit=args.limit,
             hf_config=args.hf_config, config=args.config, overrides=args.overrides,
         )  # fmt: skip
     out = ev.generate(settings, timeout_s=args.timeout_s)
