@@ -46,7 +46,7 @@ class ModelConfig:
     """Megatron layer spec. ``auto``: Transformer-Engine when installed and on GPU, else local."""
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this times the tensor-parallel size."""
-    warm_start_steps: int = 0
+    warm_start_steps: int = 15
     """Supervised steps on the prompt source's gold answers before GRPO, applied to a preset
     model built from random weights (the demo's warm start: a random model never samples
     a right answer, so GRPO alone would see no reward signal). 0 disables."""
@@ -154,7 +154,7 @@ class GRPOConfig:
     """i: SGD passes over each batch (paper's Algorithm 1)."""
     mini_batch_size: int = 0
     """Sequences per optimizer step within one SGD pass; 0 = the whole batch."""
-    micro_batch_size: int = 8
+    micro_batch_size: int = 64
     """Sequences per forward/backward micro-batch."""
     advantage: Literal["grpo", "drgrpo", "red_weight"] = "grpo"
     """``grpo``: (r - mean)/sqrt(std^2 + eps); ``drgrpo``: r - mean; ``red_weight``:
@@ -250,7 +250,9 @@ class GRPOConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-5
+    lr: float = 1e-3
+    """Peak learning rate. The default suits the tiny demo model; LLM configs set their own
+    (the paper: 5e-6 for Qwen2.5-0.5B, 1e-6 for R1-Distill-1.5B)."""
     min_lr: float = 0.0
     lr_schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = 0
@@ -302,7 +304,7 @@ class SyncConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic:add"
+    source: str = "synthetic:max"
     """``synthetic:<task>`` for a generated task, a local file (.jsonl, .parquet, .arrow), or a
     Hugging Face hub dataset name (online machines only)."""
     split: str = "train"

@@ -1,0 +1,46 @@
+"""Every shipped config loads and validates; the demo config is the embedded default."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from megatron_grpo.config import load_config
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+def test_configs_are_shipped():
+    names = {p.name for p in CONFIGS}
+    assert {
+        "tiny_cpu.yaml",
+        "qwen2.5-0.5b-gsm8k.yaml",
+        "r1-distill-qwen-1.5b-deepscaler.yaml",
+        "qwen2.5-7b-throughput.yaml",
+    } <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_loads_and_validates(path):
+    cfg = load_config(path)
+    assert cfg.steps > 0 and cfg.sync.interval >= 1
+
+
+def test_tiny_cpu_is_the_embedded_default_on_two_ranks():
+    default = dataclasses.asdict(load_config())
+    tiny = dataclasses.asdict(load_config(CONFIGS[0].parent / "tiny_cpu.yaml"))
+    diff = {(s, k) for s in default if isinstance(default[s], dict)
+            for k in default[s] if default[s][k] != tiny[s][k]}  # fmt: skip
+    assert diff == {("parallel", "tp")}
+    assert default["model"]["hf_path"] == "tiny" and default["sync"]["interval"] > 1
+
+
+def test_paper_settings():
+    q = load_config(CONFIGS[0].parent / "qwen2.5-0.5b-gsm8k.yaml")
+    assert (q.grpo.group_size, q.optim.lr, q.grpo.kl_coef, q.rollout.temperature) == (
+        16, 5e-6, 0.1, 0.1)  # fmt: skip
+    d = load_config(CONFIGS[0].parent / "r1-distill-qwen-1.5b-deepscaler.yaml")
+    assert (d.grpo.group_size, d.optim.lr, d.grpo.kl_coef, d.rollout.max_model_len) == (
+        16, 1e-6, 0.001, 4096)  # fmt: skip
+    t = load_config(CONFIGS[0].parent / "qwen2.5-7b-throughput.yaml")
+    assert (t.rollout.tp, t.rollout.placement, t.sync.interval) == (4, "colocated", 10)
