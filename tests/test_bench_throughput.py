@@ -104,3 +104,20 @@ def test_bench_throughput_end_to_end(tmp_path):
     for name in ("throughput_vs_v.png", "phase_breakdown.png", "throughput.md", "throughput.json"):
         assert (out / name).stat().st_size > 0
     assert "| v | steps/s |" in (out / "throughput.md").read_text()
+
+
+def test_rounds_are_pooled_and_ratios_are_also_taken_round_by_round():
+    from megatron_grpo.bench.throughput import analyze_rounds
+
+    slow = [{**_row(k, True), "time_step": 4.8} for k in (1, 2, 3)]  # a round under load
+    fast = [_row(k, True) for k in (1, 2, 3)]
+    r1 = analyze_rounds([fast, slow], 1, 1)
+    assert r1["rounds"] == 2 and r1["measured_steps"] == 4
+    assert r1["steps_per_s_by_round"] == pytest.approx([1 / 2.4, 1 / 4.8])
+    assert r1["steps_per_s"] == pytest.approx(4 / (2 * 2.4 + 2 * 4.8))
+    r2 = analyze_rounds([[_row(k, k == 2) for k in (1, 2, 3)]] * 2, 2, 1)
+    c = compare([r1, r2])
+    # Round by round v=2 is 2.4/2.2 and 4.8/2.2 times faster: the median is their mean.
+    assert c["runs"][1]["steps_per_s_ratio_median_of_rounds"] == pytest.approx(
+        (2.4 / 2.2 + 4.8 / 2.2) / 2
+    )

@@ -56,7 +56,7 @@ def plot_phases(res: Mapping[str, Any], path: str | os.PathLike) -> Path:
         bottom = [b + x for b, x in zip(bottom, vals)]
     ax.set_ylabel("seconds per step (mean over measured steps)")
     ax.set_title("Per-step time by phase (sync amortized per step)", fontsize=9)
-    ax.legend(fontsize=7, loc="upper right", ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", alpha=0.3)
     _save(fig, Path(path))
     return Path(path)
@@ -68,24 +68,36 @@ def throughput_markdown(res: Mapping[str, Any]) -> str:
     lines = [
         f"Runs: {a['steps']} steps each, first {a['warmup']} excluded (warm-up); "
         f"nproc={a['nproc']}; config={a['config'] or 'embedded defaults'}; overrides: "
-        f"`{' '.join(a['overrides']) or '(none)'}`. Ratios are to v={ref}.",
+        f"`{' '.join(a['overrides']) or '(none)'}`; rounds={a.get('rounds', 1)} (round-robin, "
+        f"steps pooled). Ratios are to v={ref}.",
         "",
-        "| v | steps/s | ratio | tokens/s | ratio | syncs (measured) | s/sync | sync/step "
-        "| rollout | reward | logprobs | train | other | step | sync-only ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| v | steps/s | ratio | median ratio of rounds | tokens/s | ratio | syncs (measured) "
+        "| s/sync | sync/step "
+        "| rollout | reward | logprobs | train | other | step | sync-only ratio | load 1m |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["runs"]:
         p = r["phase_mean_s"]
         sps = r["sync_time_mean_s"]
         lines.append(
             f"| {r['v']} | {r['steps_per_s']:.4f} | {r['steps_per_s_ratio']:.3f} | "
+            f"{_opt(r.get('steps_per_s_ratio_median_of_rounds'))} | "
             f"{r['tokens_per_s']:.1f} | {r['tokens_per_s_ratio']:.3f} | {r['num_syncs']} "
             f"({r['measured_syncs']}) | {f'{sps:.3f}' if sps is not None else '-'} | "
             f"{r['sync_amortized_s']:.3f} | {p['rollout']:.3f} | {p['reward']:.3f} | "
             f"{p['logprobs']:.3f} | {p['train']:.3f} | {p['other']:.3f} | "
-            f"{r['step_time_mean_s']:.3f} | {r['sync_only_ratio']:.3f} |"
+            f"{r['step_time_mean_s']:.3f} | {r['sync_only_ratio']:.3f} | {_load(r)} |"
         )
     return "\n".join(lines)
+
+
+def _opt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _load(r: Mapping[str, Any]) -> str:
+    la = r.get("loadavg_1m") or [None, None]
+    return " -> ".join("-" if x is None else f"{x:.1f}" for x in la)
 
 
 def write_throughput_report(res: Mapping[str, Any], out_dir: str | os.PathLike) -> list[Path]:
@@ -102,15 +114,21 @@ def write_throughput_report(res: Mapping[str, Any], out_dir: str | os.PathLike) 
     return files
 
 
+def _at(d: Mapping[Any, float], v: int) -> float:
+    """``d[v]``, also after a JSON round trip (int keys become strings)."""
+    return d[v] if v in d else d[str(v)]
+
+
 def plot_projection(p: Mapping[str, Any], path: str | os.PathLike) -> Path:
     """Predicted throughput ratio vs v for each sync-cost scenario (7B, 8xH100)."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4))
+    fig = Figure(figsize=(9, 4))
     ax = fig.add_subplot()
     vs = p["vs"]
-    for s in p["scenarios"]:
-        ax.plot(vs, [s["ratios"][v] for v in vs], "o-", ms=3,
+    styles = ["o-", "s--", "^-.", "v:", "D-", "x--", "+-.", "*:", "h-", "p--", "<-."]
+    for i, s in enumerate(p["scenarios"]):
+        ax.plot(vs, [_at(s["ratios"], v) for v in vs], styles[i % len(styles)], ms=4,
                 label=f"{s['name']} (S={s['sync_s']:.3g} s)")  # fmt: skip
     ax.plot([10], [1.35], "k*", ms=11, label="paper measured 1.35x")
     ax.set_xlabel("sync period v (steps)")
@@ -118,7 +136,7 @@ def plot_projection(p: Mapping[str, Any], path: str | os.PathLike) -> Path:
     ax.set_title("Qwen2.5-7B, 8xH100, vLLM TP=4 colocated: projected ratio", fontsize=9)
     ax.set_xticks(vs)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     _save(fig, Path(path))
     return Path(path)
 
@@ -132,7 +150,7 @@ def projection_markdown(p: Mapping[str, Any]) -> str:
     for s in p["scenarios"]:
         lines.append(
             f"| {s['name']} | {s['sync_s']:.4g} | "
-            + " | ".join(f"{s['ratios'][v]:.4f}" for v in vs)
+            + " | ".join(f"{_at(s['ratios'], v):.4f}" for v in vs)
             + f" | {s['source']} |"
         )
     return "\n".join(lines)

@@ -67,6 +67,8 @@ class ThroughputArgs:
     """One run directory per v under here (``v{v}/``), plus the report files."""
     timeout_s: float = 1800.0
     """Time limit of one run."""
+    rounds: int = 1
+    """Run every v this many times, round-robin (v1 v2 ... v1 v2 ...); steps are pooled."""
     threads: int = 1
     """OMP_NUM_THREADS of each rank."""
 
@@ -83,9 +85,10 @@ def check_args(a: ThroughputArgs) -> None:
         raise ValueError(f"--v {a.vs}: give sync periods >= 1, e.g. --v 1,2,5,10.")
     if len(set(a.vs)) != len(a.vs):
         raise ValueError(f"--v {a.vs}: each v once.")
-    if a.warmup < 0 or a.nproc < 1 or a.threads < 1:
+    if a.warmup < 0 or a.nproc < 1 or a.threads < 1 or a.rounds < 1:
         raise ValueError(
-            f"--warmup({a.warmup}) must be >= 0, --nproc({a.nproc}) and threads({a.threads}) >= 1."
+            f"--warmup({a.warmup}) must be >= 0, --nproc({a.nproc}), --rounds({a.rounds}) and "
+            f"threads({a.threads}) >= 1."
         )
     n = a.steps - a.warmup
     if n < 1:
@@ -170,9 +173,20 @@ def _f(row: Mapping[str, Any], key: str) -> float:
 
 def analyze_run(rows: Sequence[Mapping[str, Any]], v: int, warmup: int) -> dict[str, Any]:
     """Rates and phase means of one run's metrics rows, its first ``warmup`` steps left out."""
-    measured = [r for r in rows if r["step"] > warmup]
-    if not measured:
-        raise ValueError(f"v={v}: no step after the {warmup} warm-up step(s) in {len(rows)} rows")
+    return analyze_rounds([rows], v, warmup)
+
+
+def analyze_rounds(
+    rounds: Sequence[Sequence[Mapping[str, Any]]], v: int, warmup: int
+) -> dict[str, Any]:
+    """Like :func:`analyze_run` over several runs of the same v (rounds), their measured
+    steps pooled; ``steps_per_s_by_round`` keeps each round's own rate."""
+    per_round = [[r for r in rows if r["step"] > warmup] for rows in rounds]
+    if not all(per_round):
+        n_rows = [len(rows) for rows in rounds]
+        raise ValueError(f"v={v}: no step after the {warmup} warm-up step(s) in {n_rows} rows")
+    measured = [r for rr in per_round for r in rr]
+    rows = rounds[0]
     n = len(measured)
     step_s = [_f(r, "time_step") for r in measured]
     total = sum(step_s)
@@ -181,16 +195,19 @@ def analyze_run(rows: Sequence[Mapping[str, Any]], v: int, warmup: int) -> dict[
     phases["other"] = max(0.0, total / n - sum(phases.values()))
     synced = [r for r in measured if r.get("synced")]
     sync_s = [_f(r, "time_sync") for r in synced]
+    by_round = [len(rr) / sum(_f(r, "time_step") for r in rr) for rr in per_round]
     return {
         "v": v,
+        "rounds": len(rounds),
         "steps_logged": len(rows),
         "measured_steps": n,
-        "warmup_steps": len(rows) - n,
+        "warmup_steps": len(rows) - len(per_round[0]),
         "num_syncs": sum(1 for r in rows if r.get("synced")),
         "measured_syncs": len(synced),
         "synced_steps": [r["step"] for r in rows if r.get("synced")],
         "step_time_mean_s": total / n,
         "steps_per_s": n / total if total else None,
+        "steps_per_s_by_round": by_round,
         "tokens_per_s": tokens / total if total else None,
         "phase_mean_s": phases,
         "sync_time_mean_s": sum(sync_s) / len(sync_s) if sync_s else None,
@@ -224,6 +241,13 @@ def compare(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         t_ref = ref["step_time_mean_s"]
         t_pred = t_ref - ref["sync_amortized_s"] + r["sync_amortized_s"]
         r["sync_only_ratio"] = t_ref / t_pred if t_pred > 0 else None
+        # Round i of every v ran back to back: the median of per-round ratios cancels a
+        # background load that drifts between rounds.
+        pairs = zip(r.get("steps_per_s_by_round", []), ref.get("steps_per_s_by_round", []))
+        per = sorted(x / y for x, y in pairs if x and y)
+        r["steps_per_s_ratio_median_of_rounds"] = (
+            (per[(len(per) - 1) // 2] + per[len(per) // 2]) / 2 if per else None
+        )
         out.append(r)
     return {"reference_v": ref["v"], "runs": out}
 
@@ -236,25 +260,37 @@ def run_bench_throughput(a: ThroughputArgs, report: bool = True) -> dict[str, An
 
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    runs, commands = [], {}
+    commands: dict[int, str] = {}
+    rows_of: dict[int, list] = {v: [] for v in a.vs}
+    walls: dict[int, list[float]] = {v: [] for v in a.vs}
+    loads: dict[int, list] = {v: [] for v in a.vs}
     t_all = time.perf_counter()
+    for rnd in range(a.rounds):  # round-robin: every v sees the same drift of background load
+        for v in sorted(a.vs):
+            name = f"v{v}" if a.rounds == 1 else f"v{v}_r{rnd}"
+            run_dir = out / name
+            cmd = train_command(a, v, run_dir)
+            commands.setdefault(v, " ".join(cmd))
+            print(f"[bench throughput] {name}: {' '.join(cmd)}", flush=True)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            load_before = _loadavg()
+            wall = _run(cmd, out / f"{name}.log", a.timeout_s, a.threads)
+            rows = read_metrics(run_dir / "metrics.jsonl")
+            rows_of[v].append(rows)
+            walls[v].append(wall)
+            # On a shared machine other jobs' load moves every rate: keep it with the figures.
+            loads[v].append([load_before, _loadavg()])
+            one = analyze_run(rows, v, a.warmup)
+            print(
+                f"[bench throughput] {name}: {one['steps_per_s']:.4f} steps/s, "
+                f"{one['num_syncs']} syncs, {wall:.0f} s wall",
+                flush=True,
+            )
+    runs = []
     for v in sorted(a.vs):
-        run_dir = out / f"v{v}"
-        cmd = train_command(a, v, run_dir)
-        commands[v] = " ".join(cmd)
-        print(f"[bench throughput] v={v}: {commands[v]}", flush=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        wall = _run(cmd, out / f"v{v}.log", a.timeout_s, a.threads)
-        rows = read_metrics(run_dir / "metrics.jsonl")
-        res = analyze_run(rows, v, a.warmup)
-        res["wall_s"] = wall
-        res["run_dir"] = str(run_dir)
+        res = analyze_rounds(rows_of[v], v, a.warmup)
+        res.update(wall_s=walls[v], loadavg_1m=loads[v][0], loadavg_1m_by_round=loads[v])
         runs.append(res)
-        print(
-            f"[bench throughput] v={v}: {res['steps_per_s']:.4f} steps/s, "
-            f"{res['num_syncs']} syncs, {wall:.0f} s wall",
-            flush=True,
-        )
     result = compare(runs)
     result.update(
         args=asdict(a), commands=commands, wall_s=time.perf_counter() - t_all,
@@ -266,6 +302,13 @@ def run_bench_throughput(a: ThroughputArgs, report: bool = True) -> dict[str, An
 
         result["files"] = [str(p) for p in write_throughput_report(result, out)]
     return result
+
+
+def _loadavg() -> float | None:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def machine_info() -> dict[str, Any]:

@@ -85,6 +85,8 @@ def _add_throughput(bsub: argparse._SubParsersAction) -> None:
     t.add_argument("--steps", type=int, default=11, help="steps per run, warm-up included")
     t.add_argument("--warmup", type=int, default=1, help="leading steps left out of the rates")
     t.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun when > 1)")
+    t.add_argument("--rounds", type=int, default=1,
+                   help="run every v this many times, round-robin, steps pooled")  # fmt: skip
     t.add_argument("--out-dir", default="runs/bench_throughput", help="run dirs and report")
     t.add_argument("--timeout-s", type=float, default=1800.0, help="time limit of one run")
     t.add_argument("--json", dest="json_out", help="also write the results here")
@@ -124,6 +126,7 @@ def run_throughput(args: argparse.Namespace) -> int:
             vs=args.vs, steps=args.steps, warmup=args.warmup,
             config=args.config or default_config(), overrides=list(args.overrides),
             nproc=args.nproc, out_dir=args.out_dir, timeout_s=args.timeout_s,
+            rounds=args.rounds,
         )  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
