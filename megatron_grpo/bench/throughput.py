@@ -61,8 +61,9 @@ class ThroughputArgs:
     """YAML config; None = configs/tiny_cpu.yaml when it exists, else the embedded defaults."""
     overrides: list[str] = field(default_factory=list)
     """key=value overrides passed to every run (the same for every v)."""
-    nproc: int = 1
-    """Ranks per run: 1 = one process, > 1 = torchrun --standalone --nproc-per-node."""
+    nproc: int = 0
+    """Ranks per run: 1 = one process, > 1 = torchrun --standalone --nproc-per-node;
+    0 = what the config's layout needs (parallel.tp * pp * max(dp, 1))."""
     out_dir: str = "runs/bench_throughput"
     """One run directory per v under here (``v{v}/``), plus the report files."""
     timeout_s: float = 1800.0
@@ -85,10 +86,10 @@ def check_args(a: ThroughputArgs) -> None:
         raise ValueError(f"--v {a.vs}: give sync periods >= 1, e.g. --v 1,2,5,10.")
     if len(set(a.vs)) != len(a.vs):
         raise ValueError(f"--v {a.vs}: each v once.")
-    if a.warmup < 0 or a.nproc < 1 or a.threads < 1 or a.rounds < 1:
+    if a.warmup < 0 or a.nproc < 0 or a.threads < 1 or a.rounds < 1:
         raise ValueError(
-            f"--warmup({a.warmup}) must be >= 0, --nproc({a.nproc}), --rounds({a.rounds}) and "
-            f"threads({a.threads}) >= 1."
+            f"--warmup({a.warmup}) and --nproc({a.nproc}) must be >= 0 (nproc 0: from the "
+            f"config), --rounds({a.rounds}) and threads({a.threads}) >= 1."
         )
     n = a.steps - a.warmup
     if n < 1:
@@ -113,6 +114,14 @@ def check_args(a: ThroughputArgs) -> None:
                 "seed, which the benchmark sets itself (--steps, --v, --out-dir; the config's "
                 "seed is shared by every run)."
             )
+
+
+def config_nproc(config: str | None, overrides: Sequence[str]) -> int:
+    """Ranks the config's trainer layout needs: parallel.tp * pp * max(dp, 1)."""
+    from megatron_grpo.config import load_config
+
+    p = load_config(config, list(overrides)).parallel
+    return p.tp * p.pp * max(p.dp, 1)
 
 
 def default_config() -> str | None:
@@ -258,6 +267,8 @@ def compare(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def run_bench_throughput(a: ThroughputArgs, report: bool = True) -> dict[str, Any]:
     from megatron_grpo.metrics.logger import read_metrics
 
+    if a.nproc == 0:
+        a.nproc = config_nproc(a.config, a.overrides)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     commands: dict[int, str] = {}

@@ -84,7 +84,8 @@ def _add_throughput(bsub: argparse._SubParsersAction) -> None:
     t.add_argument("--v", dest="vs", type=_ints, default=[1, 2, 5, 10], help="e.g. 1,2,5,10")
     t.add_argument("--steps", type=int, default=11, help="steps per run, warm-up included")
     t.add_argument("--warmup", type=int, default=1, help="leading steps left out of the rates")
-    t.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun when > 1)")
+    t.add_argument("--nproc", type=int, default=0,
+                   help="ranks per run (torchrun when > 1; 0: what the config's layout needs)")  # fmt: skip
     t.add_argument("--rounds", type=int, default=1,
                    help="run every v this many times, round-robin, steps pooled")  # fmt: skip
     t.add_argument("--out-dir", default="runs/bench_throughput", help="run dirs and report")
@@ -115,6 +116,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     from megatron_grpo.bench.throughput import (
         BenchRunFailed,
         ThroughputArgs,
+        config_nproc,
         default_config,
         format_table,
         run_bench_throughput,
@@ -122,10 +124,12 @@ def run_throughput(args: argparse.Namespace) -> int:
     )
 
     try:
+        config = args.config or default_config()
+        nproc = args.nproc or config_nproc(config, args.overrides)
         a = ThroughputArgs(
             vs=args.vs, steps=args.steps, warmup=args.warmup,
-            config=args.config or default_config(), overrides=list(args.overrides),
-            nproc=args.nproc, out_dir=args.out_dir, timeout_s=args.timeout_s,
+            config=config, overrides=list(args.overrides),
+            nproc=nproc, out_dir=args.out_dir, timeout_s=args.timeout_s,
             rounds=args.rounds,
         )  # fmt: skip
     except ValueError as e:
