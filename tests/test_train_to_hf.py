@@ -45,7 +45,8 @@ def main():
     seqs = fixed_sequences(spec.vocab_size)
     logp = policy.compute_logprobs(pad_batch(seqs), micro_batch_size=len(seqs))["logp"]
     destroy_distributed()
-    out = {"seqs": seqs, "logp": [logp[i, : len(s) - 1].tolist() for i, s in enumerate(seqs)]}
+    # logp[:, t]: token t given tokens < t (0 at t = 0; bridge/verify.py logprob_parity)
+    out = {"seqs": seqs, "logp": [logp[i, 1 : len(s)].tolist() for i, s in enumerate(seqs)]}
     open(sys.argv[2], "w").write(json.dumps(out))
 
 if __name__ == "__main__":
