@@ -201,8 +201,9 @@ def sharded_state(chunks: list[torch.nn.Module]) -> dict:
 def find_dist_checkpoint(ckpt: Path) -> tuple[Path, int | None]:
     """The dist_checkpointing directory inside ``ckpt`` and the training step if known.
 
-    Accepts a converted CKPT_DIR, a training checkpoint ``step_XXXXXX/`` (weights in its
-    ``model/``, the step in ``state.json``), or a run's ``checkpoints/`` (uses ``latest``).
+    Accepts a converted CKPT_DIR, a training checkpoint ``step_XXXXXX/`` (the trained
+    weights in its ``policy/`` part, as ``megatron-grpo train`` writes them, or ``model/``;
+    the step in ``state.json``), or a run's ``checkpoints/`` (uses ``latest``).
     """
     if not ckpt.is_dir():
         raise ConvertError(f"--ckpt {ckpt} is not a directory")
@@ -210,13 +211,15 @@ def find_dist_checkpoint(ckpt: Path) -> tuple[Path, int | None]:
         ckpt = ckpt / (ckpt / "latest").read_text().strip()
     if (ckpt / "metadata.json").is_file():
         return ckpt, None
-    if (ckpt / "model" / "metadata.json").is_file():
-        step = None
-        state = ckpt / "state.json"
-        if state.is_file():
-            step = json.loads(state.read_text()).get("step")
-        return ckpt / "model", step
+    for part in ("policy", "model"):
+        if (ckpt / part / "metadata.json").is_file():
+            step = None
+            state = ckpt / "state.json"
+            if state.is_file():
+                step = json.loads(state.read_text()).get("step")
+            return ckpt / part, step
     raise ConvertError(
-        f"{ckpt} holds no megatron dist checkpoint (no metadata.json here or in model/): "
+        f"{ckpt} holds no megatron dist checkpoint (no metadata.json here, in policy/ or in "
+        "model/): "
         "point --ckpt at a converted checkpoint or a training checkpoint step directory."
     )

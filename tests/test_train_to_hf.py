@@ -65,12 +65,6 @@ def trained(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.xfail(
-    strict=True,
-    reason="checkpoints_tools.common.find_dist_checkpoint looks for step_N/model/, but the "
-    "trainer saves its weights in step_N/policy/ (trainer/loop.py _state_dicts); docs/convert.md "
-    "promises step directories work. Remove this mark when fixed.",
-)
 def test_convert_accepts_training_step_dir(trained, tmp_path):
     rc, out = cli("convert", "mcore-to-hf", "--ckpt", str(trained), "--out", str(tmp_path / "hf"),
                   "--hf-config", str(trained.parent.parent / "hf_model" / "tiny"))  # fmt: skip
@@ -85,8 +79,8 @@ def test_trained_checkpoint_to_hf_loads_in_vllm(trained, tmp_path):
 
     base_hf = trained.parent.parent / "hf_model" / "tiny"
     hf = tmp_path / "hf"
-    # The policy part's dist checkpoint (see the xfail above for the step directory itself).
-    rc, out = cli("convert", "mcore-to-hf", "--ckpt", str(trained / "policy"), "--out", str(hf),
+    # The training step directory itself (its trained weights are the policy/ part).
+    rc, out = cli("convert", "mcore-to-hf", "--ckpt", str(trained), "--out", str(hf),
                   "--hf-config", str(base_hf))  # fmt: skip
     assert rc == 0, out[-3000:]
 

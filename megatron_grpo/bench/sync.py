@@ -269,6 +269,8 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
     if engine is not None:
         out["weight_version"] = engine.weight_version
     dist.barrier()
+    if engine is not None:  # the spawned ranks leave by os._exit: release vLLM's segments
+        engine.shutdown()
     return out
 
 

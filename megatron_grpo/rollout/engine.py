@@ -409,12 +409,39 @@ class RolloutEngine:
         if llm is None:
             return
         self.llm = None  # type: ignore[assignment]
+        shm = self._own_cpu_shm_segment() if self.is_colocated else None
         if self.is_colocated:
             self._shutdown_in_process(llm)
         else:
             llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+        if shm is not None:
+            shm.unlink(missing_ok=True)
+
+    @staticmethod
+    def _own_cpu_shm_segment() -> Path | None:
+        """This rank's /dev/shm segment of vLLM's CPU TP all-reduce, or None.
+
+        vLLM's CPU SHM communicator (vllm/distributed/device_communicators/cpu_communicator.py,
+        ``_CPUSHMDistributed``) creates one segment per TP rank, named after
+        ``VLLM_DIST_IDENT`` and the group (cpu_worker.py sets the identifier from the init
+        method, which under external_launcher is ``env://`` for every run), and nothing
+        unlinks it: the next colocated TP>1 engine on the machine then fails with ``create
+        shm in SHMManager failed. errno: 17``. Each rank unlinks its own segment at shutdown
+        (the other ranks' mappings stay valid).
+        """
+        from vllm.distributed import parallel_state as vps
+
+        try:
+            tp = vps.get_tp_group()
+        except AssertionError:  # no vLLM groups
+            return None
+        mod = getattr(tp.device_communicator, "dist_module", None)
+        name = getattr(mod, "group_name", None)
+        if not name:
+            return None
+        return Path("/dev/shm") / f"{name.lstrip('/')}_{tp.rank_in_group}"
 
     @staticmethod
     def _shutdown_in_process(llm: Any) -> None:

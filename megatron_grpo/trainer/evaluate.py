@@ -319,45 +319,12 @@ def eval_rank(rank: int, world: int, s: EvalSettings) -> dict[str, Any] | None:
         )  # fmt: skip
         layout = {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, "world": ctx.world_size}
     finally:
-        shm = _cpu_shm_segments() if engine is not None else []
         if engine is not None:
             engine.shutdown()
-        _unlink_after_barrier(shm)
         destroy_distributed()
     if rank != 0:
         return None
     return {"samples": samples, "sync": report.to_dict(), "layout": layout}
-
-
-def _cpu_shm_segments() -> list[Path]:
-    """/dev/shm files of this rank's vLLM CPU TP all-reduce (first rank of its group only).
-
-    vLLM's CPU SHM communicator (vllm/distributed/device_communicators/cpu_communicator.py,
-    ``_CPUSHMDistributed``) names them after ``VLLM_DIST_IDENT`` + group, which under
-    external_launcher is the same for every run (``"env://"``), and nothing unlinks them when
-    a spawned rank leaves by ``os._exit``: the next colocated TP>1 engine then fails with
-    ``create shm in SHMManager failed. errno: 17``. The rank that unlinks waits for a barrier.
-    """
-    from vllm.distributed import parallel_state as vps
-
-    try:
-        tp = vps.get_tp_group()
-    except AssertionError:  # no vLLM groups
-        return []
-    mod = getattr(tp.device_communicator, "dist_module", None)
-    name = getattr(mod, "group_name", None)
-    if not name or tp.rank_in_group != 0:
-        return []
-    return [Path("/dev/shm") / f"{name.lstrip('/')}_{i}" for i in range(tp.world_size)]
-
-
-def _unlink_after_barrier(paths: list[Path]) -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()  # every rank's engine is down before its segment goes
-    for p in paths:
-        p.unlink(missing_ok=True)
 
 
 def generate(s: EvalSettings, timeout_s: float = 1800.0) -> dict[str, Any] | None:
