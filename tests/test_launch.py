@@ -206,23 +206,23 @@ def test_preempt_requeue_resume(template: str, slurm_env, tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_disaggregated_template_splits_nodes(slurm_env, tmp_path: Path) -> None:
-    """Node split: the last node serves, the trainer gets the placement from the config, and
-    (until the loop supports it) stops with its one-line error; nothing is requeued."""
+    """Node split: the last node serves vLLM, the first trains, the trainer takes the
+    placement from the script's overrides and runs to the end; nothing is requeued."""
     env, jobs = slurm_env
     env["GPUS_PER_NODE"] = "1"
     job = Job(
         ["--nodes=2", "slurm/disaggregated.sbatch", "steps=3", *TINY], env, tmp_path / "job.log"
     )
-    rc = job.wait(200)
+    rc = job.wait(380)
     log = job.text()
     assert "train ranks 0-0" in log and "rollout ranks 1-1" in log, log
     assert "placement    disaggregated: train ranks 0, rollout ranks 1" in log, log  # preflight
     srun = (Path(env["FAKE_SLURM_DIR"]) / "srun.log").read_text()
     assert "rollout.placement=disaggregated rollout.num_engines=1 rollout.tp=1" in srun
-    assert rc != 0
-    assert "error: rollout.placement='disaggregated'" in log, log
+    assert rc == 0, log[-4000:]
+    assert _steps(Path(env["RUN_DIR"])) == [1, 2, 3]
     assert _requeued(env) == []
 
 

@@ -213,11 +213,6 @@ def build_launch_plan(
                 f"{len(ranks.rollout_ranks)} rollout ranks are not whole nodes of "
                 f"{gpus_per_node} GPUs: one node mixes trainer and vLLM ranks."
             )
-        warnings.append(
-            "the training loop runs rollout.placement=colocated only so far "
-            "(trainer.loop.validate_world refuses disaggregated); this is the plan such a "
-            "run would follow."
-        )
     capacity = int(gpu_memory_gb * GIB)
     mem = estimate_memory(
         spec, cfg, dp=dp, num_engines=engines, colocated=ranks.placement == "colocated",
