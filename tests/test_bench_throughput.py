@@ -132,5 +132,10 @@ def test_sync_table_reports_gb_per_s_against_raw():
                direct_by_bucket={"64.0": d}, baseline=d,
                raw=dict(bytes=2 * 10**9, wire_bytes=10**9, seconds=1.0))  # fmt: skip
     text = sync_markdown(res)
-    assert "| direct, bucket 64 MB | 1907.3 | 953.7 | 4.000 | 0.500 | 2.000 | 1.000 | 2.00x |" in text
-    assert "| raw (1 flat buffer per link) | 1907.3 | 953.7 | 1.000 | 2.000 | 1.000 | 2.000 | 1.00x |" in text
+    assert (
+        "| direct, bucket 64 MB | 1907.3 | 953.7 | 4.000 | 0.500 | 2.000 | 1.000 | 2.00x |" in text
+    )
+    assert (
+        "| raw (1 flat buffer per link) | 1907.3 | 953.7 | 1.000 | 2.000 | 1.000 | 2.000 | 1.00x |"
+        in text
+    )

@@ -85,7 +85,8 @@ def _add_throughput(bsub: argparse._SubParsersAction) -> None:
     t.add_argument("--steps", type=int, default=11, help="steps per run, warm-up included")
     t.add_argument("--warmup", type=int, default=1, help="leading steps left out of the rates")
     t.add_argument("--nproc", type=int, default=0,
-                   help="ranks per run (torchrun when > 1; 0: what the config's layout needs)")  # fmt: skip
+                   help="ranks per run (torchrun when > 1); 0: tp*pp*max(dp,1) of the config "
+                   "(pass it when parallel.dp is automatic)")  # fmt: skip
     t.add_argument("--rounds", type=int, default=1,
                    help="run every v this many times, round-robin, steps pooled")  # fmt: skip
     t.add_argument("--out-dir", default="runs/bench_throughput", help="run dirs and report")
