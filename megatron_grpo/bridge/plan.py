@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from megatron_grpo.bridge.plan_types import Copy, DstTensor, SyncPlan
+from megatron_grpo.bridge.plan_types import Copy, DstTensor, SyncPlan, row_elems
 from megatron_grpo.layouts import megatron as mg
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.layouts.megatron import MegatronLayout, NormStyle
@@ -106,14 +106,6 @@ def _source_index(spec: ModelSpec, trainer: TrainerPlacement) -> dict[str, list[
     return by_hf
 
 
-def _row_elems(shape: tuple[int, ...], dim: int) -> int:
-    n = 1
-    for i, s in enumerate(shape):
-        if i != dim:
-            n *= s
-    return n
-
-
 def build_plan(
     spec: ModelSpec,
     trainer: TrainerPlacement,
@@ -151,7 +143,7 @@ def _copies_for(
     load: dict[int, int],
     element_size: int,
 ) -> list[Copy]:
-    row_bytes = _row_elems(dst.shape, dst.dim) * element_size
+    row_bytes = row_elems(dst.shape, dst.dim) * element_size
     out: list[Copy] = []
     for doff, piece in dst.offsets():
         if piece.is_zero:

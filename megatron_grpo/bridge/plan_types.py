@@ -13,6 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def row_elems(shape: tuple[int, ...], dim: int) -> int:
+    """Elements in one index of ``dim``: the product of every other dimension of ``shape``."""
+    n = 1
+    for i, s in enumerate(shape):
+        if i != dim:
+            n *= s
+    return n
+
+
 @dataclass(frozen=True)
 class Copy:
     """``dst[dst_name].narrow(dim, dst_start, length) <- src[src_name].narrow(dim, src_start, length)``."""
@@ -57,12 +66,7 @@ class SyncPlan:
         return sum(c.length * self._row_elems(c) for c in self.copies) * self.element_size
 
     def _row_elems(self, c: Copy) -> int:
-        shape = self._dst_shapes()[(c.dst_rank, c.dst_name)]
-        n = 1
-        for i, s in enumerate(shape):
-            if i != c.dim:
-                n *= s
-        return n
+        return row_elems(self._dst_shapes()[(c.dst_rank, c.dst_name)], c.dim)
 
     def _dst_shapes(self) -> dict[tuple[int, str], tuple[int, ...]]:
         cache = getattr(self, "_shape_cache", None)

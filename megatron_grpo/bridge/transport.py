@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.bridge.accounting import SyncStats, link_key
-from megatron_grpo.bridge.plan_types import Copy, SyncPlan
+from megatron_grpo.bridge.plan_types import Copy, SyncPlan, row_elems
 
 Sink = Callable[[str, torch.Tensor], None]
 """Receives each destination shard (vLLM name, tensor) as soon as it is complete."""
@@ -109,14 +109,6 @@ def _slice_shape(shape: tuple[int, ...], dim: int, length: int) -> tuple[int, ..
     return tuple(out)
 
 
-def _row_elems(shape: tuple[int, ...], dim: int) -> int:
-    n = 1
-    for i, s in enumerate(shape):
-        if i != dim:
-            n *= s
-    return n
-
-
 def build_schedule(plan: SyncPlan, bucket_bytes: int) -> dict[tuple[int, int], list[Bucket]]:
     """Lay each network link's copies (plan order) into flat buckets of <= ``bucket_bytes``.
 
@@ -152,7 +144,7 @@ def build_schedule(plan: SyncPlan, bucket_bytes: int) -> dict[tuple[int, int], l
 
         for c in copies:
             shape = shapes[(c.dst_rank, c.dst_name)]
-            row = _row_elems(shape, c.dim)
+            row = row_elems(shape, c.dim)
             done = 0
             while done < c.length:
                 room_rows = (cap - fill) // row if row else c.length
