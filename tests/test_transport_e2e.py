@@ -27,6 +27,7 @@ VARIANTS = {
     "llama_kv1_untied": dict(
         architecture="LlamaForCausalLM", num_key_value_heads=1, tie_word_embeddings=False
     ),
+    "qwen3_qknorm_untied": dict(architecture="Qwen3ForCausalLM", tie_word_embeddings=False),
 }
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 ROLLOUT_TPS = [1, 2]
@@ -85,7 +86,7 @@ def _e2e(rank: int, world: int, root: str) -> dict:
                 )  # fmt: skip
                 eng.reload_from_hf(a)  # the engine must really receive B from the bridge
                 before = eng.export_shards()[0]
-                report = ws.sync(shards)
+                report = ws.sync_shards(shards)
                 got = eng.export_shards()[0]
                 out[case] = {
                     "changed": any(not torch.equal(before[n], t) for n, t in ref.items()),
