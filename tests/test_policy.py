@@ -195,6 +195,15 @@ def _dp_worker(rank, world_size, hf_dir):
         out["unchanged"] = all(torch.equal(after[n], p) for n, p in policy.named_shards())
         sd = policy.sharded_state_dict()
         out["state_keys"] = sorted(sd)
+        # NaN steps 2 and 3 in a row are skipped too; the 4th exceeds
+        # optim.max_nan_steps_in_row (3) and aborts with a message that says what to do.
+        for _ in range(2):
+            policy.train_step(mine, nan_loss, micro_batch_size=2)
+        try:
+            policy.train_step(mine, nan_loss, micro_batch_size=2)
+            out["abort"] = None
+        except RuntimeError as e:
+            out["abort"] = str(e)
         return out
     finally:
         destroy_distributed()
@@ -224,6 +233,9 @@ def test_train_step_gradient_is_grad_of_summed_global_loss(tiny_dir):
         assert r["ref_copy_err"] < 1e-6 and r["pad_zero"]
         assert r["nan_metrics"]["skipped"] is True and r["unchanged"]
         assert r["state_keys"] == ["lr_schedule", "model", "optimizer"]
+        assert r["abort"] is not None, "4 non-finite steps in a row must abort"
+        assert "4 optimizer steps in a row" in r["abort"]
+        assert "optim.max_nan_steps_in_row=3" in r["abort"]
     assert "decoder.layers.1.mlp.linear_fc2.weight" in r0["names"]
     assert "embedding.word_embeddings.weight" in r0["names"]
     assert not any(n.startswith("chunk") for n in r0["names"])
