@@ -96,6 +96,7 @@ def test_synthetic_partial_credit():
     # 1 + 0.1 * 1; 0.5 + 0.1 * 1; 0 + 0.1 * 0
     assert rewards == pytest.approx([1.1, 0.6, 0.0])
     assert info["task_mean"] == pytest.approx(0.5)
+    assert info["task_scores"] == pytest.approx([1.0, 0.5, 0.0])  # no format bonus
 
 
 def test_inprocess_reward_error_is_counted_and_logged_once(caplog, monkeypatch):

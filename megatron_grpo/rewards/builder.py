@@ -133,6 +133,8 @@ class RewardFn:
             "task_mean": sum(task) / n,
             "format_mean": sum(fmt) / n,
             "reward_mean": sum(rewards) / n,
+            # Per response, without the format bonus: "correct" means a task score of 1.
+            "task_scores": task,
         }
         return rewards, info
 

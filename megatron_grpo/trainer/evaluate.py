@@ -359,12 +359,8 @@ def score(s: EvalSettings, out: dict[str, Any]) -> EvalResult:
     args = ([prompts[i // k].text for i in range(len(samples))], texts,
             [prompts[i // k].answer for i in range(len(samples))])  # fmt: skip
     with build_reward(cfg.reward, cfg.data) as reward_fn:
-        rewards, _ = reward_fn(*args)
-    task = rewards
-    if cfg.reward.format_weight:  # correctness is the task score alone
-        with build_reward(replace(cfg.reward, format_weight=0.0), cfg.data) as task_fn:
-            task, _ = task_fn(*args)
-    correct = [t >= 1.0 for t in task]
+        rewards, info = reward_fn(*args)
+    correct = [t >= 1.0 for t in info["task_scores"]]  # the format bonus does not count
     correct_PK = [correct[i * k : (i + 1) * k] for i in range(len(prompts))]
     rows = [
         {"prompt_index": i // k, "sample_index": i % k, "prompt": args[0][i],

@@ -414,7 +414,8 @@ class GRPOTrainer:
         lengths = [len(s.response_ids) for s in samples]
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         times = self.timer.times()
-        extra = {k: v for k, v in reward_info.items() if k not in ("reward_mean",)}
+        task_scores = reward_info["task_scores"]
+        extra = {k: v for k, v in reward_info.items() if k not in ("reward_mean", "task_scores")}
         extra.update({f"adv_{k}": v for k, v in adv.metrics.items()})
         for key in ("ratio_mean", "ratio_min", "ratio_max", "pg_loss", "approx_kl"):
             if mean(key) is not None:
@@ -425,7 +426,7 @@ class GRPOTrainer:
         row = StepMetrics(
             step=step,
             reward_mean=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
-            pass_rate=float((rewards >= 1.0).float().mean()),
+            pass_rate=sum(t >= 1.0 for t in task_scores) / len(task_scores),
             synced=sync_report is not None, policy_version=version, lag=step - 1 - version,
             sync_bytes=sync_report.bytes if sync_report is not None else 0,
             time_rollout=times.get("time_rollout"), time_reward=times.get("time_reward"),
