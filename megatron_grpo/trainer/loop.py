@@ -56,23 +56,22 @@ def validate_world(cfg: Config, world_size: int) -> int:
                 "ranks (colocated only): set sync.method=direct with rollout.placement="
                 "disaggregated."
             )
-        if cfg.grpo.prompts_per_step % engines:
+        source = f"rollout.num_engines({engines})"
+    else:
+        if world_size % cfg.rollout.tp:
             raise ConfigError(
-                f"grpo.prompts_per_step({cfg.grpo.prompts_per_step}) is not a multiple of "
-                f"rollout.num_engines({engines}): make it a multiple of {engines}."
+                f"rollout.tp({cfg.rollout.tp}) does not divide WORLD_SIZE({world_size}): "
+                "colocated engines take consecutive groups of rollout.tp ranks; pick a divisor."
             )
-        return engines
-    if world_size % cfg.rollout.tp:
-        raise ConfigError(
-            f"rollout.tp({cfg.rollout.tp}) does not divide WORLD_SIZE({world_size}): colocated "
-            "engines take consecutive groups of rollout.tp ranks; pick a divisor."
+        engines = world_size // cfg.rollout.tp
+        source = (
+            f"the {engines} colocated vLLM engines (WORLD_SIZE {world_size} / rollout.tp "
+            f"{cfg.rollout.tp})"
         )
-    engines = world_size // cfg.rollout.tp
     if cfg.grpo.prompts_per_step % engines:
         raise ConfigError(
-            f"grpo.prompts_per_step({cfg.grpo.prompts_per_step}) is not a multiple of the "
-            f"{engines} colocated vLLM engines (WORLD_SIZE {world_size} / rollout.tp "
-            f"{cfg.rollout.tp}): make it a multiple of {engines}."
+            f"grpo.prompts_per_step({cfg.grpo.prompts_per_step}) is not a multiple of {source}: "
+            f"make it a multiple of {engines}."
         )
     return engines
 
@@ -132,8 +131,7 @@ class GRPOTrainer:
         self.stop_requested = False
         self._install_signal_handlers()
         rank = int(os.environ.get("RANK", "0"))
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.num_engines = validate_world(cfg, world)
+        self.num_engines = validate_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         self.hf_dir = prepare_model_dir(cfg, rank, cfg.parallel.timeout_s)
         self.spec = load_spec(self.hf_dir)
         sub_world = self.world.trainer_world() if self.world is not None else {}
@@ -204,7 +202,7 @@ class GRPOTrainer:
             t_step = time.perf_counter()
             version = self.policy_version
             with timer.phase("rollout"):
-                prompts, samples = self._rollout_or_fail(step, last_saved)
+                prompts, samples = self._rollout_or_fail(step)
             with timer.phase("reward"):
                 rewards, reward_info = self.score(prompts, samples)
             batch = collate(samples, self.tokenizer.pad_token_id)
@@ -251,7 +249,7 @@ class GRPOTrainer:
         )  # fmt: skip
         return prompts, samples
 
-    def _rollout_or_fail(self, step: int, last_saved: int):
+    def _rollout_or_fail(self, step: int):
         try:
             return self.rollout(step)
         except Exception as e:
@@ -283,13 +281,24 @@ class GRPOTrainer:
             return batch, None
         from megatron_grpo.algorithms.kl import get_kl_estimator
 
-        mbs = g.micro_batch_size
-        batch["ref_logp"] = self.ref.compute_logprobs(batch, mbs)["logp"]
+        batch["ref_logp"] = self._dp_logprobs(self.ref, batch)
         if not g.kl_in_reward:
             return batch, None
-        logp = self.policy.compute_logprobs(batch, mbs)["logp"]
+        logp = self._dp_logprobs(self.policy, batch)
         kl = get_kl_estimator(g.kl_estimator)(logp, batch["ref_logp"]) * batch["loss_mask"]
         return batch, kl.sum(dim=1)
+
+    def _dp_logprobs(self, policy, batch) -> torch.Tensor:
+        """``policy``'s log-probs of the whole batch [N, L]: each DP rank computes its own
+        shard (``dp_shard``'s rows) and the shards are all-gathered over the DP group."""
+        ctx = self.ctx
+        shard = dp_shard(batch, ctx.dp_rank, ctx.dp)
+        logp = policy.compute_logprobs(shard, self.cfg.grpo.micro_batch_size)["logp"]
+        if ctx.dp == 1:
+            return logp
+        parts = [torch.empty_like(logp) for _ in range(ctx.dp)]
+        dist.all_gather(parts, logp, group=ctx.dp_group)
+        return torch.cat(parts)
 
     def group_advantages(self, rewards_PG, kl_seq, step):
         g = self.cfg.grpo
