@@ -8,12 +8,13 @@ killed by the helper that started it.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests._eval_helpers import cli
+from tests._eval_helpers import run as run_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -36,27 +37,8 @@ RESUME_KEYS = [
 ]  # fmt: skip
 
 
-def train(run_dir: Path, *args: str, timeout: int = 400, env_extra: dict | None = None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_grpo.cli.main",
-        "train",
-        "--run-dir",
-        str(run_dir),
-        *args,
-    ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return proc.returncode, out
+def train(run_dir: Path, *args: str, timeout: int = 400) -> tuple[int, str]:
+    return cli("train", "--run-dir", str(run_dir), *args, timeout=timeout)
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -161,12 +143,9 @@ def test_engine_failure_is_clear_and_last_checkpoint_resumes(tmp_path):
     run = tmp_path / "run"
     script = tmp_path / "engine_dies.py"
     script.write_text(ENGINE_DIES)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     args = ["train", "--run-dir", str(run), "--steps", "5", "checkpoint.interval=2", *FAST]
-    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
-                          env=env, timeout=500)  # fmt: skip
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out[-3000:]
+    rc, out = run_cmd([sys.executable, str(script), *args], 500)
+    assert rc == 1, out[-3000:]
     assert "vLLM engine failed during the rollout of step 4" in out
     assert "step_000002" in out and "--resume" in out
     rc, out = train(run, "--steps", "5", "--resume", *FAST)
