@@ -63,6 +63,17 @@ def test_zero_variance_mask_exact():
     assert mask.tolist() == [False, True, False]
 
 
+def test_red_drop_ties_count_as_positive():
+    # r = [0, 0, 0, 3, 2, 1]: mean 1 -> negatives {0, 0, 0}, strict positives {3, 2}, one tie
+    # {1}. Ties count as positive (the REC paper's released code, Trinity-RFT): 3 vs 3, no
+    # drop. The old rule (positive = r > mean) saw 3 vs 2 and dropped a zero.
+    keep = adv_mod.red_drop_keep(t([[0, 0, 0, 3, 2, 1]]), torch.Generator().manual_seed(0))
+    assert keep.tolist() == [[True] * 6]
+    # and with a real surplus it still drops: [0, 0, 0, 3] -> 3 neg vs 1 pos -> drop 2.
+    keep = adv_mod.red_drop_keep(t([[0, 0, 0, 3]]), torch.Generator().manual_seed(0))
+    assert keep.sum().item() == 2 and keep[0, 3].item()
+
+
 def test_red_drop_golden():
     # r = [1, 0, 0, 0]: mean .25, 3 negatives vs 1 positive -> drop 2 of the 3 zeros.
     # Kept {1, 0}: mean .5, var .25; eps = .75 -> A = [.5, -.5], dropped get 0.
@@ -169,8 +180,21 @@ def test_rec_masks_table():
     assert L.rec_mask_ring(rho, pos, 0.2, 0.2, 0.6, 2.0).tolist() == [1, 0, 1, 0, 0]
     assert L.rec_mask_ring(rho, neg, 0.2, 0.2, 0.6, 2.0).tolist() == [0, 0, 1, 0, 1]
     assert L.rec_mask_none(rho, pos).tolist() == [1] * 5
-    close(L.rec_weight_tis(rho, 2.0), [0.3, 0.7, 1.0, 1.5, 2.0])
     close(L.rec_weight_is(rho), rho)
+
+
+def test_rec_tis_is_the_papers_clamp():
+    # REC paper / Trinity-RFT: w = clamp(rho, 1 - eps'_low, 1 + eps'_high); with
+    # eps' = (.6, 2.0) the band is [.4, 3]: rho [.3, .7, 1, 1.5, 3.5] -> [.4, .7, 1, 1.5, 3].
+    # (The old min(rho, cap) left .3 at .3: the lower clamp is what makes it the paper's.)
+    rho = t([0.3, 0.7, 1.0, 1.5, 3.5])
+    close(L.rec_weight_tis(rho, 0.6, 2.0), [0.4, 0.7, 1.0, 1.5, 3.0])
+    # Built from the config: rec_weight=tis reads rec_ring_eps_low/high (eps'), A = 1, mask none
+    # -> loss = -w * logp; logp = ln .3, old = 0 -> rho = .3 -> w = .4 -> loss = -.4 ln .3.
+    cfg = GRPOConfig(policy_loss="rec", rec_clip="none", rec_weight="tis")
+    fn = L.build_policy_loss(cfg)
+    loss, _ = fn(t([[ln(0.3)]]), t([1.0]), t([[1.0]]), t([[0.0]]), None)
+    close(loss, [[-0.4 * ln(0.3)]])
 
 
 def test_rec_loss_golden():
@@ -326,7 +350,7 @@ def test_loss_fn_errors_name_the_fix():
         "loss_mask": t([[1.0, 1.0]]),
         "advantages": t([1.0]),
         "rollout_logp": t([[0.0, 0.0]]),
-        "global_num_seqs": t(1.0),
+        "global_num_rows": t(1.0),
     }
     close(fn(t([[0.0, 0.0]]), torch.zeros(1, 2), mb2)[0], -2.0 / 4)
 
@@ -339,3 +363,73 @@ def test_overlong_shaping_golden():
     assert overlong_filter_keep(torch.tensor([True, False])).tolist() == [False, True]
     with pytest.raises(ValueError, match="overlong_buffer"):
         overlong_penalty(t([1]), 10, 11, 1.0)
+
+
+# ----------------------------------------------------------------------- issue-12 behaviour
+def test_zero_variance_mask_uses_task_rewards_with_kl_in_reward():
+    # Task rewards [1, 1] (no signal) penalised by KL to [0.9, 0.7]: the group must stay
+    # masked; the old code masked on the penalised rewards and whitened pure KL to +-1.
+    fn = adv_mod.build_advantage_fn(GRPOConfig(group_size=2, advantage_eps=0.0))
+    task = t([[1.0, 1.0], [1.0, 0.0]])
+    penalised = task - t([[0.1, 0.3], [0.1, 0.3]])
+    out = fn(penalised, None, task)
+    assert out.keep.tolist() == [[False, False], [True, True]]
+    assert out.advantages[0].tolist() == [0.0, 0.0]
+    # group 1 is whitened on the penalised rewards [.9, -.3]: +-1.
+    close(out.advantages[1], [1.0, -1.0])
+
+
+def test_log_ratio_clamped_before_exp():
+    # A = -1, dual-clip off, log-ratio 25: unclamped the loss would be e^25 = 7.2e10; clamped
+    # at 20 it is e^20 = 4.85e8, and the token passes no gradient (outside the band).
+    logp = t([[25.0]]).requires_grad_()
+    loss, _ = L.off_policy_clip_loss(logp, torch.zeros(1, 1), t([-1.0]), torch.ones(1, 1), 0.2, 0.2)
+    close(loss, [[math.exp(20.0)]], tol=1e-4)
+    loss.sum().backward()
+    assert logp.grad.item() == 0.0
+    # exact mode r', REC rho, GSPO s, TIS ratios and k3 are clamped the same way.
+    big, zero, one = t([[50.0]]), torch.zeros(1, 1), torch.ones(1, 1)
+    rho = L.rec_loss(big, zero, t([1.0]), one, L.rec_mask_none, L.rec_weight_is)[1]["ratio_max"]
+    close(rho, math.exp(20.0), tol=1e-4)
+    close(L.gspo_loss(big, zero, t([1.0]), one, 0.2, 0.2)[1]["ratio_max"], math.exp(20.0), 1e-4)
+    close(L.token_is_ratio(big, zero, one), [[math.exp(20.0)]], tol=1e-4)
+    close(L.seq_is_ratio(big, zero, one), [[math.exp(20.0)]], tol=1e-4)
+    close(kl_mod.kl_k3(zero, big), [[math.exp(20.0) - 21.0]], tol=1e-4)
+    r_prime = L.off_policy_clip_loss(zero, zero, t([1.0]), one, 0.2, 0.2, prox_logp_BT=big)
+    assert torch.isfinite(r_prime[0]).all()
+
+
+def test_gspo_needs_sequence_mean_aggregation():
+    with pytest.raises(ValueError, match="loss_agg=seq_mean_token_mean"):
+        GRPOConfig(policy_loss="gspo", loss_agg="token_mean")
+    GRPOConfig(policy_loss="gspo", loss_agg="seq_mean_token_mean")
+
+
+def test_loss_normalizer_kept_vs_all_and_constant_is_constant():
+    # Mini-batch of 4 responses x 2 tokens; the advantage step kept only rows 0 and 1.
+    # per-token loss 1 on kept tokens -> sum 4.
+    resp = torch.ones(4, 2)
+    keep = t([[1, 1], [1, 1], [0, 0], [0, 0]])
+    mb = {"loss_mask": keep, "response_mask": resp}
+    kept = agg.compute_global_normalizers(agg.normalizer_mask(mb, "kept"))
+    every = agg.compute_global_normalizers(agg.normalizer_mask(mb, "all"))
+    loss = torch.ones(4, 2)
+    # kept: 4 / 4 tokens = 1 (DAPO renormalises); all: 4 / 8 = .5 (paper's E over all prompts)
+    close(agg.agg_token_mean(loss, keep, kept["global_num_tokens"]), 1.0)
+    close(agg.agg_token_mean(loss, keep, every["global_num_tokens"]), 0.5)
+    close(agg.agg_seq_mean_token_mean(loss, keep, every["global_num_seqs"]), 0.5)
+    # constant: divided by the mini-batch's 4 rows x C = 2 whatever the masks: 4 / 8 = .5,
+    # with the kept or the all counts alike (the old code divided by the 2 kept sequences).
+    fn = agg.make_loss_fn(GRPOConfig(loss_agg="constant", loss_agg_constant=2.0))
+    for norms in (kept, every):
+        full = {"advantages": t([-1.0] * 4), "rollout_logp": torch.zeros(4, 2), **mb, **norms}
+        close(fn(torch.zeros(4, 2), torch.zeros(4, 2), full)[0], 0.5)
+
+
+def test_overlong_shaping_on_rewards():
+    from megatron_grpo.algorithms.shaping import shape_rewards
+
+    # L_max 10, buffer 4: lengths [5, 8, 10, 10] -> penalties [0, -.5, -1, -1] added.
+    r = t([[1, 1], [0, 1]])
+    close(shape_rewards(r, t([5, 8, 10, 10]), 10, 4, 1.0), [[1.0, 0.5], [-1.0, 0.0]])
+    assert shape_rewards(r, t([5, 8, 10, 10]), 10, 0, 1.0) is r

@@ -64,6 +64,8 @@ def test_zero_variance_groups_get_exactly_zero_gradient(
     gen = torch.Generator().manual_seed(seed)
     rewards = torch.randint(0, 3, (p + n_const, g), generator=gen).float()
     rewards[p:] = rewards[p:, :1]  # the last n_const groups are constant
+    if policy_loss == "gspo":  # GSPO is tied to sequence-mean aggregation (config check)
+        loss_agg = "seq_mean_token_mean"
     cfg = GRPOConfig(
         group_size=g,
         policy_loss=policy_loss,
@@ -102,8 +104,9 @@ def test_red_drop_keeps_positives_and_balances(seed, p, g, levels):
     rewards = torch.randint(0, levels, (p, g), generator=gen).float()
     keep = adv_mod.red_drop_keep(rewards, torch.Generator().manual_seed(seed + 1))
     mean = rewards.mean(dim=1, keepdim=True)
-    pos, neg = rewards > mean, rewards < mean
-    assert keep[pos].all() and keep[rewards == mean].all()  # positives untouched
+    neg = rewards < mean
+    pos = ~neg  # ties with the mean count as positive (REC's released code)
+    assert keep[pos].all()  # positives untouched
     n_pos, n_neg = pos.sum(1), neg.sum(1)
     kept_neg = (neg & keep).sum(1)
     expected = torch.where(n_neg > n_pos, n_pos, n_neg)
@@ -145,6 +148,8 @@ def test_aggregation_invariant_to_micro_batch_and_dp_split(
     The normalizers are computed over the union of all ranks' micro-batches (what the DP
     all-reduce in compute_global_normalizers does), then each piece is evaluated alone.
     """
+    if variant.get("policy_loss") == "gspo":  # GSPO is tied to sequence-mean aggregation
+        loss_agg = "seq_mean_token_mean"
     cfg = dataclasses.replace(
         GRPOConfig(),
         loss_agg=loss_agg,

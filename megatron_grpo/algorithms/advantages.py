@@ -103,14 +103,19 @@ def zero_variance_mask(rewards_PG: Tensor) -> Tensor:
 def red_drop_keep(rewards_PG: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """RED-Drop (Yao et al.): which samples to keep, ``[P, G]`` bool.
 
-    In a group with more negatives (``r < mean``) than positives (``r > mean``), drop
+    In a group with more negatives (``r < mean``) than positives (``r >= mean``), drop
     ``n_neg - n_pos`` negatives chosen uniformly at random (``generator`` seeds the draw) so
-    that the kept counts balance. Positives and samples equal to the mean are always kept.
+    that the kept counts balance. Positives are always kept.
+
+    Ties: a sample equal to the group mean (advantage 0) counts as positive, as in the REC
+    paper's released code (Trinity-RFT, which the paper names as its source); with 0/1
+    rewards no sample equals the mean of a mixed group, so this only matters for graded
+    rewards, where it drops fewer negatives than counting ``r > mean`` would.
     """
     _check_2d(rewards_PG)
     mean = rewards_PG.mean(dim=1, keepdim=True)
     neg = rewards_PG < mean
-    pos = rewards_PG > mean
+    pos = ~neg
     surplus = (neg.sum(dim=1) - pos.sum(dim=1)).clamp(min=0)  # [P]
     scores = torch.rand(rewards_PG.shape, generator=generator, dtype=torch.float64)
     scores = torch.where(neg, scores, torch.full_like(scores, 2.0))  # non-negatives rank last
@@ -135,14 +140,18 @@ class Advantages:
     metrics: dict[str, float]
 
 
-AdvantageFn = Callable[[Tensor, "torch.Generator | None"], Advantages]
+AdvantageFn = Callable[..., Advantages]
 
 
 def build_advantage_fn(grpo_cfg) -> AdvantageFn:
     """Pick the advantage variant once from ``grpo.{advantage, red_drop, zero_variance_mask}``.
 
-    Returns ``fn(rewards_PG, generator) -> Advantages``. Order: RED-Drop picks the kept set,
-    the base advantage is computed over it, then zero-variance groups are masked.
+    Returns ``fn(rewards_PG, generator, task_rewards_PG=None) -> Advantages``. Order: RED-Drop
+    picks the kept set, the base advantage is computed over it, then zero-variance groups are
+    masked. ``task_rewards_PG`` (default: ``rewards_PG``) are the rewards the zero-variance
+    mask looks at: with the KL in the reward, ``rewards_PG`` carries ``-beta*KL`` and a group
+    of equal task rewards would otherwise be kept and its pure KL differences whitened to
+    unit scale; the paper masks by the task rewards' variance (eq. 8).
     """
     eps, tau = grpo_cfg.advantage_eps, grpo_cfg.red_weight_tau
     base: Callable[[Tensor, Tensor | None], Tensor]
@@ -160,15 +169,20 @@ def build_advantage_fn(grpo_cfg) -> AdvantageFn:
         raise ValueError(f"grpo.advantage={grpo_cfg.advantage!r}: use grpo, drgrpo or red_weight.")
     use_drop, use_zv = grpo_cfg.red_drop, grpo_cfg.zero_variance_mask
 
-    def advantage_fn(rewards_PG: Tensor, generator: torch.Generator | None = None) -> Advantages:
+    def advantage_fn(
+        rewards_PG: Tensor,
+        generator: torch.Generator | None = None,
+        task_rewards_PG: Tensor | None = None,
+    ) -> Advantages:
         _check_2d(rewards_PG)
         rewards_PG = rewards_PG.to(torch.float32)
+        task = rewards_PG if task_rewards_PG is None else task_rewards_PG.to(torch.float32)
         keep = red_drop_keep(rewards_PG, generator) if use_drop else None
         adv = base(rewards_PG, keep)
         if keep is None:
             keep = torch.ones_like(rewards_PG, dtype=torch.bool)
         dropped = float((~keep).float().mean())
-        zv = zero_variance_mask(rewards_PG)
+        zv = zero_variance_mask(task)
         if use_zv:
             keep = keep & zv[:, None]
         adv = torch.where(keep, adv, 0.0)  # where, not *, so a NaN cannot leak through

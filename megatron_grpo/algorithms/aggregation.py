@@ -29,7 +29,17 @@ Keys ``loss_fn`` reads from ``mb``:
 - ``global_num_tokens`` (0-dim): loss tokens in the mini-batch over all micro-batches and DP
   ranks; read by ``loss_agg=token_mean``.
 - ``global_num_seqs`` (0-dim): sequences with at least one loss token, same span; read by the
-  ``seq_mean_*`` and ``constant`` modes.
+  ``seq_mean_*`` modes.
+- ``global_num_rows`` (0-dim): sequences in the mini-batch over all DP ranks, masked or not
+  (the mini-batch size); read by ``loss_agg=constant``, so its normalizer is a constant.
+
+Which tokens the counts run over is ``grpo.loss_normalizer`` (:func:`normalizer_mask`):
+``kept`` counts the loss mask after the zero-variance mask and RED-Drop (the loss is a mean
+over the kept samples, renormalised per batch, as DAPO's token-level loss and verl/TRL's
+defaults do); ``all`` counts every response token of the mini-batch (``response_mask``), so
+masked groups still weigh in the denominator: the paper's ``E_x[mask(x) * L(x)]``, an
+expectation over ALL prompts (Mroueh et al. eq. 8; TRL <= 0.17's GRPO loss also averaged
+over every completion of the batch, zero-advantage ones included).
 
 Modes (the normalizer of mode ``seq_mean_token_mean`` is per sequence, so a sequence must
 not be split across micro-batches, which the trainer never does; context parallelism would
@@ -38,8 +48,8 @@ need the per-sequence token counts passed in as well):
 - ``token_mean``: ``sum_{i,t} l_it / N_tokens`` (DAPO's token-level loss);
 - ``seq_mean_token_mean``: ``sum_i (sum_t l_it / |y_i|) / N_seqs`` (original GRPO, GSPO);
 - ``seq_mean_token_sum``: ``sum_{i,t} l_it / N_seqs``;
-- ``constant``: ``sum_{i,t} l_it / (N_seqs * C)`` (Dr.GRPO; C = ``loss_agg_constant`` or the
-  maximum response length).
+- ``constant``: ``sum_{i,t} l_it / (N_rows * C)`` (Dr.GRPO; C = ``loss_agg_constant`` or the
+  maximum response length; ``N_rows`` the mini-batch size, whatever the masks).
 """
 
 from __future__ import annotations
@@ -74,32 +84,47 @@ def agg_seq_mean_token_sum(loss_BT: Tensor, mask_BT: Tensor, num_seqs: Tensor | 
 
 
 def agg_constant(
-    loss_BT: Tensor, mask_BT: Tensor, num_seqs: Tensor | float, constant: float
+    loss_BT: Tensor, mask_BT: Tensor, num_rows: Tensor | float, constant: float
 ) -> Tensor:
-    """Dr.GRPO: ``sum(loss * mask) / (num_seqs * constant)``."""
-    return (loss_BT * mask_BT.to(loss_BT.dtype)).sum() / (num_seqs * constant)
+    """Dr.GRPO: ``sum(loss * mask) / (num_rows * constant)``, ``num_rows`` the mini-batch's
+    sequence count (masked ones included), so the normalizer does not move with the masks."""
+    return (loss_BT * mask_BT.to(loss_BT.dtype)).sum() / (num_rows * constant)
 
 
 # ------------------------------------------------------------------------ global normalizers
 def local_loss_counts(loss_masks: Tensor | Sequence[Tensor]) -> Tensor:
-    """This rank's raw ``[num_tokens, num_seqs]`` (float64) over its micro-batches' masks.
+    """This rank's raw ``[num_tokens, num_seqs, num_rows]`` (float64) over its micro-batches'
+    masks.
 
-    A sequence counts when it has at least one loss token. Masks may differ in ``T``.
+    A sequence counts when it has at least one loss token; every row counts in ``num_rows``.
+    Masks may differ in ``T``.
     """
     masks = [loss_masks] if isinstance(loss_masks, Tensor) else list(loss_masks)
-    counts = torch.zeros(2, dtype=torch.float64, device=masks[0].device if masks else "cpu")
+    counts = torch.zeros(3, dtype=torch.float64, device=masks[0].device if masks else "cpu")
     for m in masks:
         mf = m.to(torch.float64)
         counts[0] += mf.sum()
         counts[1] += (mf.sum(dim=1) > 0).sum()
+        counts[2] += mf.shape[0]
     return counts
 
 
 def normalizers_from_counts(counts: Tensor) -> dict[str, Tensor]:
-    """Summed ``[num_tokens, num_seqs]`` -> the ``mb`` normalizer entries (each at least 1,
-    so that an all-masked mini-batch gives loss 0 instead of NaN)."""
+    """Summed ``[num_tokens, num_seqs, num_rows]`` -> the ``mb`` normalizer entries (each at
+    least 1, so that an all-masked mini-batch gives loss 0 instead of NaN)."""
     c = counts.clamp(min=1).to(torch.float32)
-    return {"global_num_tokens": c[0], "global_num_seqs": c[1]}
+    return {"global_num_tokens": c[0], "global_num_seqs": c[1], "global_num_rows": c[2]}
+
+
+def normalizer_mask(mb: Mapping[str, Tensor], loss_normalizer: str) -> Tensor:
+    """The mask the global normalizers count for ``grpo.loss_normalizer``: ``kept`` ->
+    ``mb["loss_mask"]`` (after the advantage step's keep mask); ``all`` ->
+    ``mb["response_mask"]`` (every response token, before it). See the module docstring."""
+    if loss_normalizer == "kept":
+        return mb["loss_mask"]
+    if loss_normalizer == "all":
+        return _need(mb, "response_mask", "grpo.loss_normalizer=all")
+    raise ValueError(f"grpo.loss_normalizer={loss_normalizer!r}: use kept or all.")
 
 
 def compute_global_normalizers(
@@ -173,7 +198,7 @@ def make_loss_fn(grpo_cfg, max_response_len: int | None = None) -> LossFn:
             )
 
         def aggregate(loss, mask, mb):
-            return agg_constant(loss, mask, _need(mb, "global_num_seqs", "constant"), constant)
+            return agg_constant(loss, mask, _need(mb, "global_num_rows", "constant"), constant)
     else:
         raise ValueError(
             f"grpo.loss_agg={c.loss_agg!r}: use token_mean, seq_mean_token_mean, "

@@ -20,6 +20,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from megatron_grpo.algorithms.losses import LOG_RATIO_CLAMP
+
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
 
 
@@ -34,8 +36,12 @@ def kl_k2(logp_BT: Tensor, ref_logp_BT: Tensor) -> Tensor:
 
 
 def kl_k3(logp_BT: Tensor, ref_logp_BT: Tensor) -> Tensor:
-    """``exp(ref - logp) - (ref - logp) - 1``, ``[B, T]``."""
-    d = ref_logp_BT - logp_BT
+    """``exp(d) - d - 1`` with ``d = clamp(ref - logp, -20, 20)``, ``[B, T]``.
+
+    The log-ratio is clamped before the exp like every ratio here (``losses.LOG_RATIO_CLAMP``,
+    as verl's ``kl_penalty(..., "low_var_kl")``); verl also clamps the k3 VALUE to
+    ``[-10, 10]``, which we do not (TRL clamps neither)."""
+    d = (ref_logp_BT - logp_BT).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return torch.exp(d) - d - 1
 
 

@@ -27,6 +27,19 @@ import torch
 from torch import Tensor
 
 Metrics = dict[str, Tensor]
+
+LOG_RATIO_CLAMP = 20.0
+"""Every log-ratio is clamped to ``[-20, 20]`` before it is exponentiated (verl's
+``compute_policy_loss`` clamps ``negative_approx_kl`` the same way): without it a log-ratio
+of 25 with dual-clip off gives a per-token loss of ~7e10 and an fp32 overflow not far
+beyond. Outside the band the ratio is constant, so such a token passes no gradient."""
+
+
+def ratio_exp(log_ratio: Tensor) -> Tensor:
+    """``exp(clamp(log_ratio, -20, 20))``: the one way a ratio is formed in this package."""
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
 # (logp_BT, adv, mask_BT, rollout_logp_BT, old_logp_BT or None) -> (loss_BT, metrics)
 PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, "Tensor | None"], tuple[Tensor, Metrics]]
 
@@ -68,7 +81,7 @@ def ratio_metrics(ratio_BT: Tensor, mask_BT: Tensor) -> Metrics:
 
 def approx_kl_k3(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """Detached k3 estimate of KL(pi_old || pi)-style drift, for logging only."""
-    d = (old_logp_BT - logp_BT).detach()
+    d = (old_logp_BT - logp_BT).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return masked_mean(torch.exp(d) - d - 1, mask_BT)
 
 
@@ -97,12 +110,12 @@ def off_policy_clip_loss(
     ratio mean/min/max and ``approx_kl`` (k3 of pi vs the ratio's denominator).
     """
     a = _adv_BT(adv, logp_BT)
-    log_r = logp_BT - behav_logp_BT.detach()
+    log_r = (logp_BT - behav_logp_BT.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     r = torch.exp(log_r)
     if prox_logp_BT is None:
         r_prime = torch.ones_like(r)
     else:
-        r_prime = torch.exp(prox_logp_BT.detach() - behav_logp_BT.detach())
+        r_prime = ratio_exp(prox_logp_BT.detach() - behav_logp_BT.detach())
     low = (r_prime - eps_low).clamp(min=0.0)
     high = r_prime + eps_high
     surr_unclipped = r * a
@@ -168,9 +181,11 @@ def rec_weight_is(rho_BT: Tensor) -> Tensor:
     return rho_BT
 
 
-def rec_weight_tis(rho_BT: Tensor, cap: float) -> Tensor:
-    """TIS: ``w = min(rho, cap)``."""
-    return rho_BT.clamp(max=cap)
+def rec_weight_tis(rho_BT: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """REC's truncated IS: ``w = clamp(rho, 1 - eps'_low, 1 + eps'_high)`` (Yao et al.
+    2509.24203; Trinity-RFT ``epsilon_low_prime`` / ``epsilon_high_prime``). Not the
+    rollout-mismatch TIS :func:`mismatch_tis_weight`, which is ``min(pi_k/alpha, C)``."""
+    return rho_BT.clamp(min=1.0 - eps_low, max=1.0 + eps_high)
 
 
 def rec_loss(
@@ -188,7 +203,7 @@ def rec_loss(
     Metric ``rec_masked_frac``: fraction of loss tokens with ``M_t = 0``.
     """
     a = _adv_BT(adv, logp_BT)
-    rho = torch.exp(logp_BT.detach() - old_logp_BT.detach())
+    rho = ratio_exp(logp_BT.detach() - old_logp_BT.detach())
     m = clip_mask_fn(rho, a.expand_as(rho))
     w = weight_fn(rho)
     loss = -w * a * logp_BT * m
@@ -223,6 +238,7 @@ def gspo_loss(
     m = mask_BT.to(logp_BT.dtype)
     n = m.sum(dim=1, keepdim=True).clamp(min=1)
     log_s = ((logp_BT.detach() - old_logp_BT.detach()) * m).sum(dim=1, keepdim=True) / n
+    log_s = log_s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     s_tok = torch.exp(log_s + logp_BT - logp_BT.detach())  # value s, gradient s * dlogp_t
     a = _adv_BT(adv, logp_BT)
     obj = torch.minimum(s_tok * a, torch.clamp(s_tok, 1 - eps_low, 1 + eps_high) * a)
@@ -240,13 +256,13 @@ def gspo_loss(
 def token_is_ratio(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """Token ratio ``exp(logp_train_old - logp_rollout)``, ``[B, T]`` (1 off the mask)."""
     d = (old_logp_BT - rollout_logp_BT).detach() * mask_BT.to(old_logp_BT.dtype)
-    return torch.exp(d)
+    return ratio_exp(d)
 
 
 def seq_is_ratio(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """Sequence ratio ``exp(sum_t (logp_train_old - logp_rollout))`` broadcast to ``[B, T]``."""
     d = (old_logp_BT - rollout_logp_BT).detach() * mask_BT.to(old_logp_BT.dtype)
-    return torch.exp(d.sum(dim=1, keepdim=True)).expand_as(old_logp_BT)
+    return ratio_exp(d.sum(dim=1, keepdim=True)).expand_as(old_logp_BT)
 
 
 def truncate_weight(ratio_BT: Tensor, cap: float) -> Tensor:
@@ -259,14 +275,17 @@ def mask_weight(ratio_BT: Tensor, cap: float) -> Tensor:
     return torch.where(ratio_BT <= cap, ratio_BT, torch.zeros_like(ratio_BT))
 
 
-def tis_weight(
+def mismatch_tis_weight(
     old_logp_BT: Tensor,
     rollout_logp_BT: Tensor,
     mask_BT: Tensor,
     ratio_fn: Callable[[Tensor, Tensor, Tensor], Tensor],
     cap_fn: Callable[[Tensor], Tensor],
 ) -> tuple[Tensor, Metrics]:
-    """Detached correction weight ``[B, T]`` = ``cap_fn(ratio_fn(old, rollout, mask))``."""
+    """Rollout-mismatch TIS (``grpo.tis``): the detached weight ``[B, T]`` =
+    ``cap_fn(ratio_fn(old, rollout, mask))``, e.g. ``min(exp(logp_old - logp_rollout), C)``.
+    It corrects vLLM-vs-trainer numerics of the same weights; REC's ``rec_weight=tis``
+    (:func:`rec_weight_tis`) is a different thing, a clamp of ``pi/pi_old``."""
     ratio = ratio_fn(old_logp_BT, rollout_logp_BT, mask_BT)
     w = cap_fn(ratio)
     return w, {
@@ -326,7 +345,7 @@ def build_policy_loss(grpo_cfg) -> PolicyLossFn:
         cap_fn = partial(
             truncate_weight if c.tis.endswith("truncate") else mask_weight, cap=c.tis_cap
         )
-        tis_fn = partial(tis_weight, ratio_fn=ratio_fn, cap_fn=cap_fn)
+        tis_fn = partial(mismatch_tis_weight, ratio_fn=ratio_fn, cap_fn=cap_fn)
 
     def pick_old(rollout_logp: Tensor, old_logp: Tensor | None) -> Tensor:
         return old_logp if exact else rollout_logp  # type: ignore[return-value]
@@ -364,7 +383,9 @@ def build_policy_loss(grpo_cfg) -> PolicyLossFn:
         weight_fn = {
             "none": rec_weight_none,
             "is": rec_weight_is,
-            "tis": partial(rec_weight_tis, cap=c.rec_tis_cap),
+            "tis": partial(
+                rec_weight_tis, eps_low=c.rec_ring_eps_low, eps_high=c.rec_ring_eps_high
+            ),
         }[c.rec_weight]
         rec = partial(rec_loss, clip_mask_fn=mask_fn, weight_fn=weight_fn)
 

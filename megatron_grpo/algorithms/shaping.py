@@ -33,3 +33,13 @@ def overlong_penalty(lengths_B: Tensor, max_len: int, buffer: int, penalty: floa
 def overlong_filter_keep(truncated_B: Tensor) -> Tensor:
     """``[B]`` bool: False for responses cut at the length limit (DAPO overlong filtering)."""
     return ~truncated_B.bool()
+
+
+def shape_rewards(
+    rewards_PG: Tensor, lengths_B: Tensor, max_len: int, buffer: int, penalty: float
+) -> Tensor:
+    """``grpo.overlong_buffer > 0``: rewards plus the DAPO penalty of each response length
+    (``[P, G]``, batch order ``(p, g) = divmod(b, G)``); ``buffer == 0`` returns them as is."""
+    if buffer == 0:
+        return rewards_PG
+    return rewards_PG + overlong_penalty(lengths_B, max_len, buffer, penalty).view_as(rewards_PG)

@@ -116,8 +116,13 @@ class RolloutConfig:
     max_new_tokens: int = 16
     """Maximum response length in tokens."""
     temperature: float = 1.0
+    """Sampling temperature T (> 0). The trainer's log-probs (ratio, exact-mode r', KL) are
+    computed from logits / T and vLLM returns processed log-probs, so both score the
+    distribution sampled from (docs/algorithms.md, "Temperature")."""
     top_p: float = 1.0
+    """Must stay 1: the importance ratio does not model top-p truncation."""
     top_k: int = -1
+    """Must stay -1 (or 0): the importance ratio does not model top-k truncation."""
     max_model_len: int = 256
     """vLLM context length (prompt + response)."""
     gpu_memory_utilization: float = 0.3
@@ -134,9 +139,18 @@ class RolloutConfig:
         _check_positive("rollout.tp", self.tp)
         _check_positive("rollout.num_engines", self.num_engines, allow_zero=True)
         _check_positive("rollout.max_new_tokens", self.max_new_tokens)
-        _check_positive("rollout.temperature", self.temperature, allow_zero=True)
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1].")
+        if self.temperature <= 0:
+            raise ConfigError(
+                f"rollout.temperature={self.temperature} must be > 0: greedy sampling gives G "
+                "equal responses (no group signal); `megatron-grpo eval --greedy` samples at "
+                "T=0 by itself."
+            )
+        if self.top_p != 1 or self.top_k not in (-1, 0):
+            raise ConfigError(
+                f"rollout.top_p={self.top_p}, rollout.top_k={self.top_k}: truncated sampling is "
+                "refused because the trainer's ratio and KL use the untruncated softmax(logits/T) "
+                "(no top-k/top-p mask on the trainer); set rollout.top_p=1 rollout.top_k=-1."
+            )
         _check_positive("rollout.max_model_len", self.max_model_len)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
@@ -178,12 +192,15 @@ class GRPOConfig:
     rec_clip: Literal["none", "one_side", "two_side", "ring"] = "one_side"
     rec_weight: Literal["none", "is", "tis"] = "none"
     rec_ring_eps_low: float = 0.6
+    """eps'_low of the REC paper: the outer ring of ``rec_clip=ring`` (``rho <= 1-eps'_low``)
+    and the lower clamp of ``rec_weight=tis`` (``clamp(rho, 1-eps'_low, 1+eps'_high)``)."""
     rec_ring_eps_high: float = 2.0
-    rec_tis_cap: float = 2.0
+    """eps'_high of the REC paper (ring: ``rho >= 1+eps'_high``; TIS: the upper clamp)."""
     regularizer: Literal["none", "asymre", "opmd"] = "none"
     regularizer_coef: float = 0.0
     tis: Literal["none", "token_truncate", "token_mask", "seq_truncate", "seq_mask"] = "none"
-    """Correction for the rollout-vs-trainer log-prob mismatch (needs ratio_mode=exact)."""
+    """Rollout-mismatch TIS, ``min(exp(logp_old - logp_rollout), tis_cap)`` (needs
+    ratio_mode=exact); unrelated to REC's ``rec_weight=tis``."""
     tis_cap: float = 2.0
     kl_coef: float = 0.0
     """beta: KL(pi || pi_ref) coefficient; 0 disables the reference policy."""
@@ -197,10 +214,15 @@ class GRPOConfig:
     )
     loss_agg_constant: float = 0.0
     """Normalizer for loss_agg=constant (Dr.GRPO); 0 = rollout.max_new_tokens."""
+    loss_normalizer: Literal["kept", "all"] = "kept"
+    """Which samples the loss's token/sequence counts run over: ``kept`` (after the
+    zero-variance mask and RED-Drop; DAPO's per-batch renormalisation) or ``all`` (every
+    sampled response; the off-policy GRPO paper's expectation over all prompts)."""
     entropy_coef: float = 0.0
     overlong_buffer: int = 0
     """DAPO overlong shaping: linear penalty over the last this-many tokens; 0 disables."""
     overlong_penalty: float = 1.0
+    """DAPO overlong shaping: the penalty a response of the full length gets."""
     overlong_filter: bool = False
     """DAPO overlong filtering: truncated responses get no gradient."""
 
@@ -232,6 +254,13 @@ class GRPOConfig:
             self.loss_agg,
             ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"),
         )
+        _check_choice("grpo.loss_normalizer", self.loss_normalizer, ("kept", "all"))
+        if self.policy_loss == "gspo" and self.loss_agg != "seq_mean_token_mean":
+            raise ConfigError(
+                f"grpo.policy_loss=gspo with grpo.loss_agg={self.loss_agg!r}: GSPO's objective "
+                "is a mean over sequences of the sequence ratio; set "
+                "grpo.loss_agg=seq_mean_token_mean."
+            )
         _check_positive("grpo.clip_eps_low", self.clip_eps_low, allow_zero=True)
         _check_positive("grpo.clip_eps_high", self.clip_eps_high, allow_zero=True)
         if self.dual_clip_c is not None and self.dual_clip_c <= 1:
@@ -239,6 +268,7 @@ class GRPOConfig:
                 f"grpo.dual_clip_c={self.dual_clip_c} must be > 1 (3 is usual) or null to disable."
             )
         _check_positive("grpo.kl_coef", self.kl_coef, allow_zero=True)
+        _check_positive("grpo.overlong_buffer", self.overlong_buffer, allow_zero=True)
         _check_positive("grpo.ref_update_interval", self.ref_update_interval, allow_zero=True)
         if self.tis != "none" and self.ratio_mode != "exact":
             raise ConfigError(
@@ -403,6 +433,12 @@ class Config:
                 f"grpo.prompts_per_step({self.grpo.prompts_per_step}) * grpo.group_size"
                 f"({self.grpo.group_size}) = {batch} is not a multiple of grpo.mini_batch_size"
                 f"({self.grpo.mini_batch_size}): pick a mini-batch size that divides {batch}."
+            )
+        if self.grpo.overlong_buffer > self.rollout.max_new_tokens:
+            raise ConfigError(
+                f"grpo.overlong_buffer({self.grpo.overlong_buffer}) exceeds rollout.max_new_tokens"
+                f"({self.rollout.max_new_tokens}): the penalty ramps over the last buffer tokens of "
+                "the response; lower it (0 disables)."
             )
         if self.rollout.max_new_tokens + self.data.max_prompt_tokens > self.rollout.max_model_len:
             raise ConfigError(
