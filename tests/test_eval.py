@@ -93,3 +93,44 @@ def test_greedy_equals_vllm_direct_load(tmp_path):
         assert [r["response_token_ids"] for r in got] == ref, (rollout_tp, got, ref)
         for r in got:
             assert {"prompt", "response", "response_token_ids", "reward", "answer"} <= set(r)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_dump_logprobs_are_the_sampled_temperature(tmp_path):
+    """Public contract: at rollout.temperature=0.5, the dump's vLLM ``logprobs`` and the
+    Megatron ``policy_logprobs`` both equal an independent log_softmax(logits / 0.5)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_grpo.models.tiny import build_hf_model
+    from megatron_grpo.rewards.synthetic import synthetic_example
+
+    hf = build_hf_model(tmp_path / "hf", "tiny", seed=5)
+    data = tmp_path / "add.jsonl"
+    rows = [synthetic_example("add", 1, i, "test") for i in range(3)]
+    data.write_text("".join(json.dumps({"question": p, "answer": a}) + "\n" for p, a in rows))
+    dump = tmp_path / "dump.jsonl"
+    rc, out = cli("eval", "--model", str(hf), "--data", str(data), "--samples", "2",
+                  "--max-new-tokens", "6", "--dump", str(dump), "reward.name=synthetic",
+                  "rollout.temperature=0.5", "rollout.cpu_kv_cache_gb=0.25")  # fmt: skip
+    assert rc == 0, out[-4000:]
+    got = read_dump(dump)
+    assert len(got) == 6
+    model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).eval()
+    hot = 0.0
+    for r in got:
+        assert {"prompt", "prompt_token_ids", "response_token_ids", "logprobs",
+                "policy_logprobs"} <= set(r)  # fmt: skip
+        p, resp = r["prompt_token_ids"], r["response_token_ids"]
+        ids = torch.tensor([p + resp])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(p) - 1 : -1].double()
+        tgt = torch.tensor(resp)[:, None]
+        ref = torch.log_softmax(logits / 0.5, -1).gather(1, tgt)[:, 0]
+        t1 = torch.log_softmax(logits, -1).gather(1, tgt)[:, 0]
+        for key in ("logprobs", "policy_logprobs"):
+            diff = (torch.tensor(r[key], dtype=torch.float64) - ref).abs().max().item()
+            assert diff < 1e-4, (key, diff, r)
+        hot = max(hot, (ref - t1).abs().max().item())
+    assert hot > 1e-2  # T matters on these tokens: a T=1 log-prob would have failed above

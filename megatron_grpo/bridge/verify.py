@@ -9,6 +9,10 @@ unnoticed" complaint, DESIGN.md §5).
 2. **Logprob parity**: on fixed token sequences, vLLM's prompt logprobs against the
    Megatron policy's logprobs under the weights that were sent; the max absolute
    difference must stay under a tolerance (fp32 CPU kernels: ~1e-5).
+
+:func:`verify_sync` runs both after a training sync when ``sync.verify=true``
+(``WeightSync.sync``); the trainer logs its figures in metrics.jsonl and a failed check
+raises :class:`SyncVerificationError` on every rank.
 """
 
 from __future__ import annotations
@@ -147,3 +151,61 @@ def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int = 0) -> dict[str, torch
         ids[i, : len(s)] = torch.tensor(list(s))
         mask[i, : len(s)] = 1
     return {"input_ids": ids, "attention_mask": mask}
+
+
+PARITY_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3}
+"""Max |policy - vLLM| prompt log-prob allowed by ``sync.verify`` per parameter dtype; half
+precision gets ``HALF_PARITY_TOLERANCE`` (different kernels round differently). One
+optimizer step of a small model moves log-probs by more than 1e-3, so stale weights fail."""
+HALF_PARITY_TOLERANCE = 0.25
+
+
+class SyncVerificationError(RuntimeError):
+    """``sync.verify`` found the weights vLLM serves differ from those sent."""
+
+
+def verify_sync(ctx, policy, engine, sent: Mapping[str, TensorChecksum] | None) -> dict:
+    """Both checks after a sync, collective over the job; returns metrics for metrics.jsonl.
+
+    ``sent``: the checksums of what the bridge delivered to this rank's vLLM receiver (None:
+    the baseline path, which loads through vLLM's ``load_weights``; only parity then).
+    Parity runs at T=1 (vLLM's prompt log-probs are raw) on :func:`fixed_sequences`.
+    Raises :class:`SyncVerificationError` on every rank when either check fails anywhere.
+    """
+    import torch.distributed as dist
+
+    out: dict = {}
+    world = ctx.world_size if dist.is_initialized() else 1
+    bad: list[str] = []
+    if sent is not None:
+        rep = compare_checksums(ctx.rank, sent, engine.receiver.checksums())
+        reps = [rep]
+        if world > 1:
+            reps = [None] * world
+            dist.all_gather_object(reps, rep)
+        out["verify_checksums_checked"] = sum(r.checked for r in reps)
+        out["verify_checksums_ok"] = all(r.ok for r in reps)
+        for r in reps:
+            if not r.ok:
+                names = (r.mismatched + r.missing)[:3] or ["nothing checked"]
+                bad.append(f"rank {r.rank} checksums differ/missing for {names}")
+    seqs = fixed_sequences(policy.vocab_size)
+    with policy.at_temperature(1.0):
+        logp = policy.compute_logprobs(pad_batch(seqs), micro_batch_size=len(seqs))["logp"]
+    dtype = next(p for _, p in policy.named_shards()).dtype
+    tol = PARITY_TOLERANCE.get(dtype, HALF_PARITY_TOLERANCE)
+    par = logprob_parity(logp, engine.prompt_logprobs(seqs), [len(s) for s in seqs], tol)
+    worst = torch.tensor([par.max_abs_diff], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    out["verify_parity_max_abs_diff"] = float(worst)
+    out["verify_parity_ok"] = bool(float(worst) <= tol)
+    if not out["verify_parity_ok"]:
+        bad.append(f"prompt log-probs differ by {float(worst):.3g} > {tol:g}")
+    if bad:
+        raise SyncVerificationError(
+            f"sync.verify: vLLM does not serve the weights just sent ({'; '.join(bad)}); the "
+            "bridge or the engine's reload is broken: run `megatron-grpo bench sync` on this "
+            "layout, or set sync.verify=false to train anyway."
+        )
+    return out

@@ -86,6 +86,9 @@ class WeightSync:
         self.spec = spec
         self._baselines: dict[int, object] = {}
         self.syncs = 0
+        self.verify = sync_cfg.verify
+        self.last_verify: dict | None = None
+        """``sync.verify``: the checks of the latest sync (``bridge.verify.verify_sync``)."""
 
     def sync(self, policy) -> SyncReport:
         """Push ``policy``'s weights into every colocated vLLM rank.
@@ -93,9 +96,17 @@ class WeightSync:
         Collective over the job: every rank calls it. Returns the merged report of all ranks
         (bytes summed over senders, phase times of the slowest rank).
         """
+        sent: dict | None = None
         if self.method == "baseline":
-            return self._sync_baseline(policy)
-        return self.sync_shards(dict(policy.named_shards()))
+            report = self._sync_baseline(policy)
+        else:
+            sent = {} if self.verify else None
+            report = self.sync_shards(dict(policy.named_shards()), sent_checksums=sent)
+        if self.verify:  # raises SyncVerificationError on every rank when a check fails
+            from megatron_grpo.bridge.verify import verify_sync
+
+            self.last_verify = verify_sync(self.ctx, policy, self.engine, sent)
+        return report
 
     def _sync_baseline(self, policy) -> SyncReport:
         from megatron_grpo.bridge.baseline import BaselineSync
@@ -112,12 +123,24 @@ class WeightSync:
         self.syncs += 1
         return merge_over_ranks(stats)
 
-    def sync_shards(self, shards: Mapping[str, torch.Tensor]) -> SyncReport:
-        """The direct bridge: push ``shards`` (this rank's trainer shards by name)."""
+    def sync_shards(
+        self, shards: Mapping[str, torch.Tensor], sent_checksums: dict | None = None
+    ) -> SyncReport:
+        """The direct bridge: push ``shards`` (this rank's trainer shards by name). With
+        ``sent_checksums`` (a dict), the checksum of every tensor delivered to this rank's
+        vLLM receiver is recorded in it, by vLLM name."""
         receiver = self.engine.begin_weight_update()
+        sink = receiver.receive_shard
+        if sent_checksums is not None:
+            from megatron_grpo.bridge.verify import checksum
+
+            def sink(name: str, t: torch.Tensor) -> None:
+                sent_checksums[name] = checksum(t)
+                receiver.receive_shard(name, t)
+
         with torch.no_grad():
             stats, _ = self.transport.sync(
-                shards, sink=receiver.receive_shard, finish=self.engine.finish_weight_update
+                shards, sink=sink, finish=self.engine.finish_weight_update
             )
         self.syncs += 1
         return merge_over_ranks(stats)

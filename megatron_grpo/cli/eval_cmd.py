@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
             rollout_tp=args.rollout_tp, max_new_tokens=args.max_new_tokens,
             samples=1 if args.samples is None else args.samples, greedy=args.samples is None, limit=args.limit,
             hf_config=args.hf_config, config=args.config, overrides=args.overrides,
+            policy_logprobs=bool(args.dump),
         )  # fmt: skip
     out = ev.generate(settings, timeout_s=args.timeout_s)
     if out is None:  # a torchrun rank other than 0

@@ -19,6 +19,12 @@ own index, like ``loss_mask``. ``entropy[b, t]`` is the entropy of that same pre
 distribution. Both are computed from the TP-sharded logits without gathering the vocabulary
 (``megatron_grpo.policy.logprob``) and exclude megatron's vocabulary padding.
 
+Temperature: a policy built with ``temperature=T`` scores ``softmax(logits / T)``, the
+distribution vLLM samples from at ``rollout.temperature = T`` (before top-k/top-p, which the
+config refuses for training), as TRL's and verl's trainers do. The division happens here,
+on this rank's logits shard, before the vocab-parallel log-prob function; T=1 leaves the
+logits untouched.
+
 Loss contract
 -------------
 ``loss_fn(logp [mb, L], entropy [mb, L], mb: dict[str, Tensor]) -> (loss, metrics)``:
@@ -44,6 +50,7 @@ and is not implemented: micro-batches are padded (to their own max length) inste
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -151,8 +158,16 @@ class Policy:
         optim_cfg: OptimConfig | None = None,
         *,
         total_steps: int = 1,
+        temperature: float = 1.0,
     ) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if temperature <= 0:
+            raise ValueError(
+                f"policy temperature={temperature} must be > 0: it divides the logits "
+                "(rollout.temperature; greedy T=0 is not a distribution to score)."
+            )
+        self.temperature = float(temperature)
 
         self.ctx, self.spec, self.model_cfg, self.optim_cfg = ctx, spec, model_cfg, optim_cfg
         self.models = list(models)  # unwrapped GPTModel per virtual stage
@@ -272,6 +287,8 @@ class Policy:
         )
 
     def _logp_entropy(self, logits: torch.Tensor, input_ids: torch.Tensor):
+        if self.temperature != 1.0:  # a new tensor: the model's logits stay as they are
+            logits = logits / self.temperature
         return token_logprobs(
             logits,
             input_ids,
@@ -293,6 +310,16 @@ class Policy:
         return t
 
     # --------------------------------------------------------------------------- public
+    @contextlib.contextmanager
+    def at_temperature(self, temperature: float) -> Iterator[Policy]:
+        """Score at ``temperature`` inside the block (e.g. T=1 to compare with vLLM's prompt
+        log-probs, which are raw T=1 values; bridge/verify.py)."""
+        saved, self.temperature = self.temperature, float(temperature)
+        try:
+            yield self
+        finally:
+            self.temperature = saved
+
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, micro_batch_size: int) -> dict[str, torch.Tensor]:
         """Per-token ``logp`` and ``entropy`` [B, L] (fp32, on CPU), on every rank.
@@ -489,7 +516,7 @@ class Policy:
     def make_reference(self) -> Policy:
         """A forward-only copy of this policy's current weights (pi_ref). Reset it later with
         ``ref.copy_weights_from(policy)``."""
-        ref = build_policy(self.spec, self.ctx, self.model_cfg, None)
+        ref = build_policy(self.spec, self.ctx, self.model_cfg, None, temperature=self.temperature)
         ref.copy_weights_from(self)
         return ref
 
@@ -502,15 +529,19 @@ def build_policy(
     *,
     init_weights: Callable[[list], None] | None = None,
     total_steps: int = 1,
+    temperature: float = 1.0,
 ) -> Policy:
     """Build the model chunks, fill them with ``init_weights(chunks)`` (e.g.
     ``partial(load_hf_into_megatron, hf_dir=..., spec=spec, ctx=ctx)``) BEFORE the optimizer
     copies them, and wrap them for training when ``optim_cfg`` is given (forward-only
-    otherwise). ``total_steps`` sets the length of the cosine schedule."""
+    otherwise). ``total_steps`` sets the length of the cosine schedule; ``temperature`` the T
+    its log-probs are computed at (logits / T; ``rollout.temperature`` in training)."""
     models = build_model(spec, ctx, model_cfg)
     if init_weights is not None:
         init_weights(models)
-    return Policy(models, ctx, spec, model_cfg, optim_cfg, total_steps=total_steps)
+    return Policy(
+        models, ctx, spec, model_cfg, optim_cfg, total_steps=total_steps, temperature=temperature
+    )
 
 
 __all__ = ["Batch", "LRSchedule", "LossFn", "Policy", "build_policy"]

@@ -20,10 +20,14 @@ Two placements (DESIGN.md §3):
 
 Logprobs (``vllm/config/model.py: logprobs_mode``, ``vllm/v1/sample/sampler.py``): vLLM
 0.32 returns ``raw_logprobs`` by default: ``log_softmax`` of the model's logits *before*
-temperature, top-k and top-p, i.e. the policy's logprob at temperature 1 -- what the
-trainer recomputes for pi_theta. ``logprobs_mode="processed"`` returns the logprob under the
-distribution actually sampled from (after temperature scaling and top-k/top-p masking).
-Prompt logprobs are the same in both modes (prompt tokens skip the sampling processors).
+temperature, top-k and top-p, i.e. the policy's logprob at temperature 1.
+``logprobs_mode="processed"`` returns the logprob under the distribution actually sampled
+from (after temperature scaling and top-k/top-p masking); the trainer and eval use it
+(``from_config``), and the policy divides its logits by the same temperature, so the ratio
+pi/alpha compares the sampled distribution on both sides (DESIGN.md §7). At T=0 (greedy)
+vLLM's processed log-probs are the T=1 ``log_softmax`` (``Sampler.sample``, all-greedy
+branch). Prompt logprobs are the raw T=1 values in both modes
+(``gpu_model_runner._get_prompt_logprobs_dict``).
 
 Weight sync goes through ``megatron_grpo.bridge.receiver`` (vLLM's reload protocol); this
 module only exposes it per placement.
@@ -153,6 +157,10 @@ class RolloutEngine:
     def from_config(
         cls, model_path: str | Path, cfg: RolloutConfig, **kwargs: Any
     ) -> RolloutEngine:
+        """The trainer's and eval's engine: processed log-probs (the sampled distribution,
+        ``softmax(logits / rollout.temperature)``), which the policy matches by dividing its
+        logits by the same T (policy/policy.py)."""
+        kwargs.setdefault("logprobs_mode", "processed")
         return cls(
             model_path,
             placement=cfg.placement,

@@ -19,7 +19,8 @@ Batch = dict[str, torch.Tensor]
 
 def collate(samples: Sequence[Sample], pad_id: int) -> Batch:
     """Stack samples into ``input_ids``, ``attention_mask``, ``loss_mask``, ``rollout_logp``
-    ([N, L], L the longest prompt + response) and ``response_len`` ([N])."""
+    ([N, L], L the longest prompt + response), ``response_len`` and ``truncated`` ([N]; True
+    where the response hit max_new_tokens, ``finish_reason == "length"``)."""
     n = len(samples)
     length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     ids = torch.full((n, length), pad_id, dtype=torch.long)
@@ -42,6 +43,7 @@ def collate(samples: Sequence[Sample], pad_id: int) -> Batch:
         "loss_mask": loss_mask,
         "rollout_logp": rollout_logp,
         "response_len": resp_len,
+        "truncated": torch.tensor([s.finish_reason == "length" for s in samples]),
     }
 
 

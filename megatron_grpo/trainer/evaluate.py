@@ -24,6 +24,13 @@ Megatron rank hosting one vLLM TP rank; ``world = lcm(tp*pp, rollout_tp)`` spawn
 ``WORLD_SIZE`` is set. Engine ``e`` samples its contiguous share of the prompts
 (``trainer.loop.generate_on_engines``).
 
+Dump (``--dump F``, a public contract): per response ``prompt``, ``prompt_token_ids``,
+``response_token_ids``, ``logprobs`` (vLLM's processed log-probs of the sampled tokens: the
+distribution sampled from, ``softmax(logits / T)``; T=1 values with ``--greedy``) and
+``policy_logprobs`` (the Megatron policy's log-probs of the same tokens at the same T, the
+trainer's own scoring path: ``Policy.compute_logprobs`` on the ``trainer.batch.collate``
+batch), besides the scoring fields.
+
 pass@k (Chen et al. 2021, arXiv 2107.03374, eq. 1): with ``n`` samples of a prompt of which
 ``c`` are correct, ``pass@k = 1 - C(n-c, k) / C(n, k)``, averaged over prompts. Correct
 means a task score >= 1 (an exact answer; the format reward is not counted).
@@ -76,6 +83,8 @@ class EvalSettings:
     eos_token_id: int | None
     threads: int = 0
     """torch threads per spawned rank (0: leave torch's default)."""
+    policy_logprobs: bool = False
+    """Also score every response with the Megatron policy (the dump's ``policy_logprobs``)."""
 
 
 @dataclass
@@ -224,6 +233,7 @@ def prepare(
     hf_config: str | None = None,
     config: str | None = None,
     overrides: list[str] | None = None,
+    policy_logprobs: bool = False,
 ) -> EvalSettings:
     """Validate the command and load the prompts (no process groups, no vLLM)."""
     from transformers import AutoTokenizer
@@ -275,6 +285,7 @@ def prepare(
     return EvalSettings(
         cfg=cfg, source=source, prompt_ids=[list(p.prompt_ids) for p in ordered],
         samples=samples, greedy=greedy, eos_token_id=tok.eos_token_id,
+        policy_logprobs=policy_logprobs,
     )  # fmt: skip
 
 
@@ -303,7 +314,10 @@ def eval_rank(rank: int, world: int, s: EvalSettings) -> dict[str, Any] | None:
         init = None
         if src.kind == "hf":
             init = partial(load_hf_into_megatron, hf_dir=src.hf_dir, spec=spec, ctx=ctx)
-        policy = build_policy(spec, ctx, cfg.model, None, init_weights=init)
+        # Greedy: vLLM's processed log-probs are the T=1 log_softmax (vllm Sampler.sample).
+        temperature = 1.0 if s.greedy else cfg.rollout.temperature
+        policy = build_policy(spec, ctx, cfg.model, None, init_weights=init,
+                              temperature=temperature)  # fmt: skip
         engine_kwargs: dict[str, Any] = {}
         if src.kind != "hf":
             load_megatron_weights(policy, src)
@@ -318,13 +332,29 @@ def eval_rank(rank: int, world: int, s: EvalSettings) -> dict[str, Any] | None:
             stop_token_ids=[s.eos_token_id] if s.eos_token_id is not None else None,
         )  # fmt: skip
         layout = {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, "world": ctx.world_size}
+        policy_lp = _policy_logprobs(policy, samples, cfg.grpo.micro_batch_size) if (
+            s.policy_logprobs) else None  # fmt: skip
     finally:
         if engine is not None:
             engine.shutdown()
         destroy_distributed()
     if rank != 0:
         return None
-    return {"samples": samples, "sync": report.to_dict(), "layout": layout}
+    return {"samples": samples, "sync": report.to_dict(), "layout": layout,
+            "policy_logprobs": policy_lp}  # fmt: skip
+
+
+def _policy_logprobs(policy, samples, micro_batch_size: int) -> list[list[float]]:
+    """The policy's log-probs of each sample's response tokens (collective; every rank holds
+    all samples, so every DP replica scores the whole list)."""
+    from megatron_grpo.trainer.batch import collate
+
+    logp = policy.compute_logprobs(collate(samples, 0), micro_batch_size)["logp"]
+    out = []
+    for i, x in enumerate(samples):
+        p, r = len(x.prompt_ids), len(x.response_ids)
+        out.append(logp[i, p : p + r].tolist())
+    return out
 
 
 def generate(s: EvalSettings, timeout_s: float = 1800.0) -> dict[str, Any] | None:
@@ -354,6 +384,7 @@ def score(s: EvalSettings, out: dict[str, Any]) -> EvalResult:
     src = build_prompt_source(cfg.data, tok)
     by_ids = {tuple(p.prompt_ids): p for p in src.next_batch(len(src))}
     samples, k = out["samples"], s.samples
+    policy_lp = out.get("policy_logprobs")
     prompts = [by_ids[tuple(ids)] for ids in s.prompt_ids]
     texts = tok.batch_decode([x.response_ids for x in samples], skip_special_tokens=True)
     args = ([prompts[i // k].text for i in range(len(samples))], texts,
@@ -364,7 +395,9 @@ def score(s: EvalSettings, out: dict[str, Any]) -> EvalResult:
     correct_PK = [correct[i * k : (i + 1) * k] for i in range(len(prompts))]
     rows = [
         {"prompt_index": i // k, "sample_index": i % k, "prompt": args[0][i],
-         "answer": args[2][i], "response": texts[i], "response_token_ids": x.response_ids,
+         "answer": args[2][i], "response": texts[i], "prompt_token_ids": x.prompt_ids,
+         "response_token_ids": x.response_ids, "logprobs": x.logprobs,
+         **({"policy_logprobs": policy_lp[i]} if policy_lp is not None else {}),
          "reward": rewards[i], "correct": correct[i], "finish_reason": x.finish_reason}
         for i, x in enumerate(samples)
     ]  # fmt: skip

@@ -57,6 +57,11 @@ def validate_world(cfg: Config, world_size: int) -> int:
                 "disaggregated."
             )
         source = f"rollout.num_engines({engines})"
+        if cfg.sync.verify:
+            raise ConfigError(
+                "sync.verify=true reads vLLM's checksums and prompt log-probs in process "
+                "(colocated only): set sync.verify=false with rollout.placement=disaggregated."
+            )
     else:
         if world_size % cfg.rollout.tp:
             raise ConfigError(
@@ -154,6 +159,7 @@ class GRPOTrainer:
             self.spec, ctx, cfg.model, cfg.optim,
             init_weights=partial(load_hf_into_megatron, hf_dir=self.hf_dir, spec=self.spec, ctx=ctx),
             total_steps=cfg.steps * self.optimizer_steps_per_step,
+            temperature=cfg.rollout.temperature,  # log-probs of softmax(logits / T), as sampled
         )  # fmt: skip
         self.ref = self.policy.make_reference() if g.kl_coef > 0 else None
         keep_served = cfg.checkpoint.exact_resume and cfg.sync.interval > 1
@@ -264,6 +270,9 @@ class GRPOTrainer:
             ) from e
 
     def score(self, prompts, samples):
+        """Rewards ``[P, G]`` (with DAPO's overlong penalty when grpo.overlong_buffer > 0)."""
+        from megatron_grpo.algorithms.shaping import shape_rewards
+
         g = self.cfg.grpo.group_size
         texts = self.tokenizer.batch_decode(
             [s.response_ids for s in samples], skip_special_tokens=True
@@ -272,7 +281,12 @@ class GRPOTrainer:
             [prompts[i // g].text for i in range(len(samples))], texts,
             [prompts[i // g].answer for i in range(len(samples))],
         )  # fmt: skip
-        return torch.tensor(rewards, dtype=torch.float32).view(len(prompts), g), info
+        lengths = torch.tensor([len(s.response_ids) for s in samples])
+        rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(prompts), g)
+        c = self.cfg
+        shaped = shape_rewards(rewards_PG, lengths, c.rollout.max_new_tokens,
+                               c.grpo.overlong_buffer, c.grpo.overlong_penalty)  # fmt: skip
+        return shaped, info
 
     def reference_logprobs(self, batch):
         """pi_ref's log-probs when the KL needs them; the per-sequence KL for KL-in-reward."""
@@ -302,18 +316,24 @@ class GRPOTrainer:
 
     def group_advantages(self, rewards_PG, kl_seq, step):
         g = self.cfg.grpo
+        task_PG = rewards_PG  # the zero-variance mask looks at these, not at the KL penalty
         if kl_seq is not None:
             rewards_PG = rewards_PG - g.kl_coef * kl_seq.view_as(rewards_PG)
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
-        return self.advantage_fn(rewards_PG, gen)
+        return self.advantage_fn(rewards_PG, gen, task_PG)
 
     def train_on(self, batch, adv, step) -> list[dict[str, Any]]:
         """i SGD iterations over mini-batches of this DP rank's share of the batch."""
-        from megatron_grpo.algorithms.aggregation import compute_global_normalizers
+        from megatron_grpo.algorithms.aggregation import compute_global_normalizers, normalizer_mask
+        from megatron_grpo.algorithms.shaping import overlong_filter_keep
 
         g, ctx = self.cfg.grpo, self.ctx
         batch["advantages"] = adv.advantages.reshape(-1)
-        batch["loss_mask"] = batch["loss_mask"] * adv.keep.reshape(-1, 1).float()
+        batch["response_mask"] = batch["loss_mask"]  # grpo.loss_normalizer=all counts these
+        keep = adv.keep.reshape(-1, 1).float()
+        if g.overlong_filter:  # DAPO: responses cut at max_new_tokens get no gradient
+            keep = keep * overlong_filter_keep(batch["truncated"]).reshape(-1, 1).float()
+        batch["loss_mask"] = batch["loss_mask"] * keep
         shard = dp_shard(batch, ctx.dp_rank, ctx.dp)
         if g.ratio_mode == "exact":  # pi_k's log-probs, recomputed once before the SGD passes
             shard["old_logp"] = self.policy.compute_logprobs(shard, g.micro_batch_size)["logp"]
@@ -322,7 +342,8 @@ class GRPOTrainer:
         for _ in range(g.sgd_iterations):
             for mb in mini_batches(shard, g.mini_batch_size, ctx.dp, gen):
                 group = ctx.dp_group if ctx.dp > 1 else None
-                mb.update(compute_global_normalizers(mb["loss_mask"], group=group))
+                norm_mask = normalizer_mask(mb, g.loss_normalizer)
+                mb.update(compute_global_normalizers(norm_mask, group=group))
                 out.append(self.policy.train_step(mb, self.loss_fn, g.micro_batch_size))
         return out
 
@@ -432,6 +453,7 @@ class GRPOTrainer:
         if sync_report is not None:
             extra.update(sync_seconds=sync_report.seconds, sync_minimal_bytes=sync_report.minimal_bytes,
                          sync_wire_bytes=sync_report.wire_bytes)  # fmt: skip
+            extra.update(getattr(self.weight_sync, "last_verify", None) or {})  # sync.verify
         row = StepMetrics(
             step=step,
             reward_mean=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
