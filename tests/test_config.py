@@ -43,7 +43,10 @@ def test_yaml_then_overrides(tmp_path):
         (["sync.interval=0"], "sync.interval=0 must be > 0"),
         (["sync.method=nccl"], "sync.method='nccl' is not one of ['direct', 'baseline']"),
         (["parallel.vpp=2"], "parallel.vpp=2 needs parallel.pp >= 2 (got 1)"),
-        (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true needs parallel.tp > 1"),
+        (
+            ["parallel.sequence_parallel=true"],
+            "parallel.sequence_parallel=true needs parallel.tp > 1",
+        ),
         (["grpo.tis=token_truncate"], "set grpo.ratio_mode=exact or grpo.tis=none"),
         (["grpo.dual_clip_c=0.5"], "grpo.dual_clip_c=0.5 must be > 1"),
         (["optim.min_lr=1", "optim.lr=0.1"], "optim.min_lr=1.0 exceeds optim.lr=0.1"),
@@ -51,6 +54,12 @@ def test_yaml_then_overrides(tmp_path):
         (["rollout.max_model_len=32"], "exceeds rollout.max_model_len(32)"),
         (["sync.verify=maybe"], "sync.verify='maybe' is not a boolean"),
         (["grpo.group_size"], "is not key=value"),
+        (["rollout.top_p=0.9"], "rollout.top_p=0.9, rollout.top_k=-1: truncated sampling"),
+        (["rollout.top_k=20"], "rollout.top_p=1.0, rollout.top_k=20: truncated sampling"),
+        (["rollout.temperature=0"], "rollout.temperature=0.0 must be > 0"),
+        (["grpo.policy_loss=gspo"], "set grpo.loss_agg=seq_mean_token_mean"),
+        (["grpo.loss_normalizer=some"], "grpo.loss_normalizer='some' is not one of"),
+        (["grpo.overlong_buffer=17"], "grpo.overlong_buffer(17) exceeds rollout.max_new_tokens"),
     ],
 )
 def test_validation_messages_name_value_and_fix(overrides, fragment):

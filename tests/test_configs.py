@@ -42,5 +42,10 @@ def test_paper_settings():
     d = load_config(CONFIGS[0].parent / "r1-distill-qwen-1.5b-deepscaler.yaml")
     assert (d.grpo.group_size, d.optim.lr, d.grpo.kl_coef, d.rollout.max_model_len) == (
         16, 1e-6, 0.001, 4096)  # fmt: skip
+    for c in (q, d):  # the off-policy GRPO objective: E over all prompts, TRL's sequence mean
+        assert (c.grpo.loss_agg, c.grpo.loss_normalizer) == ("seq_mean_token_mean", "all")
+        assert c.grpo.zero_variance_mask and c.grpo.kl_estimator == "k3"
+        assert (c.grpo.ratio_mode, c.grpo.clip_eps_low, c.grpo.clip_eps_high) == ("one", 0.2, 0.2)
+    assert d.rollout.temperature == 0.7
     t = load_config(CONFIGS[0].parent / "qwen2.5-7b-throughput.yaml")
     assert (t.rollout.tp, t.rollout.placement, t.sync.interval) == (4, "colocated", 10)
