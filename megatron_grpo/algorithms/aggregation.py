@@ -38,7 +38,7 @@ Which tokens the counts run over is ``grpo.loss_normalizer`` (:func:`normalizer_
 over the kept samples, renormalised per batch, as DAPO's token-level loss and verl/TRL's
 defaults do); ``all`` counts every response token of the mini-batch (``response_mask``), so
 masked groups still weigh in the denominator: the paper's ``E_x[mask(x) * L(x)]``, an
-expectation over ALL prompts (Mroueh et al. eq. 8; TRL <= 0.17's GRPO loss also averaged
+expectation over ALL prompts (Mroueh et al. eq. 8; TRL's original GRPO loss also averaged
 over every completion of the batch, zero-advantage ones included).
 
 Modes (the normalizer of mode ``seq_mean_token_mean`` is per sequence, so a sequence must
