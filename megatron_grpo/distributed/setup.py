@@ -121,11 +121,6 @@ def validate_parallel(
             "parallel.backend='nccl' needs CUDA, and no CUDA device is available: set "
             "parallel.backend=auto (gloo on CPU)."
         )
-    if cp > 1 and not cuda:
-        raise ConfigError(
-            f"parallel.cp={cp} needs CUDA and Transformer-Engine attention (megatron's local "
-            "DotProductAttention asserts context_parallel_size == 1): set parallel.cp=1 on CPU."
-        )
     if parallel.sequence_parallel and not cuda:
         raise ConfigError(
             "parallel.sequence_parallel=true is a GPU memory optimisation and is not supported "
