@@ -23,13 +23,25 @@
 #   GRACE_S         seconds torchrun lets its workers finish a step and checkpoint after the
 #                   warning signal before it kills them (default 110; keep it below the lead
 #                   time of `#SBATCH --signal`)
+#   MAX_REQUEUES    requeues after pre-emption warnings before the job stops instead (default
+#                   10; compared with SLURM_RESTART_COUNT)
+#   LOG_DIR         per-rank logs of every node (torchrun --log-dir/--tee; default
+#                   logs/$SLURM_JOB_NAME-$SLURM_JOB_ID); srun --label prefixes the job log's
+#                   lines with the task (node) number
+#   CONTAINER_IMAGE pyxis/enroot image (e.g. a .sqsh file or nvcr.io#nvidia/pytorch:...):
+#                   srun --container-image; unset (default) runs on the host
+#   CONTAINER_MOUNTS srun --container-mounts (default: the repository, mounted at its path)
+#   NCCL_* / UCX_*  exported variables reach every task (srun --export=ALL); see
+#                   docs/launch.md "NCCL settings"
 #
 # Preemption: `#SBATCH --signal=B:USR1@120` sends USR1 to this batch shell only. The trap
 # below forwards it to the srun step this script started (never to anything else); srun
 # forwards it to its torchrun tasks, torchrun (--signals-to-handle) to its
 # workers, and the trainer finishes its step, saves a checkpoint and exits 0. The script
-# then requeues the job (`scontrol requeue`, needs `#SBATCH --requeue`) unless the run is
-# complete; the requeued job starts this script again and resumes. A SIGTERM (scancel, or
+# then requeues the job (`scontrol requeue`, needs `#SBATCH --requeue`) only if the step
+# exited 0 with a checkpoint on disk, the run is not complete and the job was requeued
+# fewer than MAX_REQUEUES times; otherwise it exits non-zero. The requeued job starts this
+# script again and resumes. A SIGTERM (scancel, or
 # Slurm's own preemption, which requeues a --requeue job itself) is forwarded the same way
 # but never requeues.
 
@@ -63,6 +75,10 @@ RESUME=${RESUME:-auto}
 GRACE_S=${GRACE_S:-110}
 SRUN_MPI=${SRUN_MPI:-}
 PYTHON=${PYTHON:-python}
+MAX_REQUEUES=${MAX_REQUEUES:-10}
+LOG_DIR=${LOG_DIR:-logs/${SLURM_JOB_NAME:-megatron-grpo}-$SLURM_JOB_ID}
+CONTAINER_IMAGE=${CONTAINER_IMAGE:-}
+CONTAINER_MOUNTS=${CONTAINER_MOUNTS:-$REPO:$REPO}
 
 # Rendezvous: the first host of the allocation serves torchrun's c10d store.
 mapfile -t MG_HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
@@ -97,8 +113,15 @@ case "$RESUME" in
     *) mg_die "RESUME=$RESUME: use auto, 1 or 0." ;;
 esac
 
-MG_SRUN_ARGS=(--nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1)
+MG_SRUN_ARGS=(--nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --label)
 [[ -n "$SRUN_MPI" ]] && MG_SRUN_ARGS+=(--mpi="$SRUN_MPI")
+# Steps do not inherit the job's --cpus-per-task since Slurm 22.05 (srun(1)): without it a
+# step task gets one CPU and torchrun's data loaders, reward workers and vLLM share it.
+[[ -n "${SLURM_CPUS_PER_TASK:-}" ]] && MG_SRUN_ARGS+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+if [[ -n "$CONTAINER_IMAGE" ]]; then
+    MG_SRUN_ARGS+=(--container-image="$CONTAINER_IMAGE" --container-mounts="$CONTAINER_MOUNTS"
+        --container-workdir="$REPO")
+fi
 # --signals-to-handle: torchrun forwards these to its workers and then waits
 # --shutdown-timeout seconds for them before SIGKILL (torch/distributed/run.py; USR1 is not
 # in its default list, and without it torchrun dies of USR1 and orphans its workers).
@@ -107,6 +130,9 @@ MG_TORCHRUN_ARGS=(
     "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" --shutdown-timeout="$GRACE_S"
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
     --rdzv-id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"
+    # Every rank's stdout/stderr to a file of its own as well as to the job log (torchrun
+    # makes a unique sub-directory per node and attempt under LOG_DIR).
+    --log-dir="$LOG_DIR" --tee=3
 )
 
 # The key=value overrides among the train arguments (the plan takes no --steps etc.).
@@ -178,6 +204,18 @@ mg_wait_step() {
         if mg_run_complete; then
             mg_log "warning signal, but the run is complete: not requeueing"
             exit 0
+        fi
+        if ((rc != 0)) || ! mg_has_checkpoint; then
+            mg_log "warning signal, but the step exited with status $rc and/or no checkpoint" \
+                "is in $RUN_DIR/checkpoints (the pre-emption save failed): not requeueing;" \
+                "see the log above, then resubmit (it resumes from the latest checkpoint)"
+            exit $((rc != 0 ? rc : 1))
+        fi
+        if ((${SLURM_RESTART_COUNT:-0} >= MAX_REQUEUES)); then
+            mg_log "warning signal handled, but job $SLURM_JOB_ID was already requeued" \
+                "${SLURM_RESTART_COUNT:-0} times (MAX_REQUEUES=$MAX_REQUEUES): not requeueing;" \
+                "resubmit or raise MAX_REQUEUES"
+            exit 3
         fi
         mg_log "warning signal handled (step exit status $rc): requeueing job $SLURM_JOB_ID"
         scontrol requeue "$SLURM_JOB_ID"

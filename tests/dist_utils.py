@@ -50,6 +50,9 @@ def _worker(
     )
     import torch
 
+    from tests.nccl_rules import maybe_install
+
+    maybe_install()  # NCCL's rules over gloo when MEGATRON_GRPO_NCCL_RULES is set
     torch.set_num_threads(threads)
     out = Path(out_dir)
     try:

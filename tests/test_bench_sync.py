@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from megatron_grpo.cli.main import main
+from tests.nccl_rules import ENV as NCCL_RULES_ENV
 
 
 def test_bench_sync_rejects_bad_arguments(capsys) -> None:
@@ -24,10 +26,21 @@ def test_bench_sync_rejects_bad_arguments(capsys) -> None:
         ["--train-tp", "2", "--rollout-tp", "1", "--sink", "null", "--bucket-mb", "0.1,8"],
         # real colocated vLLM engine: checksums and logprob parity
         ["--train-tp", "1", "--rollout-tp", "1", "--sink", "vllm"],
+        # the transfer-only case again, every rank under NCCL's rules emulated over gloo
+        # (tests/nccl_rules.py, installed at start-up by tests/nccl_rules_site)
+        ["--train-tp", "2", "--rollout-tp", "1", "--sink", "null", "--bucket-mb", "0.1"],
     ],
-    ids=["null-tp2", "vllm-tp1"],
+    ids=["null-tp2", "vllm-tp1", "null-tp2-nccl-rules"],
 )
-def test_bench_sync_cli_writes_verified_json(tmp_path: Path, argv: list[str], capsys) -> None:
+def test_bench_sync_cli_writes_verified_json(
+    tmp_path: Path, argv: list[str], capsys, request, monkeypatch
+) -> None:
+    if request.node.callspec.id.endswith("nccl-rules"):
+        site = Path(__file__).parent / "nccl_rules_site"
+        monkeypatch.setenv(
+            "PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
+        )
+        monkeypatch.setenv(NCCL_RULES_ENV, "1")
     out = tmp_path / "sync.json"
     rc = main(["bench", "sync", "--model", "tiny", "--repeats", "2", "--cache-dir",
                str(tmp_path), "--json", str(out), *argv])  # fmt: skip

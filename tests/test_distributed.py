@@ -92,7 +92,6 @@ def test_dp_derived_and_explicit():
             "number of layers; choose parallel.pp from [1, 2, 4].",
         ),
         (dict(pp=2, vpp=4), 2, {}, "num_layers(4) is not divisible by pp(2)*vpp(4)=8"),
-        (dict(cp=2), 2, {}, "parallel.cp=2 needs CUDA"),
         (dict(tp=2, sequence_parallel=True), 2, {}, "parallel.sequence_parallel=true"),
         (dict(backend="nccl"), 1, {}, "parallel.backend='nccl' needs CUDA"),
     ],
@@ -110,7 +109,8 @@ def test_fewer_query_groups_than_tp_is_allowed():
 
 
 def test_gpu_options_pass_with_cuda():
-    assert validate_parallel(ParallelConfig(cp=2), 2, make_spec(), has_cuda=True) == 1
+    cfg = ParallelConfig(tp=2, sequence_parallel=True)
+    assert validate_parallel(cfg, 2, make_spec(), has_cuda=True) == 1
 
 
 def _init_worker(rank, world_size):

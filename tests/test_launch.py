@@ -136,6 +136,7 @@ def slurm_env(tmp_path: Path):
         "PYTHON": sys.executable,
         "OMP_NUM_THREADS": "1",
         "GRACE_S": "60",
+        "LOG_DIR": str(tmp_path / "logs"),
     }
     jobs: list[Job] = []
     yield env, jobs
@@ -197,6 +198,8 @@ def test_preempt_requeue_resume(template: str, slurm_env, tmp_path: Path) -> Non
     assert rows == list(range(1, steps + 1)), rows  # each step exactly once
     assert rows[saved] == saved + 1  # the resumed run's first step
     assert _requeued(env) == [env["SLURM_JOB_ID"]]  # no second requeue
+    # Per-rank logs of every node next to the job log (torchrun --log-dir/--tee).
+    assert len(list((tmp_path / "logs").glob("**/stdout.log"))) >= 2 * nodes * gpus
     srun = (Path(env["FAKE_SLURM_DIR"]) / "srun.log").read_text().splitlines()
     assert len(srun) == 2 and all(
         f"--nnodes={nodes} --nproc-per-node={gpus}" in line
@@ -257,3 +260,56 @@ def test_torchrun_launcher_dry_run() -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "placement    colocated: train ranks 0-1, rollout ranks 0-1" in out.stdout
+
+
+FAKE_TORCHRUN = """#!/usr/bin/env bash
+# Stand-in for torchrun (this test only): records its arguments, waits for the warning
+# signal, then exits with FAKE_TORCHRUN_RC as a trainer whose save worked (0) or failed.
+printf '%s\\n' "$*" >>"$FAKE_SLURM_DIR/torchrun.log"
+trap 'exit "${FAKE_TORCHRUN_RC:-0}"' USR1
+touch "$FAKE_SLURM_DIR/torchrun.started"
+while :; do sleep 0.1; done
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "rc,restarts,checkpoint,requeued,exit_code",
+    [
+        (0, 0, True, True, 0),  # clean pre-emption save: requeue
+        (1, 0, True, False, 1),  # the trainer failed after the warning: no requeue
+        (0, 0, False, False, 1),  # exited 0 but nothing saved: no requeue
+        (0, 2, True, False, 3),  # MAX_REQUEUES=2 reached: stop
+    ],
+)
+def test_requeue_only_after_a_clean_save_and_within_the_bound(
+    slurm_env, tmp_path: Path, rc, restarts, checkpoint, requeued, exit_code
+) -> None:
+    env, jobs = slurm_env
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(FAKE_TORCHRUN)
+    (bin_dir / "torchrun").chmod(0o755)
+    run_dir = Path(env["RUN_DIR"])
+    if checkpoint:  # step 1 of 10 saved: the run is not complete
+        (run_dir / "checkpoints").mkdir(parents=True)
+        (run_dir / "checkpoints" / "latest").write_text("step_000001")
+        (run_dir / "config.yaml").write_text("steps: 10\n")
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}", PREFLIGHT="0", FAKE_TORCHRUN_RC=str(rc),
+        SLURM_RESTART_COUNT=str(restarts), MAX_REQUEUES="2", SLURM_CPUS_PER_TASK="7",
+        CONTAINER_IMAGE="/images/megatron-grpo.sqsh",
+    )  # fmt: skip
+    job = Job(["slurm/single_node.sbatch", "steps=10"], env, tmp_path / "job.log")
+    jobs.append(job)
+    state = Path(env["FAKE_SLURM_DIR"])
+    job.wait_for(lambda: (state / "torchrun.started").exists(), 60, "the fake torchrun")
+    os.kill(job.proc.pid, signal.SIGUSR1)
+    assert job.wait(60) == exit_code, job.text()
+    assert _requeued(env) == ([env["SLURM_JOB_ID"]] if requeued else []), job.text()
+    srun = (state / "srun.log").read_text()
+    assert "--label" in srun and "--cpus-per-task=7" in srun, srun
+    assert "--container-image=/images/megatron-grpo.sqsh" in srun, srun
+    assert f"--container-mounts={REPO}:{REPO}" in srun, srun
+    torchrun = (state / "torchrun.log").read_text()
+    assert f"--log-dir={env['LOG_DIR']} --tee=3" in torchrun, torchrun

@@ -24,6 +24,7 @@ from megatron_grpo.bridge.transport import (
     apply_plan_locally,
     build_schedule,
 )
+from tests.nccl_rules import ENV as NCCL_RULES_ENV
 
 # -- process helper ----------------------------------------------------------------------
 # A private copy of what tests/dist_utils.py is to provide: N spawned gloo processes, each
@@ -43,7 +44,10 @@ def _worker(rank: int, world: int, port: int, fn, args: tuple, queue) -> None:
 
     import torch.distributed as dist
 
+    from tests.nccl_rules import maybe_install
+
     try:
+        maybe_install()  # NCCL's rules over gloo when MEGATRON_GRPO_NCCL_RULES is set
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
@@ -107,6 +111,17 @@ def run_spawned(fn, world: int, args: tuple = (), timeout_s: float = 120.0) -> d
     if errors:
         raise AssertionError("\n".join(f"rank {r}:\n{tb}" for r, tb in sorted(errors.items())))
     return results
+
+
+@pytest.fixture(params=["gloo", "nccl_rules"])
+def p2p_rules(request, monkeypatch) -> str:
+    """Spawned ranks run plain gloo, or gloo under NCCL's ordering and waiting rules
+    (``tests/nccl_rules.py``): the transport must pass both."""
+    if request.param == "nccl_rules":
+        monkeypatch.setenv(NCCL_RULES_ENV, "1")
+    else:
+        monkeypatch.delenv(NCCL_RULES_ENV, raising=False)
+    return request.param
 
 
 # -- random plans ------------------------------------------------------------------------
@@ -257,7 +272,7 @@ def _run_random_plans(rank: int, world: int, cases: list) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_transport_reproduces_reference() -> None:
+def test_transport_reproduces_reference(p2p_rules: str) -> None:
     world = max(c[0] for c in REFERENCE_CASES)
     results = run_spawned(_run_random_plans, world, args=(REFERENCE_CASES,), timeout_s=200)
     for k, (case_world, seed, _bucket_mb, element_size) in enumerate(REFERENCE_CASES):
@@ -312,7 +327,7 @@ def _run_with_absent_peer(rank: int, world: int, timeout_s: float) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_absent_peer_raises_sync_error_naming_it() -> None:
+def test_absent_peer_raises_sync_error_naming_it(p2p_rules: str) -> None:
     timeout_s = 3.0
     results = run_spawned(_run_with_absent_peer, 3, args=(timeout_s,), timeout_s=90)
     for rank in (0, 1):
@@ -344,7 +359,9 @@ def _run_mismatched(rank: int, world: int, kind: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind,needle", [("bucket", "sync.bucket_mb"), ("plan", "fingerprint")])
-def test_mismatched_plans_raise_before_any_weight_moves(kind: str, needle: str) -> None:
+def test_mismatched_plans_raise_before_any_weight_moves(
+    kind: str, needle: str, p2p_rules: str
+) -> None:
     results = run_spawned(_run_mismatched, 3, args=(kind,), timeout_s=90)
     for rank in (0, 1):
         r = results[rank]

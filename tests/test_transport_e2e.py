@@ -10,6 +10,9 @@ read back with ``export_shards``. Every comparison is bit-exact.
 
 One spawned group of 4 ranks runs every case (process and engine start-up dominate on 2
 cores): per (variant, rollout TP) one engine, per trainer layout a re-initialised Megatron.
+It runs under NCCL's rules emulated over gloo (``tests/nccl_rules.py``: per-peer in-order
+point-to-point, NCCL's ``Work.wait`` semantics, the devices each group serves on GPU),
+which is stricter than plain gloo; the transport's own tests cover plain gloo too.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import run_distributed
+from tests.nccl_rules import ENV as NCCL_RULES_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +110,8 @@ def _e2e(rank: int, world: int, root: str) -> dict:
 
 
 @pytest.mark.timeout(900)
-def test_bridge_sync_equals_direct_hf_load(tmp_path: Path) -> None:
+def test_bridge_sync_equals_direct_hf_load(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(NCCL_RULES_ENV, "1")
     results = run_distributed(_e2e, 4, str(tmp_path), timeout=850.0)
     cases = results[0].keys()
     assert len(cases) == len(VARIANTS) * len(ROLLOUT_TPS) * len(LAYOUTS)

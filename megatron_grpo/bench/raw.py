@@ -54,14 +54,24 @@ class RawTransfer:
     def run(self) -> SyncStats:
         st = SyncStats(rank=self.rank, method="raw")
         t0 = time.perf_counter()
-        works = [dist.irecv(b, src=k[0], group=self.group) for k, b in self.recv.items()]
-        works += [dist.isend(b, dst=k[1], group=self.group) for k, b in self.send.items()]
+        # NCCL runs a pair's operations on one stream in issue order: both ranks of a pair
+        # issue "lower rank's send, then higher rank's send" (bridge.transport.pair_order).
+        works = []
+        for peer in sorted({k[1] for k in self.send} | {k[0] for k in self.recv}):
+            out, inc = self.send.get((self.rank, peer)), self.recv.get((peer, self.rank))
+            for kind in ("send", "recv") if self.rank < peer else ("recv", "send"):
+                if kind == "send" and out is not None:
+                    works.append(dist.isend(out, dst=peer, group=self.group))
+                elif kind == "recv" and inc is not None:
+                    works.append(dist.irecv(inc, src=peer, group=self.group))
         if self.local is not None:
             self.local[1].copy_(self.local[0])
             st.bytes_local = self.local[0].numel() * self.es
             st.bytes_per_link[link_key(self.rank, self.rank)] = st.bytes_local
         for w in works:
-            w.wait(timeout=self.timeout)  # gloo raises naming the op on timeout
+            # A real bound under NCCL too: wait(timeout) blocks until done (wait() only
+            # enqueues); gloo raises naming the op on timeout.
+            w.wait(timeout=self.timeout)
         st.total_s = st.transfer_s = time.perf_counter() - t0
         for k, b in self.send.items():
             st.bytes_sent += b.numel() * self.es

@@ -19,12 +19,20 @@ funnel, per-tensor RPC overhead and silent hangs. This module answers each:
   is on the wire, and a received bucket is unpacked while the next one arrives.
 - **Colocated links** (src_rank == dst_rank: a trainer process hosting its vLLM rank) copy
   straight from the source shard into the destination shard, no buffer, no send.
-- **Deadlock-free, never silent.** All operations are non-blocking and the rank polls
-  them; every receive for the first ``window`` buckets of every incoming link is posted
-  before any wait, and a link's bucket ``b + window`` is posted only after bucket ``b``
-  completed, so every posted operation's peer operation is eventually posted (induction
-  on ``b``) whatever the mix of sending and receiving ranks. A sync that makes no progress
-  for ``timeout_s`` raises ``SyncError`` naming the peer, link and bucket.
+- **Deadlock-free under NCCL's ordering, never silent.** NCCL runs the operations between
+  two ranks on one stream in issue order (DESIGN.md §6; docs/launch.md "NCCL rules"), so
+  both ranks of a pair issue their operations to each other in the same canonical order:
+  round ``r`` is bucket ``r`` of the lower rank's link to the higher, then bucket ``r`` of
+  the reverse link (``pair_order``); the first ``window`` rounds are posted before any
+  wait, and an operation whose buffer slot is still busy (bucket ``r - window`` of its
+  link not done) holds back the rest of that pair's sequence. Each operation's
+  precondition is an earlier operation of the same sequence on both sides, so every
+  posted operation's peer operation is eventually posted (induction on the position),
+  whatever the mix of sending and receiving ranks; pairs are independent. Every wait is
+  ``Work.wait(timeout=timeout_s)``, which under NCCL blocks until the operation is done
+  (plain ``wait()`` only enqueues) and under gloo raises on timeout, and the main thread
+  also gives up when nothing completed for ``timeout_s``: a stuck sync raises
+  ``SyncError`` naming the peer, link and bucket.
 - **Mismatched plans are caught up front.** On the first sync every pair of ranks that
   share a link exchanges a small header (plan fingerprint, element size, bucket size,
   bucket and element counts per direction); a difference raises ``PlanMismatchError``
@@ -39,6 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -192,13 +201,32 @@ def apply_plan_locally(
     return out
 
 
+def pair_order(me: int, peer: int, out_buckets: int, in_buckets: int) -> list[tuple[str, int]]:
+    """The order in which ``me`` issues its operations to ``peer``: ``("send"|"recv", b)``.
+
+    Round ``r``: bucket ``r`` of the link lower rank -> higher rank, then bucket ``r`` of
+    the link higher -> lower. Both ranks derive the same sequence (one's send is the
+    other's receive at the same position), which is what NCCL's in-order point-to-point
+    stream between two ranks needs.
+    """
+    lo_to_hi, hi_to_lo = (out_buckets, in_buckets) if me < peer else (in_buckets, out_buckets)
+    first, second = ("send", "recv") if me < peer else ("recv", "send")
+    seq = []
+    for r in range(max(lo_to_hi, hi_to_lo)):
+        if r < lo_to_hi:
+            seq.append((first, r))
+        if r < hi_to_lo:
+            seq.append((second, r))
+    return seq
+
+
 class _Link:
     """Mutable per-sync state of one network link, seen from one side."""
 
     def __init__(self, buckets: list[Bucket], buffers: list[torch.Tensor]) -> None:
         self.buckets = buckets
         self.buffers = buffers
-        self.next = 0  # next bucket index to post
+        self.done: set[int] = set()  # bucket indices whose operation completed
 
 
 class Transport:
@@ -337,14 +365,14 @@ class Transport:
             p: torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device) for p in self.peers
         }
         ops: list[tuple[str, int, object]] = []
+        # Ordered by rank (NCCL: one in-order stream per pair): the lower rank sends first.
         for p in self.peers:
-            ops.append(
-                ("recv", p, dist.irecv(theirs[p], src=p, group=self.group, tag=_HANDSHAKE_TAG))
-            )
-        for p in self.peers:
-            ops.append(
-                ("send", p, dist.isend(mine[p], dst=p, group=self.group, tag=_HANDSHAKE_TAG))
-            )
+            for kind in ("send", "recv") if self.rank < p else ("recv", "send"):
+                if kind == "send":
+                    w = dist.isend(mine[p], dst=p, group=self.group, tag=_HANDSHAKE_TAG)
+                else:
+                    w = dist.irecv(theirs[p], src=p, group=self.group, tag=_HANDSHAKE_TAG)
+                ops.append((kind, p, w))
         self._poll(
             ops,
             lambda kind, peer, *_: (
@@ -402,18 +430,24 @@ class Transport:
 
         ``ops`` holds tuples whose third item is a torch ``Work``. Gloo's point-to-point
         works do not implement ``is_completed`` (c10d ``ProcessGroupGloo::SendWork`` only
-        overrides ``wait``) and a timed-out ``wait(timeout)`` tears the connection down, so
-        each op is waited on by a daemon thread (``Work.wait`` releases the GIL) that
-        reports to a queue. The main thread stays free to post new operations while others
-        are pending, which is what makes the windowed schedule deadlock-free; the timeout
-        restarts whenever an op completes. Daemon threads, so that a rank that gave up
-        after a ``SyncError`` can still exit.
+        overrides ``wait``), so each op is waited on by a daemon thread (``Work.wait``
+        releases the GIL) that reports to a queue; the main thread stays free to post new
+        operations while others are pending, which the windowed schedule needs. Each
+        thread waits with ``timeout=timeout_s``: under NCCL a plain ``wait()`` returns once
+        the op is enqueued on the stream (and a later ``.tolist()`` would block without
+        bound), while ``wait(timeout)`` blocks the thread until the op is done or raises;
+        under gloo it raises on timeout too (tearing the connection down, as any failed
+        sync leaves the group unusable). The main thread also gives up after ``timeout_s``
+        without any completion. Daemon threads, so that a rank that gave up after a
+        ``SyncError`` can still exit.
         """
         done_q: queue.Queue = queue.Queue()
 
+        bound = timedelta(seconds=self.timeout_s)
+
         def waiter(op: tuple) -> None:
             try:
-                op[2].wait()
+                op[2].wait(timeout=bound)  # NCCL: blocks until done (wait() only enqueues)
                 done_q.put((op, None))
             except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
                 done_q.put((op, exc))
@@ -440,9 +474,11 @@ class Transport:
                     "and must be destroyed."
                 ) from None
             del pending[id(op)]
-            if exc is not None:  # gloo reports a dead peer here
+            if exc is not None:  # a dead peer, or the op's own timeout
                 raise SyncError(
-                    f"rank {self.rank}: {describe(*op)}. The process group reported: {exc}"
+                    f"rank {self.rank}: {describe(*op)}; the operation failed or did not "
+                    f"complete within {self.timeout_s:.1f}s (sync.timeout_s). The process "
+                    f"group reported: {exc}"
                 ) from exc
             if on_done is not None:
                 on_done(op, ops)
@@ -543,15 +579,13 @@ class Transport:
         recv = {k: _Link(v, self._buffers_for(k)) for k, v in self.recv_links.items()}
         ops: list[tuple] = []
 
-        def post_recv(link: tuple[int, int], lk: _Link, slot: int) -> None:
-            b = lk.buckets[lk.next]
-            lk.next += 1
+        def post_recv(link: tuple[int, int], lk: _Link, index: int) -> None:
+            b, slot = lk.buckets[index], index % len(lk.buffers)
             w = dist.irecv(lk.buffers[slot][: b.numel], src=link[0], group=self.group, tag=b.index)
             ops.append(("recv", link[0], w, b, slot, link))
 
-        def post_send(link: tuple[int, int], lk: _Link, slot: int) -> None:
-            b = lk.buckets[lk.next]
-            lk.next += 1
+        def post_send(link: tuple[int, int], lk: _Link, index: int) -> None:
+            b, slot = lk.buckets[index], index % len(lk.buffers)
             t0 = time.perf_counter()
             flat = self._pack(sources, b, lk.buffers[slot])
             st.pack_s += time.perf_counter() - t0
@@ -562,13 +596,34 @@ class Transport:
             key = link_key(*link)
             st.bytes_per_link[key] = st.bytes_per_link.get(key, 0) + b.numel * es
 
-        # Receives first, for every incoming link, before this rank waits on anything.
-        for link, lk in recv.items():
-            for slot in range(len(lk.buffers)):
-                post_recv(link, lk, slot)
-        for link, lk in send.items():
-            for slot in range(len(lk.buffers)):
-                post_send(link, lk, slot)
+        # Per peer, the canonical order both sides issue in (``pair_order``), and how far
+        # this rank got; an op whose buffer slot is busy holds back the rest of its pair.
+        order = {
+            p: pair_order(
+                self.rank,
+                p,
+                len(self.send_links.get((self.rank, p), ())),
+                len(self.recv_links.get((p, self.rank), ())),
+            )
+            for p in self.peers
+        }
+        cursor = dict.fromkeys(self.peers, 0)
+
+        def advance(peer: int) -> None:
+            seq = order[peer]
+            while cursor[peer] < len(seq):
+                kind, index = seq[cursor[peer]]
+                if kind == "send":
+                    link, lk = (self.rank, peer), send[(self.rank, peer)]
+                else:
+                    link, lk = (peer, self.rank), recv[(peer, self.rank)]
+                if index >= len(lk.buffers) and index - len(lk.buffers) not in lk.done:
+                    return  # its slot still holds bucket index - window
+                (post_send if kind == "send" else post_recv)(link, lk, index)
+                cursor[peer] += 1
+
+        for p in self.peers:
+            advance(p)
 
         # Colocated copies run while the first buckets are on the wire.
         t0 = time.perf_counter()
@@ -584,7 +639,7 @@ class Transport:
             piece_done(c.dst_name)
 
         def on_done(op: tuple, pending: list) -> None:
-            kind, _peer, _w, b, slot, link = op
+            kind, peer, _w, b, slot, link = op
             if kind == "recv":
                 lk = recv[link]
                 buf = lk.buffers[slot]
@@ -597,14 +652,12 @@ class Transport:
                 st.unpack_s += time.perf_counter() - t0
                 st.bytes_received += b.numel * es
                 st.buckets_received += 1
-                if lk.next < len(lk.buckets):  # the buffer is free again: receive the next
-                    post_recv(link, lk, slot)
                 for e in b.entries:
                     piece_done(e.copy.dst_name)
             else:
                 lk = send[link]
-                if lk.next < len(lk.buckets):
-                    post_send(link, lk, slot)
+            lk.done.add(b.index)  # its buffer slot is free again
+            advance(peer)
 
         def describe(kind: str, peer: int, _w, b: Bucket, _slot, link) -> str:
             what = "receive from" if kind == "recv" else "send to"

@@ -75,9 +75,11 @@ class ParallelConfig:
     vpp: int | None = None
     """Virtual pipeline stages per pipeline rank (interleaved schedule, GPU); None disables."""
     cp: int = 1
-    """Context-parallel size (GPU only)."""
+    """Context-parallel size. Only 1: no sequence is split across context-parallel ranks
+    yet (that needs the batch sliced per CP rank and log-probs gathered back)."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (requires tp > 1; GPU)."""
+    """Megatron sequence parallelism (requires tp > 1; GPU). Micro-batches are then padded
+    to a multiple of tp tokens (``policy.policy._micro_batches``)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend. ``auto``: nccl when CUDA is present, else gloo."""
     timeout_s: float = 600.0
@@ -87,6 +89,12 @@ class ParallelConfig:
         for key in ("tp", "pp", "cp"):
             _check_positive(f"parallel.{key}", getattr(self, key))
         _check_positive("parallel.dp", self.dp, allow_zero=True)
+        if self.cp > 1:
+            raise ConfigError(
+                f"parallel.cp={self.cp} is not supported: the trainer does not split sequences "
+                "across context-parallel ranks (each rank would train on whole sequences); "
+                "set parallel.cp=1 and use parallel.tp/pp for long contexts."
+            )
         if self.vpp is not None:
             _check_positive("parallel.vpp", self.vpp)
             if self.pp < 2:

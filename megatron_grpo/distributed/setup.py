@@ -1,7 +1,7 @@
 """torch.distributed + megatron-core parallel_state, initialized once, returned as one object.
 
-``init_distributed`` starts the process group (gloo on CPU, NCCL on GPU, every collective
-bounded by ``parallel.timeout_s``), builds megatron's tensor/pipeline/data/context groups
+``init_distributed`` starts the process group (gloo on CPU; on GPU ``cpu:gloo,cuda:nccl``,
+see ``process_group_backend``; every collective bounded by ``parallel.timeout_s``), builds megatron's tensor/pipeline/data/context groups
 and returns a frozen ``ParallelContext`` that callers pass on; nothing downstream reaches
 for megatron's global getters to learn sizes or ranks. ``validate_parallel`` is the pure
 check of a layout against a world size and a model, with errors that name the values and
@@ -121,11 +121,6 @@ def validate_parallel(
             "parallel.backend='nccl' needs CUDA, and no CUDA device is available: set "
             "parallel.backend=auto (gloo on CPU)."
         )
-    if cp > 1 and not cuda:
-        raise ConfigError(
-            f"parallel.cp={cp} needs CUDA and Transformer-Engine attention (megatron's local "
-            "DotProductAttention asserts context_parallel_size == 1): set parallel.cp=1 on CPU."
-        )
     if parallel.sequence_parallel and not cuda:
         raise ConfigError(
             "parallel.sequence_parallel=true is a GPU memory optimisation and is not supported "
@@ -173,6 +168,21 @@ def validate_parallel(
     return dp
 
 
+def process_group_backend(backend: str) -> str:
+    """The backend string every process group of the run is created with.
+
+    NCCL serves CUDA tensors only, and small CPU-side collectives are everywhere (the stop
+    flag before each step, DP mask counts, log-probs that ``compute_logprobs`` returns on
+    the CPU, megatron's own CPU metadata): one rule for all of them is to give every group
+    both backends, ``cpu:gloo,cuda:nccl``, so a collective runs on gloo for CPU tensors
+    and on NCCL for CUDA tensors. Groups megatron creates with ``new_group(backend=None)``
+    inherit it (torch.distributed ``_new_group_with_tag``), and object collectives pick
+    the CPU backend (``_get_object_coll_device``). Emulated in the CPU suite by
+    ``tests/nccl_rules.py``.
+    """
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
 def _resolve_backend(parallel: ParallelConfig) -> str:
     if parallel.backend != "auto":
         return parallel.backend
@@ -215,6 +225,7 @@ def init_distributed(
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     dp = validate_parallel(parallel, world_size, spec)
     backend = _resolve_backend(parallel)
+    pg_backend = process_group_backend(backend)
     timeout = timedelta(seconds=parallel.timeout_s)
 
     if backend == "nccl":
@@ -237,13 +248,15 @@ def init_distributed(
                 "trainer ranks call init_distributed (rollout ranks serve, rollout.server)."
             )
         dist.init_process_group(
-            backend=backend, timeout=timeout, rank=rank, world_size=world_size, store=store
+            backend=pg_backend, timeout=timeout, rank=rank, world_size=world_size, store=store
         )
     elif "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend=backend, timeout=timeout, rank=rank, world_size=world_size)
+        dist.init_process_group(
+            backend=pg_backend, timeout=timeout, rank=rank, world_size=world_size
+        )
     else:
         dist.init_process_group(
-            backend=backend, timeout=timeout, rank=0, world_size=1, store=dist.HashStore()
+            backend=pg_backend, timeout=timeout, rank=0, world_size=1, store=dist.HashStore()
         )
 
     if mpu.model_parallel_is_initialized():

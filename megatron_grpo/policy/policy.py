@@ -106,8 +106,17 @@ def _finalize_grads_without_token_scaling(model, num_tokens, pg_collection=None,
     return finalize_model_grads(model, None, pg_collection=pg_collection, **kwargs)
 
 
-def _micro_batches(batch: Batch, micro_batch_size: int) -> list[tuple[slice, int, Batch]]:
-    """Split ``batch`` into (row slice, trimmed length, micro-batch dict)."""
+def _micro_batches(
+    batch: Batch, micro_batch_size: int, multiple: int = 1
+) -> list[tuple[slice, int, Batch]]:
+    """Split ``batch`` into (row slice, trimmed length, micro-batch dict).
+
+    ``multiple``: the micro-batch tensors' length is the trimmed length rounded up to a
+    multiple of it, right-padded with zeros past the batch's own length (sequence
+    parallelism scatters the sequence dim over tp ranks and needs ``L % tp == 0``,
+    megatron/core/tensor_parallel/mappings.py ``_split_along_first_dim``). The returned
+    length stays the unpadded one: the positions callers read back.
+    """
     ids = batch["input_ids"]
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, L], got shape {tuple(ids.shape)}")
@@ -129,6 +138,7 @@ def _micro_batches(batch: Batch, micro_batch_size: int) -> list[tuple[slice, int
             nz = am.nonzero()
             length = int(nz[:, 1].max()) + 1 if len(nz) else 1
             length = max(length, 2)
+        padded = -(-length // multiple) * multiple
         mb = {}
         for k, v in batch.items():
             if not isinstance(v, torch.Tensor) or v.dim() == 0:
@@ -136,7 +146,9 @@ def _micro_batches(batch: Batch, micro_batch_size: int) -> list[tuple[slice, int
                 continue
             t = v[rows]
             if t.dim() >= 2 and t.shape[1] == seq:
-                t = t[:, :length]
+                t = t[:, :padded]
+                if t.shape[1] < padded:  # right padding is invisible to causal attention
+                    t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, padded - seq))
             mb[k] = t.contiguous()
         out.append((rows, length, mb))
     return out
@@ -180,6 +192,8 @@ class Policy:
         self.trainable = optim_cfg is not None
         self._forward_backward = get_forward_backward_func()
         self.nan_steps_in_row = 0
+        # Sequence parallelism splits every micro-batch's sequence dim over the TP ranks.
+        self._length_multiple = ctx.tp if ctx.sequence_parallel else 1
         if self.trainable and ctx.vpp:
             # Seen with megatron-core 0.16.1 on gloo (pp=2, vpp=2): the forward-only
             # interleaved schedule works, but the training one deadlocks with
@@ -281,7 +295,7 @@ class Policy:
             data_iterator=iters if len(iters) > 1 else iters[0],
             model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
             num_microbatches=num_mb,
-            seq_length=max(length for _, length, _ in mbs),
+            seq_length=max(mb["input_ids"].shape[1] for _, _, mb in mbs),
             micro_batch_size=max(mb["input_ids"].shape[0] for _, _, mb in mbs),
             forward_only=forward_only,
         )
@@ -327,7 +341,7 @@ class Policy:
         Forward-only through megatron's pipeline schedule, ``micro_batch_size`` sequences
         per micro-batch; the last pipeline stage computes them and broadcasts to the others.
         """
-        mbs = _micro_batches(batch, micro_batch_size)
+        mbs = _micro_batches(batch, micro_batch_size, self._length_multiple)
         ids = batch["input_ids"]
         for m in self.models:
             m.eval()
@@ -347,8 +361,8 @@ class Policy:
         out = torch.zeros(2, *ids.shape, dtype=torch.float32, device=self.ctx.device)
         if self.ctx.is_last_stage:
             for (rows, length, _), r in zip(mbs, results):
-                out[0, rows, :length] = r["logp"].float()
-                out[1, rows, :length] = r["entropy"].float()
+                out[0, rows, :length] = r["logp"][:, :length].float()
+                out[1, rows, :length] = r["entropy"][:, :length].float()
         self._broadcast_from_last_stage(out)
         if "attention_mask" in batch:
             out *= batch["attention_mask"].to(out.device, out.dtype)
@@ -368,7 +382,7 @@ class Policy:
                 "train_step on a forward-only Policy (built without optim_cfg): build it "
                 "with build_policy(..., optim_cfg=...)."
             )
-        mbs = _micro_batches(batch, micro_batch_size)
+        mbs = _micro_batches(batch, micro_batch_size, self._length_multiple)
         for m in self.chunks:
             m.train()
             m.zero_grad_buffer()

@@ -185,6 +185,31 @@ def serve(cfg: Config, world: DisaggregatedWorld) -> dict[str, Any]:
             engine.shutdown()
 
 
+def engine_devices(visible: str | None, local_rank: int, tp: int, device_count: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for the engine whose driver has ``local_rank``: entries
+    ``[local_rank, local_rank + tp)`` of the devices this process may see.
+
+    ``visible`` is the inherited ``CUDA_VISIBLE_DEVICES`` (Slurm sets it to the job's GPUs
+    on the node, e.g. ``"4,5,6,7"`` or GPU UUIDs), or None, when the node's
+    ``device_count`` GPUs are all visible. The driver's rollout ranks are consecutive local
+    ranks (``plan.placement.place_ranks``), so engine ``e`` gets the GPUs of its own ranks;
+    taking ``0..tp-1`` instead would stack every engine of a node on the same GPUs.
+    """
+    if visible is None:
+        entries = [str(i) for i in range(device_count)]
+    else:
+        entries = [v.strip() for v in visible.split(",") if v.strip()]
+    if local_rank < 0 or tp < 1 or local_rank + tp > len(entries):
+        seen = "no CUDA_VISIBLE_DEVICES" if visible is None else f"CUDA_VISIBLE_DEVICES={visible!r}"
+        raise RuntimeError(
+            f"rollout engine on LOCAL_RANK={local_rank} needs GPUs [{local_rank}, "
+            f"{local_rank + tp}) (rollout.tp={tp}) but this process sees {len(entries)} "
+            f"({seen}): launch one process per visible GPU (torchrun --nproc-per-node) and "
+            "give the job as many GPUs per node."
+        )
+    return ",".join(entries[local_rank : local_rank + tp])
+
+
 def _start_engine(cfg: Config, hf_dir: Any, e: int, ch: Channel) -> Any:
     from megatron_grpo.rollout.engine import RolloutEngine
 
@@ -194,10 +219,13 @@ def _start_engine(cfg: Config, hf_dir: Any, e: int, ch: Channel) -> Any:
     # vLLM's engine core runs in-process when this is 0, and its worker would then build
     # its torch.distributed world in this process (vllm/v1/engine/llm_engine.py).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    if torch.cuda.is_available() and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        # This node's GPUs [local_rank, local_rank + tp): the engine's workers use them.
-        gpus = range(local_rank, local_rank + cfg.rollout.tp)
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    if torch.cuda.is_available():
+        os.environ["CUDA_VISIBLE_DEVICES"] = engine_devices(
+            os.environ.get("CUDA_VISIBLE_DEVICES"),
+            local_rank,
+            cfg.rollout.tp,
+            torch.cuda.device_count(),
+        )
     ch.beat_forever(_engine_beat(e))
     t0 = time.perf_counter()
     try:
