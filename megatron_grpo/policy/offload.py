@@ -43,12 +43,17 @@ def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class TrainerOffload:
-    """``offload()`` / ``reload()`` of a trainable ``policy.Policy``'s state (see module doc)."""
+    """``offload()`` / ``reload()`` of a trainable ``policy.Policy``'s state (see module doc).
 
-    def __init__(self, policy, params: bool = False) -> None:
+    ``optimizer``: the optimizer state, fp32 masters and gradient buffers; ``params``: the
+    model weights. The colocated loop holds one of each so that the weights can stay for
+    the weight sync after the optimizer state has left (trainer/memory.py)."""
+
+    def __init__(self, policy, optimizer: bool = True, params: bool = False) -> None:
         if not policy.trainable:
             raise ValueError("TrainerOffload needs a trainable Policy (built with optim_cfg).")
         self.policy = policy
+        self.optimizer = optimizer
         self.params = params
         self.offloaded = False
         self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device tensor, host copy)
@@ -101,9 +106,11 @@ class TrainerOffload:
         t0 = time.perf_counter()
         model = self._unique(self._model_tensors(), set())
         model_ptrs = {t.untyped_storage().data_ptr() for t in model}
-        grads = self._unique([b.grad_data for b in self._ddp_buffers()], set())
-        grad_ptrs = {t.untyped_storage().data_ptr() for t in grads}
-        keep = self._unique(self._optimizer_tensors(), model_ptrs | grad_ptrs)
+        grads, keep = [], []
+        if self.optimizer:
+            grads = self._unique([b.grad_data for b in self._ddp_buffers()], set())
+            grad_ptrs = {t.untyped_storage().data_ptr() for t in grads}
+            keep = self._unique(self._optimizer_tensors(), model_ptrs | grad_ptrs)
         if self.params:
             keep += model
         pin = torch.cuda.is_available()
