@@ -170,12 +170,16 @@ def token_logprobs(
     and ``entropy[b, t]`` the entropy of that same predictive distribution, for t >= 1;
     both are 0 at t = 0 (no prediction for the first token).
     """
+    # Every position is scored (the last one against a dummy target, then dropped) so that
+    # ``logits`` enters as a view: slicing off the last position first would copy the whole
+    # [B, L-1, Vl] tensor, which backward keeps (the logits are saved for the recompute).
+    target = torch.cat([input_ids[:, 1:], input_ids.new_zeros(input_ids.shape[0], 1)], dim=1)
     logp, entropy = vocab_parallel_logprob_entropy(
-        logits[:, :-1],
-        input_ids[:, 1:],
+        logits,
+        target,
         vocab_start=vocab_start,
         vocab_size=vocab_size,
         group=group,
     )
     pad = logp.new_zeros(logp.shape[0], 1)
-    return torch.cat([pad, logp], dim=1), torch.cat([pad, entropy], dim=1)
+    return torch.cat([pad, logp[:, :-1]], dim=1), torch.cat([pad, entropy[:, :-1]], dim=1)
