@@ -139,7 +139,18 @@ class RolloutConfig:
     """CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
     enforce_eager: bool = True
     sleep_between_rollouts: bool = True
-    """GPU colocated only: free vLLM's memory while the trainer trains."""
+    """GPU colocated only: vLLM sleeps after each generation and wakes (weights before the
+    weight sync, KV cache before the next generation) so the trainer has the GPU while it
+    trains (trainer/memory.py). false: vLLM's reservation stays while the trainer trains."""
+    sleep_level: int = 1
+    """vLLM sleep level: 1 offloads its weights to CPU memory and drops the KV cache; 2 drops
+    the weights too (less CPU memory; every step's weight sync refills them, so it needs
+    sync.interval=1)."""
+    trainer_offload: Literal["none", "optimizer", "all"] = "optimizer"
+    """GPU colocated only: what the trainer moves to CPU while vLLM generates. ``optimizer``:
+    Adam state, fp32 master weights and gradient buffers (back before the log-probs, off
+    again before the weight sync); ``all``: also the weights (off after the sync);
+    ``none``: everything stays on the GPU."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -164,6 +175,8 @@ class RolloutConfig:
             raise ConfigError(
                 f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]."
             )
+        _check_choice("rollout.sleep_level", self.sleep_level, (1, 2))
+        _check_choice("rollout.trainer_offload", self.trainer_offload, ("none", "optimizer", "all"))
 
 
 @dataclass
@@ -447,6 +460,13 @@ class Config:
                 f"grpo.overlong_buffer({self.grpo.overlong_buffer}) exceeds rollout.max_new_tokens"
                 f"({self.rollout.max_new_tokens}): the penalty ramps over the last buffer tokens of "
                 "the response; lower it (0 disables)."
+            )
+        r = self.rollout
+        if r.sleep_between_rollouts and r.sleep_level == 2 and self.sync.interval > 1:
+            raise ConfigError(
+                f"rollout.sleep_level=2 discards vLLM's weights at every sleep, so every step "
+                f"needs a weight sync, but sync.interval={self.sync.interval}: set "
+                "rollout.sleep_level=1 (weights wait in CPU memory) or sync.interval=1."
             )
         if self.rollout.max_new_tokens + self.data.max_prompt_tokens > self.rollout.max_model_len:
             raise ConfigError(

@@ -58,6 +58,8 @@ def read_metrics(path: str | os.PathLike, max_step: int | None = None) -> list[d
 
 
 def _tb_tag(key: str) -> str:
+    if key.startswith("memory/"):
+        return key
     if key.startswith("time_"):
         return "time/" + key[len("time_") :]
     if key.startswith("reward") or key == "pass_rate":
@@ -217,6 +219,8 @@ class MetricsLogger:
             for k, v in row.items()
             if isinstance(v, (int, float)) and k not in ("step", "wall_s")
         }
+        for boundary, snap in (row.get("gpu_memory") or {}).items():  # GPU only
+            scalars.update({f"memory/{boundary}_{k}": float(v) for k, v in snap.items()})
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(_tb_tag(k), v, step)

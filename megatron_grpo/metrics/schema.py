@@ -74,6 +74,11 @@ class StepMetrics:
     """Learning rate used in this step."""
     skipped_nan: bool = False
     """True when the step was skipped because the loss or the grad norm was not finite."""
+    gpu_memory: dict[str, dict[str, float]] | None = None
+    """GPU memory at each phase boundary of the step (trainer/memory.py): boundary name ->
+    ``allocated_gib``, ``reserved_gib`` and ``peak_gib`` (peak allocated since the previous
+    boundary). Boundaries: rollout_start, rollout_end, train_start, train_end, sync_start.
+    None (null) on CPU."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Any other scalars; written flat next to the fields above (names must not collide)."""
 

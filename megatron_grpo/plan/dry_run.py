@@ -49,6 +49,8 @@ class LaunchPlan:
     cross_node_sync_bytes: int
     warnings: list[str] = field(default_factory=list)
     max_model_len: int = 0
+    rollout: Any = None
+    """The rollout config section (sleep and offload keys) the memory phases assume."""
 
     @property
     def world_size(self) -> int:
@@ -74,6 +76,7 @@ class LaunchPlan:
             "memory_per_gpu_bytes": peak.to_dict(),
             "memory_per_gpu_role": peak.role,
             "memory_by_role_bytes": {r: m.to_dict() for r, m in self.memory.per_role.items()},
+            "memory_phases_bytes": peak.phases,
             "kv_cache_needed_bytes": self.memory.kv_cache_needed,
             "sequences_per_engine": self.memory.sequences_per_engine,
             "sync_bytes_per_sync": self.sync.bytes_per_sync,
@@ -86,6 +89,11 @@ class LaunchPlan:
             },
             "warnings": self.warnings,
         }
+
+    def _dance(self) -> str:
+        r = self.rollout
+        sleep = f"vLLM sleep level {r.sleep_level}" if r.sleep_between_rollouts else "no sleep"
+        return f"{sleep}, trainer_offload={r.trainer_offload}"
 
     def table(self, max_links: int = 16) -> str:
         r, mem = self.ranks, self.memory
@@ -112,6 +120,13 @@ class LaunchPlan:
                 f"  {key:<14}" + "".join(f"{m.components[key] / GIB:>15.2f}" for m in roles)
             )
         lines.append(f"  {'total (peak)':<14}" + "".join(f"{m.total / GIB:>15.2f}" for m in roles))
+        for m in roles:
+            if m.phases:
+                lines.append(
+                    f"  colocated phases ({self._dance()}): "
+                    + ", ".join(f"{k} {v / GIB:.2f}" for k, v in m.phases.items())
+                    + f"; peak in {m.peak_phase}"
+                )
         lines.append(
             f"  KV cache needed per engine: {_gib(mem.kv_cache_needed)} "
             f"({mem.sequences_per_engine} sequences x {self.max_model_len} tokens); "
@@ -234,6 +249,7 @@ def build_launch_plan(
         spec=spec, ranks=ranks, tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, rollout_tp=r.tp,
         dtype=dtype, recompute=recompute, memory=mem, sync=report,
         cross_node_sync_bytes=cross_node, warnings=warnings, max_model_len=r.max_model_len,
+        rollout=r,
     )  # fmt: skip
     return plan
 
@@ -274,8 +290,14 @@ def _check_memory(
                 fixes.append("set optim.distributed_optimizer=on")
             if "vllm_kv_cache" in m.components and m.components["vllm_kv_cache"]:
                 fixes.append("lower rollout.gpu_memory_utilization")
+            r = cfg.rollout
+            if m.phases and not r.sleep_between_rollouts and m.peak_phase != "generate":
+                fixes.append("set rollout.sleep_between_rollouts=true")
+            if m.phases and r.trainer_offload != "all" and m.peak_phase == "generate":
+                fixes.append("set rollout.trainer_offload=all")
             fixes.append("lower grpo.micro_batch_size or use --recompute")
+            phase = f" in its {m.peak_phase} phase" if m.phases else ""
             raise PlanError(
-                f"out of GPU memory: a {m.role} GPU needs {_gib(m.total)} (largest: {parts} GiB) "
-                f"> --gpu-memory-gb {gpu_memory_gb:g}: " + ", ".join(fixes) + "."
+                f"out of GPU memory: a {m.role} GPU needs {_gib(m.total)}{phase} (largest: "
+                f"{parts} GiB) > --gpu-memory-gb {gpu_memory_gb:g}: " + ", ".join(fixes) + "."
             )

@@ -18,8 +18,11 @@ Trainer (per rank, the largest (pipeline stage, TP rank) shard set, read from
   parallelism) plus one layer's full activations. ``s = data.max_prompt_tokens +
   rollout.max_new_tokens``, ``b = grpo.micro_batch_size``, layers of one stage, times the
   micro-batches in flight on the first stage of a 1F1B pipeline (min(pp, micro-batches)),
-  plus fp32 logits and their gradient on the vocab-parallel output (``8*s*b*V/t``). The
-  formula is for GPT's 4h MLP: SwiGLU models with a wider MLP use somewhat more.
+  plus the vocab-parallel output: the logits (kept for the log-prob recompute), their
+  gradient and its transpose in the training dtype (``3*elem*s*b*V/t``), and the chunked
+  log-prob's fp32 temporaries (``policy.logprob.logprob_peak_bytes``: a bound that does not
+  grow with s*b). The formula is for GPT's 4h MLP: SwiGLU models with a wider MLP use
+  somewhat more.
 - ``runtime``: a flat 1.5 GiB for the CUDA context, NCCL buffers and allocator slack.
 
 vLLM (per rollout TP rank):
@@ -31,20 +34,33 @@ vLLM (per rollout TP rank):
   ``sequences per engine * max_model_len * layers * 2 * kv_heads_per_rank * head_dim *
   bytes``, ``kv_heads_per_rank = max(1, num_kv_heads / rollout.tp)``.
 
-Peak of a colocated GPU: trainer state stays resident while vLLM generates, so
-``max(state + vLLM reservation, state + activations [+ vLLM reservation unless
-rollout.sleep_between_rollouts])``. Disaggregated: a trainer GPU holds state + activations,
-a rollout GPU the vLLM reservation.
+Peak of a colocated GPU: the maximum over the phases of the loop's memory dance
+(``trainer.memory``), each phase holding exactly what the loop keeps there:
+
+- ``generate``: the vLLM reservation, plus the trainer state that ``rollout.trainer_offload``
+  leaves on the GPU (``none``: all of it; ``optimizer``: weights and the reference/served
+  copies; ``all``: only the copies).
+- ``train``: the whole trainer state plus activations (plus the vLLM reservation when
+  ``rollout.sleep_between_rollouts=false``; asleep, vLLM holds nothing: level 1 keeps its
+  weights in CPU memory, level 2 drops them).
+- ``sync``: the trainer state minus what was offloaded before the sync (optimizer state
+  and gradient buffers), plus vLLM's woken weights (its whole reservation without sleep).
+- ``checkpoint``: a save brings the whole trainer state back next to vLLM's weights.
+
+Without CUDA (or disaggregated) nothing sleeps or moves. Disaggregated: a trainer GPU holds
+state + activations, a rollout GPU the vLLM reservation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_grpo.config.schema import Config
 from megatron_grpo.layouts import megatron as mg
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.models.spec import ModelSpec, megatron_padded_vocab
+from megatron_grpo.policy.logprob import logprob_peak_bytes
 
 GIB = 1 << 30
 RUNTIME_OVERHEAD_BYTES = int(1.5 * GIB)
@@ -103,7 +119,7 @@ def activation_bytes(spec: ModelSpec, cfg: Config, dp: int, recompute: bool) -> 
     micro_batches = max(1, batch // max(dp, 1) // b)
     in_flight = min(p.pp, micro_batches)
     padded = megatron_padded_vocab(spec.vocab_size, t, cfg.model.make_vocab_size_divisible_by)
-    logits = 8 * s * b * padded // t
+    logits = 3 * elem * s * b * padded // t + logprob_peak_bytes(s * b, padded // t)
     return int(per_micro * in_flight + logits)
 
 
@@ -121,8 +137,16 @@ class MemoryEstimate:
     total: int
     """The peak over the phases of a step (see the module docstring)."""
 
+    phases: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Bytes held in each phase of a step (colocated: generate, train, sync, checkpoint);
+    ``total`` is their maximum."""
+
     def to_dict(self) -> dict[str, int]:
         return {**self.components, "total": self.total}
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get) if self.phases else self.role
 
 
 @dataclass(frozen=True)
@@ -136,6 +160,23 @@ class MemoryReport:
     @property
     def peak(self) -> MemoryEstimate:
         return max(self.per_role.values(), key=lambda m: m.total)
+
+
+def colocated_phases(trainer: dict[str, int], vllm_weights: int, reserved: int, r) -> dict:
+    """Bytes per phase of the colocated loop (module docstring), runtime overhead included."""
+    opt = trainer["grads"] + trainer["optimizer"]
+    copies = trainer["reference"] + trainer["served"]
+    full = trainer["params"] + opt + copies
+    offloaded = {"none": 0, "optimizer": opt, "all": opt + trainer["params"]}[r.trainer_offload]
+    sleep = r.sleep_between_rollouts
+    awake_at_sync = vllm_weights if sleep else reserved
+    phases = {
+        "generate": full - offloaded + reserved,
+        "train": full + trainer["activations"] + (0 if sleep else reserved),
+        "sync": full - (opt if r.trainer_offload != "none" else 0) + awake_at_sync,
+        "checkpoint": full + awake_at_sync,
+    }
+    return {k: v + RUNTIME_OVERHEAD_BYTES for k, v in phases.items()}
 
 
 def estimate_memory(
@@ -173,9 +214,11 @@ def estimate_memory(
     rt = {"runtime": RUNTIME_OVERHEAD_BYTES}
     roles: dict[str, MemoryEstimate] = {}
     if colocated:
-        during_train = trainer["activations"] + (0 if r.sleep_between_rollouts else reserved)
-        total = RUNTIME_OVERHEAD_BYTES + state + max(reserved, during_train)
-        roles["train+rollout"] = MemoryEstimate("train+rollout", {**trainer, **vllm, **rt}, total)
+        phases = colocated_phases(trainer, weights, reserved, r)
+        total = max(phases.values())
+        roles["train+rollout"] = MemoryEstimate(
+            "train+rollout", {**trainer, **vllm, **rt}, total, phases
+        )
     else:
         t_total = RUNTIME_OVERHEAD_BYTES + state + trainer["activations"]
         zero_v = {k: 0 for k in vllm}

@@ -278,17 +278,24 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ memory
     def sleep(self, level: int = 1) -> None:
-        """Free vLLM's GPU memory while the trainer trains (no-op on CPU)."""
+        """Free vLLM's GPU memory while the trainer trains (no-op on CPU).
+
+        Level 1 offloads the weights to CPU and drops the KV cache; level 2 drops both
+        (vllm/entrypoints/llm.py ``LLM.sleep``; the memory is vLLM's CuMemAllocator pools,
+        vllm/device_allocator/cumem.py). Needs ``enable_sleep_mode`` (set for colocated
+        engines on GPU)."""
         if not _on_gpu():
             log.info("rollout: sleep() is a no-op on CPU (vLLM has no sleep mode there).")
             return
         self.llm.sleep(level=level)
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what ``sleep`` freed: ``tags=["weights"]`` first (the weight sync
+        writes into them), ``["kv_cache"]`` just before generating; None: everything."""
         if not _on_gpu():
             log.info("rollout: wake_up() is a no-op on CPU.")
             return
-        self.llm.wake_up()
+        self.llm.wake_up(tags=tags)
 
     # ------------------------------------------------------------------ weights
     @property

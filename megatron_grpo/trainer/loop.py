@@ -176,6 +176,10 @@ class GRPOTrainer:
                 cfg, self.world, ctx, self.hf_dir, self.policy
             )
         _say(ctx, f"vLLM engine up in {time.perf_counter() - t0:.1f}s")
+        from megatron_grpo.trainer.memory import ColocatedMemory
+
+        # vLLM sleeps / the trainer offloads in turns on a colocated GPU (inactive on CPU).
+        self.memory = ColocatedMemory.from_config(cfg, self.engine, self.policy, ctx.device)
         self.prompts = build_prompt_source(cfg.data, self.tokenizer)
         self.reward_fn = build_reward(cfg.reward, cfg.data)
         self.advantage_fn = build_advantage_fn(g)
@@ -208,7 +212,9 @@ class GRPOTrainer:
             t_step = time.perf_counter()
             version = self.policy_version
             with timer.phase("rollout"):
+                self.memory.before_generate()
                 prompts, samples = self._rollout_or_fail(step)
+                self.memory.after_generate()
             with timer.phase("reward"):
                 rewards, reward_info = self.score(prompts, samples)
             batch = collate(samples, self.tokenizer.pad_token_id)
@@ -219,6 +225,7 @@ class GRPOTrainer:
                 train = self.train_on(batch, adv, step)
             synced = step % cfg.sync.interval == 0
             sync_report = None
+            self.memory.before_sync()
             if synced:
                 with timer.phase("sync"):
                     sync_report = self.sync(step)
@@ -384,7 +391,10 @@ class GRPOTrainer:
         parts = self._state_dicts()
         if self.served is not None and self.policy_version == step:
             parts.pop("served")  # the served weights are the policy's own
-        path = save_checkpoint(self.run_dir, state, parts, keep_last=self.cfg.checkpoint.keep_last)
+        with self.memory.trainer_resident():
+            path = save_checkpoint(
+                self.run_dir, state, parts, keep_last=self.cfg.checkpoint.keep_last
+            )
         _say(self.ctx, f"checkpoint {path}")
 
     def _resume(self) -> None:
@@ -469,7 +479,8 @@ class GRPOTrainer:
             masked_frac=float((~adv.keep).float().mean()), tokens_per_s=tokens / t_step,
             loss=mean("loss"), grad_norm=train[-1]["grad_norm"] if train else None,
             lr=train[-1]["lr"] if train else None,
-            skipped_nan=any(m.get("skipped") for m in train), extra=extra,
+            skipped_nan=any(m.get("skipped") for m in train),
+            gpu_memory=self.memory.take_boundaries(), extra=extra,
         )  # fmt: skip
         self.logger.log(row)
 

@@ -1,0 +1,179 @@
+"""The colocated memory dance, in the loop's real order: ``GRPOTrainer.run`` drives a fake
+vLLM engine and fake trainer offloads (sleep mode is CUDA-only), and every call is recorded
+through steps with and without a weight sync and with a checkpoint save; the config keys
+map to the dance they promise, and on CPU nothing is called at all."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_grpo.config import Config, ConfigError
+from megatron_grpo.config.loader import load_config
+from megatron_grpo.metrics import PhaseTimer
+from megatron_grpo.trainer import loop
+from megatron_grpo.trainer.memory import ColocatedMemory
+
+
+class FakeEngine:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def sleep(self, level):
+        self.calls.append(f"vllm.sleep({level})")
+
+    def wake_up(self, tags=None):
+        self.calls.append(f"vllm.wake({','.join(tags)})")
+
+
+class FakeOffload:
+    def __init__(self, name, calls):
+        self.name, self.calls, self.offloaded = name, calls, False
+
+    def offload(self):
+        if not self.offloaded:
+            self.calls.append(f"{self.name}.offload")
+        self.offloaded = True
+
+    def reload(self):
+        if self.offloaded:
+            self.calls.append(f"{self.name}.reload")
+        self.offloaded = False
+
+
+def _trainer(cfg: Config, memory: ColocatedMemory, calls: list, monkeypatch) -> loop.GRPOTrainer:
+    """A GRPOTrainer whose phases record themselves; ``run`` and ``save`` are the real ones."""
+    t = loop.GRPOTrainer.__new__(loop.GRPOTrainer)
+    t.cfg, t.memory, t.timer = cfg, memory, PhaseTimer()
+    t.start_step, t.policy_version, t.stop_requested = 0, 0, False
+    t.ctx = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1)
+    t.run_dir, t.served, t.ref = "unused", None, None
+    t.prompts = SimpleNamespace(state_dict=lambda: {})
+    t.weight_sync = SimpleNamespace(syncs=0)
+    t.policy = SimpleNamespace(sharded_state_dict=lambda *a: {})
+    t.tokenizer = SimpleNamespace(pad_token_id=0)
+
+    def rec(name, ret=None):
+        def f(*args, **kwargs):
+            calls.append(name)
+            return ret
+
+        return f
+
+    t._rollout_or_fail = rec("generate", ([], []))
+    t.score = lambda *a: (torch.zeros(1, 2), {})
+    t.reference_logprobs = rec("logprobs", ({}, None))
+    t.group_advantages = lambda *a: None
+    t.train_on = rec("train", [])
+    t.sync = rec("sync")
+    t.log = lambda step, *a: calls.append(f"log {step}")
+    t.finish = lambda: {"preempted": False}
+    t._stop_agreed = lambda: False
+    monkeypatch.setattr(loop, "collate", lambda samples, pad: {})
+
+    def fake_save(run_dir, state, parts, keep_last):
+        resident = [o.name for o in (memory.state, memory.weights) if o and not o.offloaded]
+        calls.append(f"save {state.step} resident={'+'.join(resident)}")
+        return "ckpt"
+
+    monkeypatch.setattr("megatron_grpo.checkpoint.save_checkpoint", fake_save)
+    return t
+
+
+def _dance(monkeypatch, sleep_level=1, offload_weights=True):
+    cfg = load_config(
+        None, ["steps=4", "sync.interval=2", "checkpoint.interval=3", "checkpoint.keep_last=1"]
+    )
+    calls: list[str] = []
+    memory = ColocatedMemory(
+        FakeEngine(calls),
+        FakeOffload("state", calls),
+        FakeOffload("weights", calls) if offload_weights else None,
+        sleep_level=sleep_level,
+        empty_cache=lambda: calls.append("empty_cache"),
+        memory=lambda: None,
+    )
+    _trainer(cfg, memory, calls, monkeypatch).run()
+    steps, cur = [], []
+    for c in calls:
+        cur.append(c)
+        if c.startswith("log "):
+            steps.append(cur)
+            cur = []
+    return steps
+
+
+def test_loop_order_sleep_and_offload(monkeypatch):
+    s1, s2, s3, s4 = _dance(monkeypatch)
+    # Step 1: the engine starts awake; the trainer's state leaves before the first generate.
+    assert s1 == [
+        "state.offload", "weights.offload", "empty_cache", "generate",
+        "vllm.sleep(1)", "empty_cache", "weights.reload", "state.reload",
+        "logprobs", "train",
+        "state.offload", "empty_cache", "vllm.wake(weights)",  # no sync at step 1 (v=2)
+        "log 1",
+    ]  # fmt: skip
+    # Step 2: weights woke before the sync; the KV cache wakes before the next generate.
+    assert s2 == [
+        "weights.offload", "empty_cache", "vllm.wake(kv_cache)", "generate",
+        "vllm.sleep(1)", "empty_cache", "weights.reload", "state.reload",
+        "logprobs", "train",
+        "state.offload", "empty_cache", "vllm.wake(weights)", "sync",
+        "log 2",
+    ]  # fmt: skip
+    # Step 3 saves a checkpoint: the optimizer state comes back for the save, then leaves.
+    assert s3[s3.index("vllm.wake(weights)") + 1 :] == [
+        "state.reload", "save 3 resident=state+weights", "state.offload", "log 3",
+    ]  # fmt: skip
+    assert s4[-6:] == [
+        "vllm.wake(weights)", "sync", "state.reload", "save 4 resident=state+weights",
+        "state.offload", "log 4",
+    ]  # fmt: skip
+
+
+def test_loop_order_level2_without_weight_offload(monkeypatch):
+    s1, s2, _, _ = _dance(monkeypatch, sleep_level=2, offload_weights=False)
+    assert "vllm.sleep(2)" in s1 and not any(c.startswith("weights.") for c in s1 + s2)
+    assert s2[:3] == ["empty_cache", "vllm.wake(kv_cache)", "generate"]
+
+
+def test_nothing_is_called_on_cpu_or_disaggregated(monkeypatch):
+    calls: list[str] = []
+    policy = SimpleNamespace(trainable=True)
+    for placement, device in (("colocated", "cpu"), ("disaggregated", "cuda")):
+        cfg = load_config(None, [f"rollout.placement={placement}"])
+        mem = ColocatedMemory.from_config(cfg, FakeEngine(calls), policy, torch.device(device))
+        assert not mem.active
+        mem._empty_cache = lambda: calls.append("empty_cache")
+        for hook in (mem.before_generate, mem.after_generate, mem.before_sync):
+            hook()
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "overrides, level, state, weights",
+    [
+        ([], 1, True, False),
+        (["rollout.trainer_offload=all"], 1, True, True),
+        (["rollout.trainer_offload=none", "rollout.sleep_between_rollouts=false"], 0, False, False),
+        (["rollout.sleep_level=2", "sync.interval=1"], 2, True, False),
+    ],
+)
+def test_config_keys_map_to_the_dance(overrides, level, state, weights):
+    cfg = load_config(None, overrides)
+    policy = SimpleNamespace(trainable=True)
+    mem = ColocatedMemory.from_config(cfg, object(), policy, torch.device("cuda"))
+    assert (mem.sleep_level, mem.state is not None, mem.weights is not None) == (
+        level,
+        state,
+        weights,
+    )
+
+
+def test_level2_needs_a_sync_every_step():
+    with pytest.raises(ConfigError, match=r"sleep_level=2 .* sync.interval=4"):
+        load_config(None, ["rollout.sleep_level=2"])
+    with pytest.raises(ConfigError, match="rollout.sleep_level=3"):
+        load_config(None, ["rollout.sleep_level=3"])

@@ -1,0 +1,108 @@
+"""Chunked vocab-parallel log-probs: identical results to one piece (bit for bit, values and
+gradients, also split over a TP group of 2) and a peak of live tensor bytes bounded by the
+chunk, measured by counting every storage aten allocates while the call runs."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from megatron_grpo.policy.logprob import logprob_peak_bytes, vocab_parallel_logprob_entropy
+from tests.dist_utils import run_distributed
+
+VOCAB, PADDED = 300, 320
+
+
+class PeakBytes(TorchDispatchMode):
+    """Peak of the bytes held by storages that aten ops allocate inside the mode (a CPU
+    stand-in for torch.cuda.max_memory_allocated)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+
+    def _free(self, ptr: int) -> None:
+        self.current -= self.live.pop(ptr, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                ptr = st.data_ptr()
+                if ptr and ptr not in self.live:
+                    self.live[ptr] = st.nbytes()
+                    self.current += st.nbytes()
+                    self.peak = max(self.peak, self.current)
+                    weakref.finalize(st, self._free, ptr)
+        return out
+
+
+def _run(logits, target, chunk, group=None, vocab_start=0):
+    x = logits.detach().clone().requires_grad_(True)
+    logp, ent = vocab_parallel_logprob_entropy(
+        x, target, vocab_start=vocab_start, vocab_size=VOCAB, group=group, chunk_tokens=chunk
+    )
+    w = torch.linspace(-1, 1, logp.numel(), dtype=logp.dtype).view_as(logp)
+    ((w * logp).sum() + (w.flip(0) * ent).sum()).backward()
+    return logp.detach(), ent.detach(), x.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_are_bitwise_identical_to_one_piece(dtype):
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(53, PADDED, generator=g)).to(dtype)
+    target = torch.randint(0, VOCAB, (53,), generator=g)
+    whole = _run(logits, target, chunk=10_000)
+    for chunk in (1, 7, 53):
+        for a, b in zip(whole, _run(logits, target, chunk)):
+            assert torch.equal(a, b), chunk
+
+
+def _tp2_worker(rank: int, world: int):
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(1)
+    logits = 3 * torch.randn(29, PADDED, generator=g)
+    target = torch.randint(0, VOCAB, (29,), generator=g)
+    half = PADDED // 2
+    shard = logits[:, rank * half : (rank + 1) * half]
+    out = {}
+    for chunk in (4, 10_000):
+        logp, ent, grad = _run(
+            shard, target, chunk, group=dist.group.WORLD, vocab_start=rank * half
+        )
+        out[chunk] = (logp, ent, grad)
+    return [torch.equal(a, b) for a, b in zip(out[4], out[10_000])]
+
+
+@pytest.mark.timeout(120)
+def test_chunks_identical_over_a_tp_group():
+    for res in run_distributed(_tp2_worker, 2):
+        assert res == [True, True, True]
+
+
+def test_peak_memory_is_bounded_by_the_chunk():
+    n, vl, chunk = 2048, 1000, 64
+    logits = torch.randn(n, vl)
+    target = torch.randint(0, vl, (n,))
+    full = n * vl * 4
+    peaks = {}
+    for c in (chunk, n):
+        x = logits.clone().requires_grad_(True)
+        with PeakBytes() as m:
+            lp, en = vocab_parallel_logprob_entropy(
+                x, target, vocab_start=0, vocab_size=vl, chunk_tokens=c
+            )
+            (lp.sum() + en.sum()).backward()
+        peaks[c] = m.peak
+    # Unavoidable: the logits' gradient and its accumulation into x.grad (2 full tensors),
+    # and a few fp32 vectors per row (max, stats, logZ, E, outputs and their gradients).
+    bound = 2 * full + logprob_peak_bytes(n, vl, chunk) + 32 * n * 4
+    assert peaks[chunk] <= bound, (peaks, bound)
+    assert peaks[n] > 2 * full + logprob_peak_bytes(n, vl, chunk)  # one piece: several full
