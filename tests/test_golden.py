@@ -60,6 +60,9 @@ def _check(rows: list[dict], golden: list[tuple[float, float, float]]) -> None:
     assert len(got) == len(golden), got
     for step, (g, want) in enumerate(zip(got, golden), start=1):
         assert g == pytest.approx(want, rel=1e-4, abs=1e-6), (step, got)
+    for r in rows:
+        if r["lag"] == 0:  # pi = alpha at T=0.7: ratio 1 only if vLLM and Megatron score the same T
+            assert abs(r["ratio_mean"] - 1.0) < 1e-4, r
     for r in rows:  # sync.verify ran on the sync steps and both checks passed
         if r["synced"]:
             assert r["verify_checksums_ok"] and r["verify_parity_ok"], r
