@@ -6,7 +6,8 @@ why in its commit.
 Two runs cover the main paths, v=2 in both (a sync after steps 2 and 4, lag 0 and 1):
 
 - ``TP1``: one process, ``ratio_mode=exact`` (pi_k recomputed on the trainer), KL k3 in the
-  loss against pi_ref, ``rollout.temperature=0.7``, ``sync.verify=true``;
+  loss against pi_ref, DAPO overlong filter (steps 3-4 have truncated responses; without the
+  filter their loss is 0.0555 / 0.1837), ``rollout.temperature=0.7``, ``sync.verify=true``;
 - ``TP2``: a torchrun world of 2 (trainer TP=2, two colocated vLLM engines, every sync
   reshards), ``ratio_mode=one``, ``loss_agg=seq_mean_token_mean`` with ``loss_normalizer=all``
   (the paper configs' objective), DAPO overlong shaping, T=0.7, ``sync.verify=true``.
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.slow
 
 COMMON = ["--steps", "4", "--sync-interval", "2", *FAST, "rollout.temperature=0.7",
           "sync.verify=true"]  # fmt: skip
-TP1 = ["grpo.ratio_mode=exact", "grpo.kl_coef=0.05"]
+TP1 = ["grpo.ratio_mode=exact", "grpo.kl_coef=0.05", "grpo.overlong_filter=true"]
 TP2 = ["parallel.tp=2", "grpo.ratio_mode=one", "grpo.loss_agg=seq_mean_token_mean",
        "grpo.loss_normalizer=all", "grpo.overlong_buffer=2"]  # fmt: skip
 
@@ -40,8 +41,8 @@ TP2 = ["parallel.tp=2", "grpo.ratio_mode=one", "grpo.loss_agg=seq_mean_token_mea
 GOLDEN_TP1 = [
     (-8.940696716308594e-08, 0.875, 5.178209741298428),
     (0.21984893083572388, 0.5625, 4.6243768220628),
-    (0.05545306205749512, 0.4375, 6.1896115177745035),
-    (0.18374313414096832, 0.4375, 20.559636899361664),
+    (-0.20819707214832306, 0.4375, 6.899094685305213),
+    (-0.20486147701740265, 0.4375, 9.218521167048662),
 ]
 GOLDEN_TP2 = [
     (2.60770320892334e-08, 0.75, 3.542096519563837),
@@ -70,7 +71,7 @@ def _check(rows: list[dict], golden: list[tuple[float, float, float]]) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_golden_tp1_exact_ratio_kl(tmp_path):
+def test_golden_tp1_exact_ratio_kl_overlong_filter(tmp_path):
     rc, out = cli("train", "--run-dir", str(tmp_path / "r"), *COMMON, *TP1, timeout=500)
     assert rc == 0, out[-3000:]
     _check(_rows(tmp_path / "r"), GOLDEN_TP1)
