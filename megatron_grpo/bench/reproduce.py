@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -154,10 +155,12 @@ CLAIMS: dict[int, Claim] = {
 SEED_KEYS = ("seed", "rollout.seed", "data.shuffle_seed")
 RESERVED_KEYS = ("steps", "sync.interval", "run_dir", *SEED_KEYS)
 
-# Cost model of one run, for the estimate printed at start. Measured on the 2-core machine
-# of docs/reproduction.md (one process, OMP_NUM_THREADS=1, the tiny default job): start-up
-# (model build + warm start + Megatron + vLLM engine) and seconds per step.
-START_S, STEP_S = 25.0, 0.35
+# Cost model of one run, for the estimate printed at start: start-up (model build, warm
+# start, Megatron, vLLM engine) + seconds per step of the tiny default job (one process,
+# OMP_NUM_THREADS=1). Measured on the 2-core machine of docs/reproduction.md: a 60-step run
+# took 45 s after boot (cold imports, 15 s engine start) and 20-27 s with warm caches;
+# the constants round that up (60 steps -> 36 s), so the estimate is a ceiling.
+START_S, STEP_S = 15.0, 0.35
 
 
 def seed_overrides(seed: int) -> list[str]:
@@ -182,7 +185,7 @@ def plan_runs(claims: Sequence[int]) -> tuple[list[RunSpec], dict[tuple[int, str
         for var in c.variants:
             key = (var.v, (*c.task, *var.overrides))
             if key not in runs:
-                slug = "".join(ch if ch.isalnum() else "-" for ch in var.name).strip("-")
+                slug = re.sub(r"[^A-Za-z0-9]+", "-", var.name).strip("-")
                 runs[key] = RunSpec(f"c{cid}-{slug}", var.v, key[1])
             of[(cid, var.name)] = runs[key].name
     return list(runs.values()), of
