@@ -19,6 +19,7 @@ from megatron_grpo.bench.reproduce import (
     REPRODUCED,
     ReproduceArgs,
     analyze_claim,
+    check_configs,
     combine,
     estimate_s,
     judge,
@@ -52,11 +53,10 @@ def test_args_are_checked_before_any_run():
         ReproduceArgs(seeds=0)
     with pytest.raises(ValueError, match="rollout.seed"):
         ReproduceArgs(overrides=["rollout.seed=3"])
-    # Every claim's settings are valid config overrides.
-    from megatron_grpo.config import load_config
-
-    for r in plan_runs(list(CLAIMS))[0]:
-        load_config(None, [*r.overrides, f"sync.interval={r.v}"])
+    # Every claim's settings load; a bad key fails here, before the first run starts.
+    assert check_configs(ReproduceArgs()) == 1  # the embedded defaults: one process
+    with pytest.raises(ValueError, match="grpo.nosuch"):
+        check_configs(ReproduceArgs(claims=[2], overrides=["grpo.nosuch=1"]))
 
 
 def test_trailing_mean_and_steps_to_threshold():

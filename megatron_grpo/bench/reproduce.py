@@ -212,7 +212,9 @@ class ReproduceArgs:
     """YAML config; None = the embedded defaults (the tiny job, one process)."""
     overrides: list[str] = field(default_factory=list)
     """key=value applied to every run, after the claims' own settings."""
-    nproc: int = 1
+    nproc: int = 0
+    """Ranks per run (torchrun when > 1); 0 = what the config's layout needs (1 for the
+    embedded defaults)."""
     out_dir: str = "runs/bench_reproduce"
     timeout_s: float = 1800.0
     threads: int = 1
@@ -224,10 +226,11 @@ class ReproduceArgs:
                 f"--claims {self.claims}: give each of {sorted(CLAIMS)} at most once, e.g. "
                 "--claims 1,2,3,4."
             )
-        if self.seeds < 1 or self.steps < 1 or self.window < 1 or self.nproc < 1:
+        if self.seeds < 1 or self.steps < 1 or self.window < 1 or self.nproc < 0:
             raise ValueError(
-                f"--seeds({self.seeds}), --steps({self.steps}), --window({self.window}) and "
-                f"--nproc({self.nproc}) must be >= 1 (use --seeds 2 or more for a verdict)."
+                f"--seeds({self.seeds}), --steps({self.steps}) and --window({self.window}) "
+                f"must be >= 1 (use --seeds 2 or more for a verdict), --nproc({self.nproc}) "
+                ">= 0 (0: from the config)."
             )
         if self.margin < 0 or self.z <= 0:
             raise ValueError(f"--margin({self.margin}) must be >= 0 and --z({self.z}) > 0.")
@@ -237,6 +240,22 @@ class ReproduceArgs:
                     f"override {o!r}: give key=value, and none of {list(RESERVED_KEYS)}, which "
                     "the benchmark sets itself (--steps, the claims' v, --out-dir, --seeds)."
                 )
+
+
+def check_configs(a: ReproduceArgs) -> int:
+    """Load every run's config (claims' keys + ``a.overrides``) before anything starts, so a
+    bad key fails in a second, not after an hour; returns ``a.nproc``, or when 0 the ranks
+    the config's layout needs (``throughput.config_nproc``)."""
+    from megatron_grpo.config import load_config
+
+    for r in plan_runs(a.claims)[0]:
+        load_config(a.config, [*r.overrides, *a.overrides, f"sync.interval={r.v}",
+                               f"steps={a.steps}"])  # fmt: skip
+    if a.nproc:
+        return a.nproc
+    from megatron_grpo.bench.throughput import config_nproc
+
+    return config_nproc(a.config, a.overrides)
 
 
 def estimate_s(n_runs: int, steps: int, start_s: float = START_S, step_s: float = STEP_S) -> float:

@@ -136,7 +136,8 @@ def _add_reproduce(bsub: argparse._SubParsersAction) -> None:
                    help="reward difference below which variants count as equal")  # fmt: skip
     r.add_argument("--z", type=float, default=2.0, help="interval width in standard errors")
     r.add_argument("--config", help="YAML config (default: the embedded tiny defaults)")
-    r.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun when > 1)")
+    r.add_argument("--nproc", type=int, default=0,
+                   help="ranks per run (torchrun when > 1); 0: what the config needs")  # fmt: skip
     r.add_argument("--out-dir", default="runs/bench_reproduce", help="run dirs and report")
     r.add_argument("--timeout-s", type=float, default=1800.0, help="time limit of one run")
     r.add_argument("overrides", nargs="*", metavar="key=value",
@@ -145,7 +146,7 @@ def _add_reproduce(bsub: argparse._SubParsersAction) -> None:
 
 
 def run_reproduce(args: argparse.Namespace) -> int:
-    from megatron_grpo.bench.reproduce import ReproduceArgs, run_bench_reproduce
+    from megatron_grpo.bench.reproduce import ReproduceArgs, check_configs, run_bench_reproduce
     from megatron_grpo.bench.throughput import BenchRunFailed
 
     try:
@@ -155,7 +156,8 @@ def run_reproduce(args: argparse.Namespace) -> int:
             overrides=list(args.overrides), nproc=args.nproc, out_dir=args.out_dir,
             timeout_s=args.timeout_s,
         )  # fmt: skip
-    except ValueError as e:
+        a.nproc = check_configs(a)
+    except ValueError as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
