@@ -81,20 +81,36 @@ def test_variant_summary_over_seeds():
 
 def test_verdict_rule():
     hi, lo = [0.80, 0.82, 0.78], [0.50, 0.52, 0.48]  # diff 0.30, se 0.0163
-    assert judge("better", hi, lo, margin=0.05)[0] == REPRODUCED
-    assert judge("better", lo, hi, margin=0.05)[0] == NOT_REPRODUCED
-    same = [0.80, 0.81, 0.79]
-    v, why, fig = judge("equivalent", same, hi, margin=0.05)
+    assert judge("better", hi, lo, margin=0.05, z=2.0)[0] == REPRODUCED
+    assert judge("better", lo, hi, margin=0.05, z=2.0)[0] == NOT_REPRODUCED
+    same = [0.80, 0.81, 0.79]  # diff 0, se 0.0129
+    v, why, fig = judge("equivalent", same, hi, margin=0.05, z=2.0)
     assert v == REPRODUCED and "within +-0.05" in why and fig["diff"] == pytest.approx(0.0)
-    assert judge("equivalent", lo, hi, margin=0.05)[0] == NOT_REPRODUCED
-    assert judge("better", same, hi, margin=0.05)[0] == NOT_REPRODUCED  # no effect
+    assert judge("equivalent", lo, hi, margin=0.05, z=2.0)[0] == NOT_REPRODUCED
+    assert judge("better", same, hi, margin=0.05, z=2.0)[0] == NOT_REPRODUCED  # no effect
     noisy = [0.3, 0.9, 0.6]  # diff 0 +- 0.35: too noisy either way
-    assert judge("equivalent", noisy, same, margin=0.05)[0] == INCONCLUSIVE
-    assert judge("better", noisy, same, margin=0.05)[0] == INCONCLUSIVE
+    assert judge("equivalent", noisy, same, margin=0.05, z=2.0)[0] == INCONCLUSIVE
+    assert judge("better", noisy, same, margin=0.05, z=2.0)[0] == INCONCLUSIVE
     assert judge("better", [0.9], [0.1], margin=0.05)[0] == INCONCLUSIVE  # one seed
+    # Default: Student t for Welch's ~2.9 degrees of freedom (4.303 s.e.): same vs hi's
+    # interval +-0.056 now crosses the 0.05 margin.
+    v, _, fig = judge("equivalent", same, hi, margin=0.05)
+    assert v == INCONCLUSIVE and fig["k"] == pytest.approx(4.303)
     assert combine([REPRODUCED, REPRODUCED]) == REPRODUCED
     assert combine([REPRODUCED, INCONCLUSIVE]) == INCONCLUSIVE
     assert combine([INCONCLUSIVE, NOT_REPRODUCED]) == NOT_REPRODUCED
+
+
+def test_paired_seeds_cancel_what_the_seed_does_to_both_variants():
+    b = [0.40, 0.70, 0.55]  # a large seed-to-seed spread, shared by both variants
+    a = [x + 0.01 + e for x, e in zip(b, (0.0, 0.002, -0.002))]
+    welch = judge("equivalent", a, b, margin=0.05)
+    paired = judge("equivalent", a, b, margin=0.05, paired=True)
+    assert welch[0] == INCONCLUSIVE
+    assert paired[0] == REPRODUCED and paired[2]["diff"] == pytest.approx(0.01)
+    assert paired[2]["df"] == 2 and paired[2]["se"] == pytest.approx(0.002 / 3**0.5)
+    with pytest.raises(ValueError, match="same seeds"):
+        judge("better", a, b[:2], margin=0.05, paired=True)
 
 
 def test_claim_table_and_figure(tmp_path):
@@ -157,3 +173,27 @@ def test_bench_reproduce_end_to_end(tmp_path):
     assert c["verdict"] in ("reproduced", "not reproduced", "inconclusive")
     assert (out / "claim2.png").read_bytes()[:4] == b"\x89PNG"
     assert "### Claim 2:" in (out / "reproduce.md").read_text()
+
+
+def test_report_from_json_reanalyzes_saved_curves(tmp_path):
+    from megatron_grpo.bench.reproduce import report_from_json
+
+    runs, run_of = plan_runs([4])
+    curve = {"1": [0.2, 0.4, 0.6], "2": [0.3, 0.5, 0.7]}  # JSON keys: strings
+    saved = {"args": {"claims": [4], "window": 2, "margin": 0.05, "z": None, "steps": 3,
+                      "nproc": 1, "config": None, "overrides": []},
+             "curves": {r.name: curve for r in runs},
+             "walls": {r.name: {"1": 10.0, "2": 12.0} for r in runs}}  # fmt: skip
+    (tmp_path / "curves.json").write_text(json.dumps(saved))
+    res = report_from_json(tmp_path / "curves.json", tmp_path / "out")
+    c = res["claims"][4]
+    assert res["seeds"] == [1, 2] and res["wall_s"] == 66.0
+    assert c["variants"]["GRPO"]["final_mean"] == pytest.approx((0.5 + 0.6) / 2)
+    assert c["verdict"] == NOT_REPRODUCED  # identical curves: no effect
+    assert all(k["paired"] for k in c["comparisons"])
+    for name in ("claim4.png", "reproduce.md", "reproduce.json"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
+    del saved["curves"][run_of[(4, "RED-Drop")]]
+    (tmp_path / "part.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="c4-RED-Drop"):
+        report_from_json(tmp_path / "part.json", tmp_path / "out2")

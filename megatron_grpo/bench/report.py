@@ -246,8 +246,9 @@ def reproduce_markdown(res: Mapping[str, Any]) -> str:
     a = res["args"]
     lines = [
         f"Runs: {a['steps']} steps each, seeds {res['seeds']}, round-robin; final window = "
-        f"last {a['window']} steps; margin {a['margin']:g}, interval {a['z']:g} standard "
-        f"errors; nproc={a['nproc']}; config={a['config'] or 'embedded defaults'}; extra "
+        f"last {a['window']} steps; margin {a['margin']:g}; interval "
+        f"{'95% Student t' if a['z'] is None else str(a['z']) + ' standard errors'}; "
+        f"nproc={a['nproc']}; config={a['config'] or 'embedded defaults'}; extra "
         f"overrides: `{' '.join(a['overrides']) or '(none)'}`. Total wall time "
         f"{res['wall_s'] / 60:.1f} min on {res['machine'].get('cpu', '?')} "
         f"({res['machine'].get('nproc', '?')} CPUs).",

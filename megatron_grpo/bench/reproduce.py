@@ -17,10 +17,13 @@ mean over all steps (``auc``, a learning-speed figure) and the first step whose 
 :func:`judge` turns a comparison into a verdict (docs/reproduction.md, "How the verdict is
 decided"):
 
-- ``better`` (a beats b): the interval ``diff +- z * se`` (``diff`` = mean(a) - mean(b),
-  ``se`` = Welch's standard error from the per-seed values) lies above 0 -> reproduced;
-  below 0 -> not reproduced; inside ``+-margin`` -> not reproduced (no effect as large as
-  the margin at this scale); otherwise inconclusive.
+- ``better`` (a beats b): the interval ``diff +- k * se`` (``diff`` = mean(a) - mean(b);
+  ``se`` = the standard error of the per-seed differences a_s - b_s, since seed s of every
+  variant starts from the same warm-started weights with the same prompt order and
+  sampling seeds, or Welch's when the seed sets differ; ``k`` = Student's t 95% quantile
+  for its degrees of freedom, or ``--z``) lies above 0 -> reproduced; below 0 -> not
+  reproduced; inside ``+-margin`` -> not reproduced (no effect as large as the margin at
+  this scale); otherwise inconclusive.
 - ``equivalent`` (a matches b): the interval lies inside ``+-margin`` -> reproduced; wholly
   outside it -> not reproduced; otherwise inconclusive.
 
@@ -206,8 +209,9 @@ class ReproduceArgs:
     "steps to threshold" and the plots' smoothing."""
     margin: float = 0.05
     """Reward difference below which two variants count as equal."""
-    z: float = 2.0
-    """Width of the difference's interval in standard errors."""
+    z: float | None = None
+    """Half-width of the difference's interval in standard errors; None = Student's t 95%
+    quantile for the comparison's degrees of freedom (4.30 for 3 paired seeds)."""
     config: str | None = None
     """YAML config; None = the embedded defaults (the tiny job, one process)."""
     overrides: list[str] = field(default_factory=list)
@@ -232,7 +236,7 @@ class ReproduceArgs:
                 f"must be >= 1 (use --seeds 2 or more for a verdict), --nproc({self.nproc}) "
                 ">= 0 (0: from the config)."
             )
-        if self.margin < 0 or self.z <= 0:
+        if self.margin < 0 or (self.z is not None and self.z <= 0):
             raise ValueError(f"--margin({self.margin}) must be >= 0 and --z({self.z}) > 0.")
         for o in self.overrides:
             if "=" not in o or o.split("=", 1)[0] in RESERVED_KEYS:
@@ -322,18 +326,53 @@ def summarize_variant(
     return out
 
 
+# Two-sided 95% quantiles of Student's t, t_{0.975}(df) for df = 1..30; 1.96 beyond.
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+        2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+
+
+def t975(df: float) -> float:
+    """``t_{0.975}(df)``, df rounded down (conservative); 1.96 above 30."""
+    k = max(1, int(df))
+    return T975[k - 1] if k <= len(T975) else 1.96
+
+
 def judge(
-    kind: str, a: Sequence[float], b: Sequence[float], margin: float, z: float = 2.0
+    kind: str,
+    a: Sequence[float],
+    b: Sequence[float],
+    margin: float,
+    z: float | None = None,
+    paired: bool = False,
 ) -> tuple[str, str, dict[str, float]]:
-    """Verdict of one comparison from per-seed values of a and b (module docstring)."""
+    """Verdict of one comparison from per-seed values of a and b (module docstring).
+
+    ``paired``: ``a[i]`` and ``b[i]`` come from the same seed, so the difference's standard
+    error is that of the per-seed differences (what the seed does to both cancels), with
+    n - 1 degrees of freedom; otherwise Welch's ``sqrt(sd_a^2/n_a + sd_b^2/n_b)`` with the
+    Welch-Satterthwaite degrees of freedom. ``z``: the interval's half-width in standard
+    errors; None = Student's t 95% quantile for those degrees of freedom."""
     if len(a) < 2 or len(b) < 2:
         return INCONCLUSIVE, f"{len(a)} and {len(b)} seeds: no spread to judge by", {}
-    (ma, sa), (mb, sb) = mean_std(a), mean_std(b)
-    diff = ma - mb
-    se = math.sqrt(sa**2 / len(a) + sb**2 / len(b))
-    lo, hi = diff - z * se, diff + z * se
-    fig = {"diff": diff, "se": se, "lo": lo, "hi": hi}
-    interval = f"diff {diff:+.3f}, interval [{lo:+.3f}, {hi:+.3f}] ({z:g} s.e.)"
+    if paired:
+        if len(a) != len(b):
+            raise ValueError(f"paired comparison of {len(a)} and {len(b)} seeds: give both "
+                             "variants the same seeds, or paired=False.")  # fmt: skip
+        diff, sd = mean_std([x - y for x, y in zip(a, b)])
+        se, df = sd / math.sqrt(len(a)), len(a) - 1.0
+    else:
+        (ma, sa), (mb, sb) = mean_std(a), mean_std(b)
+        diff = ma - mb
+        va, vb = sa**2 / len(a), sb**2 / len(b)
+        se = math.sqrt(va + vb)
+        den = va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)
+        df = (va + vb) ** 2 / den if den > 0 else len(a) + len(b) - 2.0
+    k = t975(df) if z is None else z
+    lo, hi = diff - k * se, diff + k * se
+    fig = {"diff": diff, "se": se, "df": df, "k": k, "lo": lo, "hi": hi, "paired": paired}
+    how = f"{'paired' if paired else 'Welch'}, {k:.3g} s.e."
+    interval = f"diff {diff:+.3f}, interval [{lo:+.3f}, {hi:+.3f}] ({how})"
     inside = -margin <= lo and hi <= margin
     if kind == "equivalent":
         if inside:
@@ -367,7 +406,7 @@ def analyze_claim(
     walls: Mapping[str, Mapping[int, float]],
     window: int,
     margin: float,
-    z: float = 2.0,
+    z: float | None = None,
 ) -> dict[str, Any]:
     """Summaries, comparisons and the verdict of one claim; ``curves[variant][seed]``."""
     variants = {
@@ -378,9 +417,10 @@ def analyze_claim(
     comps = []
     for c in claim.comparisons:
         va, vb = variants[c.a]["per_seed"], variants[c.b]["per_seed"]
+        paired = list(va) == list(vb)  # seed s of both variants: same start, same prompts
         verdict, reason, fig = judge(
             c.kind, [f[c.metric] for f in va.values()], [f[c.metric] for f in vb.values()],
-            margin, z,
+            margin, z, paired,
         )  # fmt: skip
         comps.append({**asdict(c), "verdict": verdict, "reason": reason, **fig})
     return {
@@ -436,17 +476,44 @@ def run_bench_reproduce(a: ReproduceArgs, log=print) -> dict[str, Any]:
         "wall_s": time.perf_counter() - t0, "loadavg_1m": loads, "machine": machine_info(),
         "claims": {},
     }  # fmt: skip
-    for cid in a.claims:
-        claim = CLAIMS[cid]
-        cv = {v.name: curves[run_of[(cid, v.name)]] for v in claim.variants}
-        wv = {v.name: walls[run_of[(cid, v.name)]] for v in claim.variants}
-        res = analyze_claim(claim, cv, wv, a.window, a.margin, a.z)
-        res["run_of"] = {v.name: run_of[(cid, v.name)] for v in claim.variants}
-        result["claims"][cid] = res
+    return analyze_and_report(result, out)
+
+
+def analyze_and_report(result: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Fill ``result["claims"]`` from ``result["curves"]`` / ``["walls"]`` (run name -> seed
+    -> values) with ``result["args"]``'s window, margin and z; write the report files."""
     from megatron_grpo.bench.report import write_reproduce_report
 
+    a = result["args"]
+    _, run_of = plan_runs(a["claims"])
+    num = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731 -- JSON keys are strings
+    result["claims"] = {}
+    for cid in a["claims"]:
+        claim = CLAIMS[cid]
+        cv = {v.name: num(result["curves"][run_of[(cid, v.name)]]) for v in claim.variants}
+        wv = {v.name: num(result["walls"][run_of[(cid, v.name)]]) for v in claim.variants}
+        res = analyze_claim(claim, cv, wv, a["window"], a["margin"], a["z"])
+        res["run_of"] = {v.name: run_of[(cid, v.name)] for v in claim.variants}
+        result["claims"][cid] = res
     result["files"] = [str(p) for p in write_reproduce_report(result, out)]
     return result
+
+
+def report_from_json(path: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Any]:
+    """Re-analyze a ``reproduce.json`` (or the ``curves.json`` of an interrupted benchmark:
+    its claims need every variant's curves) and write the report into ``out_dir``."""
+    result = json.loads(Path(path).read_text())
+    result.setdefault("machine", {})
+    result.setdefault("wall_s", sum(w for r in result["walls"].values() for w in r.values()))
+    result.setdefault("seeds", sorted({int(s) for r in result["curves"].values() for s in r}))
+    missing = [r for r in plan_runs(result["args"]["claims"])[0]
+               if not result["curves"].get(r.name)]  # fmt: skip
+    if missing:
+        raise ValueError(
+            f"{path}: no curves for runs {[r.name for r in missing]}: re-run those claims, or "
+            "give the reproduce.json of a finished benchmark."
+        )
+    return analyze_and_report(result, Path(out_dir))
 
 
 def _write_curves(out: Path, a: ReproduceArgs, curves: Any, walls: Any) -> None:

@@ -134,21 +134,37 @@ def _add_reproduce(bsub: argparse._SubParsersAction) -> None:
     r.add_argument("--window", type=int, default=10, help="final-window length in steps")
     r.add_argument("--margin", type=float, default=0.05,
                    help="reward difference below which variants count as equal")  # fmt: skip
-    r.add_argument("--z", type=float, default=2.0, help="interval width in standard errors")
+    r.add_argument("--z", type=float, default=None,
+                   help="interval half-width in standard errors (default: Student t 95%%)")  # fmt: skip
     r.add_argument("--config", help="YAML config (default: the embedded tiny defaults)")
     r.add_argument("--nproc", type=int, default=0,
                    help="ranks per run (torchrun when > 1); 0: what the config needs")  # fmt: skip
     r.add_argument("--out-dir", default="runs/bench_reproduce", help="run dirs and report")
     r.add_argument("--timeout-s", type=float, default=1800.0, help="time limit of one run")
+    r.add_argument("--from-json", metavar="JSON",
+                   help="run nothing: re-analyze a reproduce.json (or an interrupted run's "
+                   "curves.json) and write the report into --out-dir")  # fmt: skip
     r.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides applied to every run")  # fmt: skip
     r.set_defaults(func=run_reproduce)
 
 
 def run_reproduce(args: argparse.Namespace) -> int:
-    from megatron_grpo.bench.reproduce import ReproduceArgs, check_configs, run_bench_reproduce
+    from megatron_grpo.bench.reproduce import (
+        ReproduceArgs,
+        check_configs,
+        report_from_json,
+        run_bench_reproduce,
+    )
     from megatron_grpo.bench.throughput import BenchRunFailed
 
+    if args.from_json:
+        try:
+            res = report_from_json(args.from_json, args.out_dir)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: --from-json {args.from_json}: {e}", file=sys.stderr)
+            return 2
+        return _print_reproduce(res)
     try:
         a = ReproduceArgs(
             claims=args.claims, seeds=args.seeds, steps=args.steps, window=args.window,
@@ -165,6 +181,10 @@ def run_reproduce(args: argparse.Namespace) -> int:
     except BenchRunFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    return _print_reproduce(res)
+
+
+def _print_reproduce(res: dict) -> int:
     for c in res["claims"].values():
         print(f"claim {c['id']}: {c['verdict']} -- {c['title']}")
     for f in res["files"]:
