@@ -188,3 +188,117 @@ def sync_markdown(res: Mapping[str, Any]) -> str:
     lines.append(row("baseline gather+bcast", res["baseline"]))
     lines.append(row("raw (1 flat buffer per link)", raw))
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ reproduce
+
+
+def plot_claim(
+    claim: Mapping[str, Any], curves: Mapping[str, Mapping[Any, list[float]]],
+    path: str | os.PathLike,
+) -> Path:  # fmt: skip
+    """Reward vs step of one claim: per variant the mean over seeds of each seed's trailing
+    ``window``-mean, and a +-std band over seeds; the threshold as a dashed line.
+    ``curves[variant][seed]`` is the per-step reward."""
+    from matplotlib.figure import Figure
+
+    from megatron_grpo.bench.reproduce import trailing_mean
+
+    w = claim["window"]
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot()
+    for name, per_seed in curves.items():
+        smooth = [trailing_mean(c, w) for c in per_seed.values() if c]
+        if not smooth:
+            continue
+        n = min(map(len, smooth))
+        steps = list(range(1, n + 1))
+        mean = [sum(s[i] for s in smooth) / len(smooth) for i in range(n)]
+        line = ax.plot(steps, mean, lw=1.6, label=f"{name} ({len(smooth)} seeds)")[0]
+        if len(smooth) > 1:
+            sd = [
+                (sum((s[i] - mean[i]) ** 2 for s in smooth) / (len(smooth) - 1)) ** 0.5
+                for i in range(n)
+            ]
+            ax.fill_between(steps, [m - d for m, d in zip(mean, sd)],
+                            [m + d for m, d in zip(mean, sd)], color=line.get_color(),
+                            alpha=0.15)  # fmt: skip
+    ax.axhline(claim["threshold"], color="gray", ls="--", lw=0.8, label="threshold")
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel(f"reward (trailing {w}-step mean)")
+    ax.set_title(f"Claim {claim['id']}: {claim['title']}\nverdict: {claim['verdict']}",
+                 fontsize=8)  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    _save(fig, Path(path))
+    return Path(path)
+
+
+def _pm(m: float | None, s: float | None) -> str:
+    if m is None:
+        return "-"
+    return f"{m:.3f}" if s is None else f"{m:.3f} +- {s:.3f}"
+
+
+def reproduce_markdown(res: Mapping[str, Any]) -> str:
+    """Per claim: the table (final-window reward mean +- std over seeds, mean reward over
+    all steps, steps to the threshold, wall time per run), the comparisons and the verdict."""
+    a = res["args"]
+    lines = [
+        f"Runs: {a['steps']} steps each, seeds {res['seeds']}, round-robin; final window = "
+        f"last {a['window']} steps; margin {a['margin']:g}; interval "
+        f"{'95% Student t' if a['z'] is None else str(a['z']) + ' standard errors'}; "
+        f"nproc={a['nproc']}; config={a['config'] or 'embedded defaults'}; extra "
+        f"overrides: `{' '.join(a['overrides']) or '(none)'}`. Total wall time "
+        f"{res['wall_s'] / 60:.1f} min on {res['machine'].get('cpu', '?')} "
+        f"({res['machine'].get('nproc', '?')} CPUs).",
+        "",
+        "| claim | verdict |",
+        "|---|---|",
+    ]
+    claims = res["claims"]
+    lines += [f"| {c['id']}. {c['title']} | **{c['verdict']}** |" for c in claims.values()]
+    for c in claims.values():
+        w = c["window"]
+        lines += [
+            "",
+            f"### Claim {c['id']}: {c['title']}",
+            "",
+            f"Source: {c['source']}. Task settings: `{' '.join(c['task']) or '(the default)'}`.",
+            "",
+            f"| variant | run | final {w}-step reward (mean +- std) | mean reward, all steps "
+            f"| steps to {c['threshold']:g} (seeds reaching) | wall s/run |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, v in c["variants"].items():
+            st = v["steps_to_threshold_mean"]
+            wall = v["wall_s_mean"]
+            lines.append(
+                f"| {name} | {c.get('run_of', {}).get(name, '-')} | "
+                f"{_pm(v['final_mean'], v['final_std'])} | {_pm(v['auc_mean'], v['auc_std'])} "
+                f"| {'-' if st is None else f'{st:.1f}'} ({v['reached']}/{len(v['seeds'])}) | "
+                f"{'-' if wall is None else f'{wall:.0f}'} |"
+            )
+        lines += ["", "| comparison | metric | verdict | why |", "|---|---|---|---|"]
+        for k in c["comparisons"]:
+            rel = "better than" if k["kind"] == "better" else "matches"
+            lines.append(f"| {k['a']} {rel} {k['b']} | {k['metric']} | {k['verdict']} | "
+                         f"{k['reason']} |")  # fmt: skip
+        lines += ["", f"Verdict: **{c['verdict']}** (figure: `claim{c['id']}.png`)."]
+    return "\n".join(lines)
+
+
+def write_reproduce_report(res: Mapping[str, Any], out_dir: str | os.PathLike) -> list[Path]:
+    """``claim<N>.png`` per claim, ``reproduce.md`` (the tables) and ``reproduce.json``
+    (args, per-seed curves, per-run wall times, summaries and verdicts)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for cid, c in res["claims"].items():
+        per_variant = {name: res["curves"][run] for name, run in c["run_of"].items()}
+        files.append(plot_claim(c, per_variant, out / f"claim{cid}.png"))
+    md = out / "reproduce.md"
+    md.write_text("# bench reproduce\n\n" + reproduce_markdown(res) + "\n")
+    js = out / "reproduce.json"
+    js.write_text(json.dumps(res, indent=2, default=str))
+    return [*files, md, js]

@@ -132,19 +132,27 @@ def default_config() -> str | None:
 
 def train_command(a: ThroughputArgs, v: int, run_dir: Path) -> list[str]:
     """The command line of the run for sync period ``v``."""
-    if a.nproc > 1:
+    return train_argv(a.nproc, a.config, run_dir, a.steps, v, a.overrides)
+
+
+def train_argv(
+    nproc: int, config: str | None, run_dir: Path, steps: int, v: int, overrides: Sequence[str]
+) -> list[str]:
+    """One benchmark run of ``megatron-grpo train`` (torchrun when ``nproc > 1``), with
+    :data:`BENCH_OVERRIDES` and then ``overrides``; shared with ``bench reproduce``."""
+    if nproc > 1:
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  f"--nproc-per-node={a.nproc}", "-m", "megatron_grpo.cli.main"]  # fmt: skip
+                  f"--nproc-per-node={nproc}", "-m", "megatron_grpo.cli.main"]  # fmt: skip
     else:
         launch = [sys.executable, "-m", "megatron_grpo.cli.main"]
-    cmd = [*launch, "train", "--run-dir", str(run_dir), "--steps", str(a.steps),
+    cmd = [*launch, "train", "--run-dir", str(run_dir), "--steps", str(steps),
            "--sync-interval", str(v)]  # fmt: skip
-    if a.config:
-        cmd += ["--config", a.config]
-    return cmd + [*BENCH_OVERRIDES, *a.overrides]
+    if config:
+        cmd += ["--config", config]
+    return cmd + [*BENCH_OVERRIDES, *overrides]
 
 
-def _run(cmd: list[str], log_path: Path, timeout_s: float, threads: int) -> float:
+def run_logged(cmd: list[str], log_path: Path, timeout_s: float, threads: int) -> float:
     """Run ``cmd`` in its own process group, output to ``log_path``; returns wall seconds."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
@@ -284,13 +292,13 @@ def run_bench_throughput(a: ThroughputArgs, report: bool = True) -> dict[str, An
             commands.setdefault(v, " ".join(cmd))
             print(f"[bench throughput] {name}: {' '.join(cmd)}", flush=True)
             run_dir.mkdir(parents=True, exist_ok=True)
-            load_before = _loadavg()
-            wall = _run(cmd, out / f"{name}.log", a.timeout_s, a.threads)
+            load_before = loadavg()
+            wall = run_logged(cmd, out / f"{name}.log", a.timeout_s, a.threads)
             rows = read_metrics(run_dir / "metrics.jsonl")
             rows_of[v].append(rows)
             walls[v].append(wall)
             # On a shared machine other jobs' load moves every rate: keep it with the figures.
-            loads[v].append([load_before, _loadavg()])
+            loads[v].append([load_before, loadavg()])
             one = analyze_run(rows, v, a.warmup)
             print(
                 f"[bench throughput] {name}: {one['steps_per_s']:.4f} steps/s, "
@@ -315,7 +323,7 @@ def run_bench_throughput(a: ThroughputArgs, report: bool = True) -> dict[str, An
     return result
 
 
-def _loadavg() -> float | None:
+def loadavg() -> float | None:
     try:
         return float(Path("/proc/loadavg").read_text().split()[0])
     except (OSError, ValueError, IndexError):

@@ -5,6 +5,8 @@ megatron-grpo bench sync --model HF_DIR|PRESET --train-tp A --train-pp B --rollo
 megatron-grpo bench throughput [--config FILE] --v 1,2,5,10 --steps N [--warmup W]
     [--nproc P] [--out-dir DIR] --json OUT.json [key=value ...]
 megatron-grpo bench project [--json OUT.json] [--plot OUT.png]
+megatron-grpo bench reproduce [--claims 1,2,3,4] [--seeds N] [--steps S] [--out-dir DIR]
+    [key=value ...]
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=run_sync)
     _add_throughput(bsub)
     _add_project(bsub)
+    _add_reproduce(bsub)
 
 
 def _add_throughput(bsub: argparse._SubParsersAction) -> None:
@@ -111,6 +114,82 @@ def _add_project(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", dest="json_out", help="write the projection here")
     p.add_argument("--plot", help="write the ratio-vs-v plot here (PNG)")
     p.set_defaults(func=run_project)
+
+
+def _add_reproduce(bsub: argparse._SubParsersAction) -> None:
+    r = bsub.add_parser(
+        "reproduce",
+        help="the papers' claims at tiny scale: variants x seeds, curves, verdicts "
+        "(docs/reproduction.md)",
+        description="Runs each claim's variants of `megatron-grpo train` (claim 1: v=1/4/8; "
+        "2: zero-variance mask on/off on a sparse-success task; 3: REC one-side clip "
+        "(0.2,0.2) vs (0.6,2.0), with and without IS; 4: RED-Weight / RED-Drop vs GRPO at "
+        "v=4) for --seeds seeds, round-robin, and writes claim<N>.png, reproduce.json and "
+        "reproduce.md (table and verdict per claim) into --out-dir. Prints the estimated "
+        "wall time first.",
+    )
+    r.add_argument("--claims", type=_ints, default=[1, 2, 3, 4], help="e.g. 1,2,3,4")
+    r.add_argument("--seeds", type=int, default=3, help="seeds per variant (1..N)")
+    r.add_argument("--steps", type=int, default=60, help="trainer steps per run")
+    r.add_argument("--window", type=int, default=10, help="final-window length in steps")
+    r.add_argument("--margin", type=float, default=0.05,
+                   help="reward difference below which variants count as equal")  # fmt: skip
+    r.add_argument("--z", type=float, default=None,
+                   help="interval half-width in standard errors (default: Student t 95%%)")  # fmt: skip
+    r.add_argument("--config", help="YAML config (default: the embedded tiny defaults)")
+    r.add_argument("--nproc", type=int, default=0,
+                   help="ranks per run (torchrun when > 1); 0: what the config needs")  # fmt: skip
+    r.add_argument("--out-dir", default="runs/bench_reproduce", help="run dirs and report")
+    r.add_argument("--timeout-s", type=float, default=1800.0, help="time limit of one run")
+    r.add_argument("--from-json", metavar="JSON",
+                   help="run nothing: re-analyze a reproduce.json (or an interrupted run's "
+                   "curves.json) and write the report into --out-dir")  # fmt: skip
+    r.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides applied to every run")  # fmt: skip
+    r.set_defaults(func=run_reproduce)
+
+
+def run_reproduce(args: argparse.Namespace) -> int:
+    from megatron_grpo.bench.reproduce import (
+        ReproduceArgs,
+        check_configs,
+        report_from_json,
+        run_bench_reproduce,
+    )
+    from megatron_grpo.bench.throughput import BenchRunFailed
+
+    if args.from_json:
+        try:
+            res = report_from_json(args.from_json, args.out_dir)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: --from-json {args.from_json}: {e}", file=sys.stderr)
+            return 2
+        return _print_reproduce(res)
+    try:
+        a = ReproduceArgs(
+            claims=args.claims, seeds=args.seeds, steps=args.steps, window=args.window,
+            margin=args.margin, z=args.z, config=args.config,
+            overrides=list(args.overrides), nproc=args.nproc, out_dir=args.out_dir,
+            timeout_s=args.timeout_s,
+        )  # fmt: skip
+        a.nproc = check_configs(a)
+    except ValueError as e:  # ConfigError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        res = run_bench_reproduce(a)
+    except BenchRunFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return _print_reproduce(res)
+
+
+def _print_reproduce(res: dict) -> int:
+    for c in res["claims"].values():
+        print(f"claim {c['id']}: {c['verdict']} -- {c['title']}")
+    for f in res["files"]:
+        print(f"wrote {f}")
+    return 0
 
 
 def run_throughput(args: argparse.Namespace) -> int:
