@@ -21,6 +21,11 @@ Gloo forgives two faults that NCCL does not (DESIGN.md §6, docs/launch.md "NCCL
    returns at once with an emulated ``Work``; a helper thread posts the real gloo
    operation once the peer's earlier operations completed.
 
+Not emulated: a CUDA tensor on a gloo-only group, ranks that pass tensors on different
+devices to the same collective (with ``cpu:gloo,cuda:nccl`` each rank would dispatch to
+another backend and hang), NCCL's communicator set-up rules for ``batch_isend_irecv``, and
+anything about speed.
+
 Install it inside a spawned rank before any traffic (``maybe_install()`` does so when the
 environment variable ``MEGATRON_GRPO_NCCL_RULES`` is set: ``1`` for the project's GPU
 backend, or a backend string such as ``nccl`` to emulate that one instead); the test
@@ -29,6 +34,7 @@ helpers ``tests/dist_utils.py`` and ``tests/test_transport.py`` call it in every
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from datetime import timedelta
@@ -97,9 +103,11 @@ def _tensors(args: tuple, kwargs: dict) -> list:
 
 def _wrap_collective(name: str) -> Any:
     orig = getattr(dist, name)
+    sig = inspect.signature(orig)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        _check_devices(name, kwargs.get("group"), _tensors(args, kwargs))
+        group = sig.bind_partial(*args, **kwargs).arguments.get("group")
+        _check_devices(name, group, _tensors(args, kwargs))
         return orig(*args, **kwargs)
 
     wrapper.__name__ = name
@@ -162,25 +170,31 @@ def _p2p(kind: str, tensor: torch.Tensor, peer: int, group: Any, tag: int) -> Em
     return work
 
 
+def _global(peer: int | None, group: Any, group_peer: int | None) -> int:
+    if peer is None and group_peer is not None:
+        return group_peer if group is None else dist.get_global_rank(group, group_peer)
+    return peer
+
+
 def isend(tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
           group_dst: int | None = None) -> EmulatedWork:  # fmt: skip
-    return _p2p("send", tensor, dst, group, tag)
+    return _p2p("send", tensor, _global(dst, group, group_dst), group, tag)
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
           group_src: int | None = None) -> EmulatedWork:  # fmt: skip
-    return _p2p("recv", tensor, src, group, tag)
+    return _p2p("recv", tensor, _global(src, group, group_src), group, tag)
 
 
 def send(tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
          group_dst: int | None = None) -> None:  # fmt: skip
-    isend(tensor, dst, group, tag).wait(timedelta(days=1))
+    isend(tensor, dst, group, tag, group_dst).wait(timedelta(days=1))
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
          group_src: int | None = None) -> int:  # fmt: skip
-    irecv(tensor, src, group, tag).wait(timedelta(days=1))
-    return src
+    irecv(tensor, src, group, tag, group_src).wait(timedelta(days=1))
+    return _global(src, group, group_src)
 
 
 def batch_isend_irecv(p2p_op_list: list) -> list[EmulatedWork]:
