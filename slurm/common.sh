@@ -38,10 +38,11 @@
 # below forwards it to the srun step this script started (never to anything else); srun
 # forwards it to its torchrun tasks, torchrun (--signals-to-handle) to its
 # workers, and the trainer finishes its step, saves a checkpoint and exits 0. The script
-# then requeues the job (`scontrol requeue`, needs `#SBATCH --requeue`) only if the step
-# exited 0 with a checkpoint on disk, the run is not complete and the job was requeued
-# fewer than MAX_REQUEUES times; otherwise it exits non-zero. The requeued job starts this
-# script again and resumes. A SIGTERM (scancel, or
+# then requeues the job (`scontrol requeue`, needs `#SBATCH --requeue`) only if a checkpoint
+# was completed after the warning (`checkpoints/latest` replaced since then: torchrun's own
+# exit status is 1 after any handled signal, so it cannot tell), the run is not complete
+# and the job was requeued fewer than MAX_REQUEUES times; otherwise it exits non-zero. The
+# requeued job starts this script again and resumes. A SIGTERM (scancel, or
 # Slurm's own preemption, which requeues a --requeue job itself) is forwarded the same way
 # but never requeues.
 
@@ -103,6 +104,12 @@ mg_run_complete() {
     latest=$(<"$RUN_DIR/checkpoints/latest")
     latest=${latest##*step_}
     [[ -n "$total" ]] && ((10#$latest >= total))
+}
+
+# A checkpoint was completed at or after epoch second $1 (checkpoint/core.py replaces
+# `latest` atomically as the last act of a save).
+mg_saved_since() {
+    mg_has_checkpoint && (($(stat -c %Y "$RUN_DIR/checkpoints/latest") >= $1))
 }
 
 MG_TRAIN_ARGS=("${MG_CONFIG_ARGS[@]}" --run-dir "$RUN_DIR")
@@ -175,8 +182,10 @@ mg_preflight() {
 
 MG_STEP_PID=""
 MG_SIGNAL=""
+MG_SIGNAL_TIME=0
 mg_forward() {
     MG_SIGNAL=$1
+    MG_SIGNAL_TIME=$(date +%s)
     if [[ -n "$MG_STEP_PID" ]]; then
         mg_log "got SIG$1: forwarding it to the srun step (pid $MG_STEP_PID)"
         kill -s "$1" "$MG_STEP_PID" 2>/dev/null || true
@@ -205,10 +214,10 @@ mg_wait_step() {
             mg_log "warning signal, but the run is complete: not requeueing"
             exit 0
         fi
-        if ((rc != 0)) || ! mg_has_checkpoint; then
-            mg_log "warning signal, but the step exited with status $rc and/or no checkpoint" \
-                "is in $RUN_DIR/checkpoints (the pre-emption save failed): not requeueing;" \
-                "see the log above, then resubmit (it resumes from the latest checkpoint)"
+        if ! mg_saved_since "$MG_SIGNAL_TIME"; then
+            mg_log "warning signal, but no checkpoint was saved after it (step exit status" \
+                "$rc; the pre-emption save failed or never ran): not requeueing; see the" \
+                "log above, then resubmit (it resumes from the latest checkpoint)"
             exit $((rc != 0 ? rc : 1))
         fi
         if ((${SLURM_RESTART_COUNT:-0} >= MAX_REQUEUES)); then

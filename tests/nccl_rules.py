@@ -21,6 +21,24 @@ Gloo forgives two faults that NCCL does not (DESIGN.md §6, docs/launch.md "NCCL
    returns at once with an emulated ``Work``; a helper thread posts the real gloo
    operation once the peer's earlier operations completed.
 
+Not emulated: a CUDA tensor on a gloo-only group, ranks that pass tensors on different
+devices to the same collective (with ``cpu:gloo,cuda:nccl`` each rank would dispatch to
+another backend and hang), NCCL's communicator set-up rules for ``batch_isend_irecv``, and
+anything about speed.
+
+``torch.cuda.synchronize()`` is the other bound NCCL code uses (megatron's
+``_communicate_shapes`` waits, then synchronizes): under the emulation it blocks until every
+operation issued so far has completed.
+
+On a GPU, a tensor received after a plain ``wait()`` is still correct for GPU work that
+consumes it (stream-ordered); only a CPU read is unbounded. Here every tensor is a CPU
+tensor, so a read after a plain ``wait()`` sees stale data: code that must bound its waits
+(the bridge) fails as it should, but megatron's pipeline schedule, which hands received
+activations straight to the forward pass, would fail falsely. For such code set
+``MEGATRON_GRPO_NCCL_RULES_WAIT=done``: a plain ``wait()`` then blocks, without bound, until
+the operation is done (the ordering rule still applies; a deadlock then hangs until the
+test's timeout, as it would hang on NCCL).
+
 Install it inside a spawned rank before any traffic (``maybe_install()`` does so when the
 environment variable ``MEGATRON_GRPO_NCCL_RULES`` is set: ``1`` for the project's GPU
 backend, or a backend string such as ``nccl`` to emulate that one instead); the test
@@ -29,6 +47,7 @@ helpers ``tests/dist_utils.py`` and ``tests/test_transport.py`` call it in every
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from datetime import timedelta
@@ -39,6 +58,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 ENV = "MEGATRON_GRPO_NCCL_RULES"
+WAIT_ENV = "MEGATRON_GRPO_NCCL_RULES_WAIT"
 
 
 class NcclRuleError(RuntimeError):
@@ -50,6 +70,8 @@ _GPU_BACKEND: dict[int, str] = {}  # id(group) -> backend the group would have o
 _DEFAULT: list[str] = []
 _LOCK = threading.Lock()
 _TAILS: dict[tuple[int, int], threading.Event] = {}  # (id(group), peer) -> last op done
+_ISSUED: list[threading.Event] = []  # every op's completion, for torch.cuda.synchronize
+_WAIT_DONE: list[bool] = [False]  # plain wait() blocks until done (MEGATRON_GRPO_NCCL_RULES_WAIT)
 
 
 def served_devices(backend: str) -> set[str]:
@@ -97,9 +119,11 @@ def _tensors(args: tuple, kwargs: dict) -> list:
 
 def _wrap_collective(name: str) -> Any:
     orig = getattr(dist, name)
+    sig = inspect.signature(orig)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        _check_devices(name, kwargs.get("group"), _tensors(args, kwargs))
+        group = sig.bind_partial(*args, **kwargs).arguments.get("group")
+        _check_devices(name, group, _tensors(args, kwargs))
         return orig(*args, **kwargs)
 
     wrapper.__name__ = name
@@ -120,7 +144,12 @@ class EmulatedWork:
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if timeout is None or timeout.total_seconds() <= 0:
-            return True  # NCCL: enqueued on the stream, not done
+            if not _WAIT_DONE[0]:
+                return True  # NCCL: enqueued on the stream, not done
+            self.done.wait()
+            if self.exc is not None:
+                raise self.exc
+            return True
         if not self.done.wait(timeout.total_seconds()):
             raise NcclRuleError(
                 f"NCCL-rules emulation: {self.what} did not complete within "
@@ -134,6 +163,7 @@ class EmulatedWork:
 def _post_after(kind: str, tensor: torch.Tensor, peer: int, group: Any, tag: int,
                 after: list[threading.Event], work: EmulatedWork) -> None:  # fmt: skip
     orig = _ORIG["isend" if kind == "send" else "irecv"]
+    _ISSUED.append(work.done)
 
     def run() -> None:
         for ev in after:
@@ -162,25 +192,31 @@ def _p2p(kind: str, tensor: torch.Tensor, peer: int, group: Any, tag: int) -> Em
     return work
 
 
+def _global(peer: int | None, group: Any, group_peer: int | None) -> int:
+    if peer is None and group_peer is not None:
+        return group_peer if group is None else dist.get_global_rank(group, group_peer)
+    return peer
+
+
 def isend(tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
           group_dst: int | None = None) -> EmulatedWork:  # fmt: skip
-    return _p2p("send", tensor, dst, group, tag)
+    return _p2p("send", tensor, _global(dst, group, group_dst), group, tag)
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
           group_src: int | None = None) -> EmulatedWork:  # fmt: skip
-    return _p2p("recv", tensor, src, group, tag)
+    return _p2p("recv", tensor, _global(src, group, group_src), group, tag)
 
 
 def send(tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
          group_dst: int | None = None) -> None:  # fmt: skip
-    isend(tensor, dst, group, tag).wait(timedelta(days=1))
+    isend(tensor, dst, group, tag, group_dst).wait(timedelta(days=1))
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
          group_src: int | None = None) -> int:  # fmt: skip
-    irecv(tensor, src, group, tag).wait(timedelta(days=1))
-    return src
+    irecv(tensor, src, group, tag, group_src).wait(timedelta(days=1))
+    return _global(src, group, group_src)
 
 
 def batch_isend_irecv(p2p_op_list: list) -> list[EmulatedWork]:
@@ -239,6 +275,14 @@ _COLLECTIVES = (
 )  # fmt: skip
 
 
+def _synchronize(device: Any = None) -> None:
+    """``torch.cuda.synchronize``: every operation issued so far has completed."""
+    for ev in list(_ISSUED):
+        ev.wait()
+    _ISSUED.clear()
+    _ORIG["synchronize"](device)
+
+
 def install(gpu_backend: str | None = None) -> None:
     """Apply both rules in this process (idempotent). ``gpu_backend``: the default group's
     backend on a GPU run; None asks the project (``process_group_backend("nccl")``)."""
@@ -263,6 +307,23 @@ def install(gpu_backend: str | None = None) -> None:
     dist.init_process_group = _init_process_group
     dist.new_group = _new_group
     c10d.new_group = _new_group  # megatron's create_group calls torch.distributed.new_group
+    _WAIT_DONE[0] = os.environ.get(WAIT_ENV, "enqueue") == "done"
+    _ORIG["synchronize"] = torch.cuda.synchronize
+    torch.cuda.synchronize = _synchronize
+    # The CPU platform layer (applied later, by init_distributed) sets its own no-op
+    # torch.cuda.synchronize: put the emulated one back on top of it.
+    import megatron_grpo.platform.cpu as platform_cpu
+
+    apply = platform_cpu.apply_cpu_platform
+
+    def apply_cpu_platform() -> bool:
+        active = apply()
+        if torch.cuda.synchronize is not _synchronize:
+            _ORIG["synchronize"] = torch.cuda.synchronize
+            torch.cuda.synchronize = _synchronize
+        return active
+
+    platform_cpu.apply_cpu_platform = apply_cpu_platform
 
 
 def maybe_install() -> bool:

@@ -264,9 +264,16 @@ def test_torchrun_launcher_dry_run() -> None:
 
 FAKE_TORCHRUN = """#!/usr/bin/env bash
 # Stand-in for torchrun (this test only): records its arguments, waits for the warning
-# signal, then exits with FAKE_TORCHRUN_RC as a trainer whose save worked (0) or failed.
+# signal, then saves step 2 (FAKE_SAVE=1) as the trainer would, and exits 1 as the real
+# torchrun does after any signal it handled (torch/distributed/run.py: SignalException).
 printf '%s\\n' "$*" >>"$FAKE_SLURM_DIR/torchrun.log"
-trap 'exit "${FAKE_TORCHRUN_RC:-0}"' USR1
+on_usr1() {
+    sleep 1.1  # the save comes after the warning, at the end of the current step
+    if [[ "$FAKE_SAVE" == 1 ]]; then echo step_000002 >"$RUN_DIR/checkpoints/latest.tmp"
+        mv "$RUN_DIR/checkpoints/latest.tmp" "$RUN_DIR/checkpoints/latest"; fi
+    exit 1
+}
+trap on_usr1 USR1
 touch "$FAKE_SLURM_DIR/torchrun.started"
 while :; do sleep 0.1; done
 """
@@ -274,16 +281,15 @@ while :; do sleep 0.1; done
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "rc,restarts,checkpoint,requeued,exit_code",
+    "save,restarts,requeued,exit_code",
     [
-        (0, 0, True, True, 0),  # clean pre-emption save: requeue
-        (1, 0, True, False, 1),  # the trainer failed after the warning: no requeue
-        (0, 0, False, False, 1),  # exited 0 but nothing saved: no requeue
-        (0, 2, True, False, 3),  # MAX_REQUEUES=2 reached: stop
+        (True, 0, True, 0),  # a checkpoint completed after the warning: requeue
+        (False, 0, False, 1),  # no save after the warning (it failed): no requeue
+        (True, 2, False, 3),  # MAX_REQUEUES=2 reached: stop
     ],
 )
-def test_requeue_only_after_a_clean_save_and_within_the_bound(
-    slurm_env, tmp_path: Path, rc, restarts, checkpoint, requeued, exit_code
+def test_requeue_only_after_a_save_and_within_the_bound(
+    slurm_env, tmp_path: Path, save, restarts, requeued, exit_code
 ) -> None:
     env, jobs = slurm_env
     bin_dir = tmp_path / "bin"
@@ -291,12 +297,13 @@ def test_requeue_only_after_a_clean_save_and_within_the_bound(
     (bin_dir / "torchrun").write_text(FAKE_TORCHRUN)
     (bin_dir / "torchrun").chmod(0o755)
     run_dir = Path(env["RUN_DIR"])
-    if checkpoint:  # step 1 of 10 saved: the run is not complete
-        (run_dir / "checkpoints").mkdir(parents=True)
-        (run_dir / "checkpoints" / "latest").write_text("step_000001")
-        (run_dir / "config.yaml").write_text("steps: 10\n")
+    # Step 1 of 10 saved before this job: the run is not complete.
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("step_000001")
+    os.utime(run_dir / "checkpoints" / "latest", (time.time() - 60, time.time() - 60))
+    (run_dir / "config.yaml").write_text("steps: 10\n")
     env.update(
-        PATH=f"{bin_dir}:{env['PATH']}", PREFLIGHT="0", FAKE_TORCHRUN_RC=str(rc),
+        PATH=f"{bin_dir}:{env['PATH']}", PREFLIGHT="0", FAKE_SAVE="1" if save else "0",
         SLURM_RESTART_COUNT=str(restarts), MAX_REQUEUES="2", SLURM_CPUS_PER_TASK="7",
         CONTAINER_IMAGE="/images/megatron-grpo.sqsh",
     )  # fmt: skip

@@ -159,3 +159,15 @@ def test_logprobs_and_step_match_across_layouts(hf_models):
         step = max((base["weights"][k] - orig[k]).abs().max().item() for k in orig)
         assert 1e-5 < step < 1e-2, f"{name}: one step moved weights by {step}"
     print("\n" + "\n".join(report))
+
+
+@pytest.fixture(autouse=True)
+def _under_nccl_ordering(monkeypatch):
+    """Every layout runs under NCCL's point-to-point ordering emulated over gloo
+    (``tests/nccl_rules.py``): megatron's pipeline schedule and the policy's collectives
+    must not depend on gloo's forgiveness. ``WAIT=done``: the schedule hands received
+    activations to GPU work, stream-ordered, which a plain ``wait()`` allows on NCCL."""
+    from tests.nccl_rules import ENV, WAIT_ENV
+
+    monkeypatch.setenv(ENV, "1")
+    monkeypatch.setenv(WAIT_ENV, "done")
