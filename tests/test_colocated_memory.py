@@ -177,3 +177,24 @@ def test_level2_needs_a_sync_every_step():
         load_config(None, ["rollout.sleep_level=2"])
     with pytest.raises(ConfigError, match="rollout.sleep_level=3"):
         load_config(None, ["rollout.sleep_level=3"])
+
+
+def test_memory_is_recorded_at_each_phase_boundary(tmp_path):
+    from megatron_grpo.config.schema import LoggingConfig
+    from megatron_grpo.metrics import MetricsLogger, StepMetrics
+
+    counter = iter(range(100))
+    mem = ColocatedMemory(
+        None, sleep_level=0, memory=lambda: {"allocated_gib": float(next(counter))}
+    )
+    mem.before_generate()
+    mem.after_generate()
+    mem.before_sync()
+    snaps = mem.take_boundaries()
+    assert list(snaps) == ["rollout_start", "rollout_end", "train_start", "train_end", "sync_start"]
+    assert [s["allocated_gib"] for s in snaps.values()] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert mem.take_boundaries() is None  # a fresh record per step
+    logger = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False, progress=False), 1, 0)
+    row = logger.log(StepMetrics(step=1, gpu_memory=snaps))
+    logger.close()
+    assert row["gpu_memory"]["train_end"] == {"allocated_gib": 3.0}

@@ -1,0 +1,279 @@
+"""What one GPU can check (issue 11): the Megatron policy in bf16 on CUDA (local layers, and
+Transformer-Engine layers when installed), log-prob parity bf16 vs fp32, the distributed
+optimizer step, trainer offload/reload (bytes freed, seconds, bit-identical training), the
+bridge's pack/unpack on CUDA tensors against a plain device copy, the transport over NCCL at
+world size 1 (self-links), and the chunked log-prob's peak memory against plan's bound.
+
+Needs torch and megatron-core only (no vLLM: the vLLM side is covered by the CPU suite).
+Every figure goes to the ``figures`` fixture (tests/gpu/run_gpu_suite.py prints them)."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+import torch
+
+from megatron_grpo.config.schema import ModelConfig, OptimConfig
+from megatron_grpo.plan.model import preset_spec
+from tests.gpu.conftest import needs_cuda
+
+GIB = float(1 << 30)
+HAS_TE = importlib.util.find_spec("transformer_engine") is not None
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _batch(vocab: int, rows: int = 8, length: int = 64, seed: int = 5) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (rows, length), generator=g)
+    attn = torch.ones(rows, length)
+    attn[1, length // 2 :] = 0
+    mask = attn.clone()
+    mask[:, : length // 4] = 0
+    adv = torch.linspace(-1, 1, rows)
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask, "advantages": adv}
+
+
+def _loss(logp, entropy, mb):
+    mask = mb["loss_mask"]
+    return -(mb["advantages"][:, None] * logp * mask).sum() / 1000.0, {}
+
+
+def _policy(ctx, preset, dtype, impl="local", **optim):
+    from megatron_grpo.policy import build_policy
+
+    spec = preset_spec(preset)
+    opt = OptimConfig(lr=1e-3, clip_grad=1.0, **optim) if optim is not None else None
+    return spec, build_policy(spec, ctx, ModelConfig(dtype=dtype, transformer_impl=impl), opt)
+
+
+def _bf16(device):
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_policy_trains_in_bf16(ctx, device, figures, impl):
+    if impl == "transformer_engine" and not (HAS_TE and device.type == "cuda"):
+        pytest.skip("Transformer-Engine not installed (or no CUDA)")
+    spec, policy = _policy(ctx, "tiny", _bf16(device), impl)
+    batch = _batch(spec.vocab_size)
+    before = {n: p.detach().clone() for n, p in policy.named_shards()}
+    m1 = policy.train_step(batch, _loss, micro_batch_size=4)
+    _sync()
+    t0 = time.perf_counter()
+    m2 = policy.train_step(batch, _loss, micro_batch_size=4)
+    _sync()
+    seconds = time.perf_counter() - t0
+    assert all(torch.isfinite(torch.tensor([m["loss"], m["grad_norm"]])).all() for m in (m1, m2))
+    assert not m1["skipped"] and not m2["skipped"]
+    changed = sum(not torch.equal(before[n], p) for n, p in policy.named_shards())
+    assert changed == len(before), f"only {changed}/{len(before)} shards moved"
+    figures[f"policy_{impl}_train_step_s"] = seconds
+    figures[f"policy_{impl}_dtype"] = str(next(iter(before.values())).dtype)
+
+
+def test_logprob_parity_bf16_vs_fp32(ctx, device, figures):
+    spec, p32 = _policy(ctx, "tiny", "float32")
+    _, p16 = _policy(ctx, "tiny", _bf16(device))
+    p16.copy_weights_from(p32)
+    batch = _batch(spec.vocab_size)
+    a = p32.compute_logprobs(batch, micro_batch_size=4)
+    b = p16.compute_logprobs(batch, micro_batch_size=4)
+    m = batch["attention_mask"].bool()
+    m[:, 0] = False
+    diff = (a["logp"] - b["logp"])[m].abs()
+    ent = (a["entropy"] - b["entropy"])[m].abs()
+    figures["logprob_bf16_vs_fp32_mean_abs"] = float(diff.mean())
+    figures["logprob_bf16_vs_fp32_max_abs"] = float(diff.max())
+    figures["entropy_bf16_vs_fp32_max_abs"] = float(ent.max())
+    # bf16 has 8 mantissa bits: ~0.4% per logit, a few hundredths on a log-prob at most.
+    assert float(diff.mean()) < 0.05 and float(diff.max()) < 0.5
+    assert float(a["logp"][m].abs().mean()) > 1.0  # a random model: far from certain
+
+
+def test_distributed_optimizer_step(ctx, device, figures):
+    needs_cuda()  # megatron's DistributedOptimizer is not exercised on CPU here
+    spec, dist_on = _policy(ctx, "tiny", "bfloat16", distributed_optimizer="on")
+    _, dist_off = _policy(ctx, "tiny", "bfloat16", distributed_optimizer="off")
+    dist_off.copy_weights_from(dist_on)
+    batch = _batch(spec.vocab_size)
+    a = dist_on.train_step(batch, _loss, micro_batch_size=4)
+    b = dist_off.train_step(batch, _loss, micro_batch_size=4)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
+    worst = max(
+        (x.float() - y.float()).abs().max().item()
+        for (_, x), (_, y) in zip(dist_on.named_shards(), dist_off.named_shards(), strict=True)
+    )
+    figures["distributed_optimizer_max_weight_diff_vs_plain"] = worst
+    assert worst <= 2e-2  # one bf16 ulp at |w| ~ 1 after an lr=1e-3 step
+
+
+def test_offload_reload(ctx, device, figures):
+    from megatron_grpo.policy.offload import TrainerOffload
+
+    preset = "Qwen2.5-0.5B" if device.type == "cuda" else "tiny"
+    spec, a = _policy(ctx, preset, _bf16(device))
+    _, b = _policy(ctx, preset, _bf16(device))
+    b.copy_weights_from(a)
+    batch = _batch(spec.vocab_size, rows=4, length=128)
+    a.train_step(batch, _loss, micro_batch_size=2)
+    b.train_step(batch, _loss, micro_batch_size=2)
+    off = TrainerOffload(a)
+    _sync()
+    alloc0 = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    rep = off.offload()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        freed = alloc0 - torch.cuda.memory_allocated()
+        figures["offload_freed_allocated_gib"] = freed / GIB
+        assert freed >= 0.95 * rep.bytes, (freed, rep.bytes)
+    back = off.reload()
+    figures["offload_gib"] = rep.bytes / GIB
+    figures["offload_s"] = rep.seconds
+    figures["reload_s"] = back.seconds
+    figures["offload_gb_per_s"] = rep.bytes / 1e9 / max(rep.seconds, 1e-9)
+    assert back.bytes == rep.bytes > 0
+    a.train_step(batch, _loss, micro_batch_size=2)
+    b.train_step(batch, _loss, micro_batch_size=2)
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a.named_shards(), b.named_shards()))
+
+
+def _trainer_sources(spec, tp, tp_rank, device, dtype):
+    from megatron_grpo.layouts import megatron as mg
+    from megatron_grpo.models.spec import megatron_padded_vocab
+
+    ml = mg.MegatronLayout(tp, 1, 1, megatron_padded_vocab(spec.vocab_size, tp, 128))
+    g = torch.Generator(device=device).manual_seed(tp_rank)
+    return {
+        s.name: torch.randn(s.shape, generator=g, device=device).to(dtype)
+        for s in mg.chunk_shards(spec, ml, 0, 0, tp_rank)
+    }
+
+
+def _bridge_plan(spec, tp, engines, element_size):
+    from megatron_grpo.bridge.plan import TrainerPlacement, build_plan
+    from megatron_grpo.models.spec import megatron_padded_vocab
+
+    placement = TrainerPlacement(
+        tp=tp, pp=1, vpp=1, dp=1, padded_vocab=megatron_padded_vocab(spec.vocab_size, tp, 128)
+    )
+    return build_plan(spec, placement, 1, engines, element_size=element_size)
+
+
+def test_bridge_pack_unpack_bandwidth(device, figures):
+    """Trainer TP=2 -> two vLLM TP=1 engines (ranks 0 and 1): rank 1's buckets to rank 0 are
+    packed and unpacked here on this device, timed against one plain device copy of as many
+    bytes (the bound a pack can reach)."""
+    from megatron_grpo.bridge.transport import Transport
+
+    spec = preset_spec("Qwen2.5-0.5B" if device.type == "cuda" else "tiny")
+    dtype = torch.bfloat16
+    plan = _bridge_plan(spec, 2, [[0], [1]], element_size=2)
+    src = _trainer_sources(spec, 2, 1, device, dtype)
+    sender = Transport(plan, 1, device=device, dtype=dtype, bucket_mb=256)
+    receiver = Transport(plan, 0, device=device, dtype=dtype, bucket_mb=256)
+    buckets = sender.schedule[(1, 0)]
+    buf = torch.empty(max(b.numel for b in buckets), dtype=dtype, device=device)
+    dst = {n: torch.zeros(s, dtype=dtype, device=device) for n, s in receiver.dst_shapes.items()}
+    nbytes = sum(b.numel for b in buckets) * 2
+
+    def pack_unpack(unpack: bool) -> float:
+        _sync()
+        t0 = time.perf_counter()
+        for b in buckets:
+            sender._pack(src, b, buf)
+            if unpack:
+                for e in b.entries:
+                    c = e.copy
+                    dst[c.dst_name].narrow(c.dim, c.dst_start, c.length).copy_(
+                        buf[e.offset : e.offset + e.numel].view(e.shape)
+                    )
+        _sync()
+        return time.perf_counter() - t0
+
+    pack_unpack(True)  # warm-up
+    pack_s = min(pack_unpack(False) for _ in range(3))
+    both_s = min(pack_unpack(True) for _ in range(3))
+    flat_a = torch.empty(nbytes // 2, dtype=dtype, device=device)
+    flat_b = torch.empty_like(flat_a)
+    copy_s = []
+    for _ in range(3):
+        _sync()
+        t0 = time.perf_counter()
+        flat_b.copy_(flat_a)
+        _sync()
+        copy_s.append(time.perf_counter() - t0)
+    # Every byte of a destination slice came from the source slice the plan names.
+    for b in buckets[:3]:
+        for e in b.entries:
+            c = e.copy
+            got = dst[c.dst_name].narrow(c.dim, c.dst_start, c.length)
+            assert torch.equal(got, src[c.src_name].narrow(c.dim, c.src_start, c.length))
+    figures["bridge_link_gib"] = nbytes / GIB
+    figures["bridge_pack_gb_per_s"] = nbytes / 1e9 / pack_s
+    figures["bridge_unpack_gb_per_s"] = nbytes / 1e9 / max(both_s - pack_s, 1e-9)
+    figures["device_copy_gb_per_s"] = nbytes / 1e9 / min(copy_s)
+
+
+def test_transport_world_size_1_self_links(ctx, device, figures):
+    import torch.distributed as dist
+
+    from megatron_grpo.bridge.transport import Transport
+
+    spec = preset_spec("Qwen2.5-0.5B" if device.type == "cuda" else "tiny")
+    dtype = torch.bfloat16
+    plan = _bridge_plan(spec, 1, [[0]], element_size=2)
+    src = _trainer_sources(spec, 1, 0, device, dtype)
+    tr = Transport(plan, 0, group=dist.group.WORLD, device=device, dtype=dtype, timeout_s=60)
+    got = {}
+    tr.sync(src, sink=lambda n, t: got.__setitem__(n, t))  # warm-up (allocations)
+    _sync()
+    got.clear()
+    t0 = time.perf_counter()
+    st, _ = tr.sync(src, sink=lambda n, t: got.__setitem__(n, t))
+    _sync()
+    seconds = time.perf_counter() - t0
+    assert set(got) == {d.name for d in plan.dst_tensors}
+    assert st.bytes_sent == 0 and st.bytes_local == plan.minimal_bytes
+    for c in plan.copies[:50]:
+        assert torch.equal(
+            got[c.dst_name].narrow(c.dim, c.dst_start, c.length),
+            src[c.src_name].narrow(c.dim, c.src_start, c.length),
+        )
+    figures["transport_ws1_backend"] = dist.get_backend()
+    figures["transport_ws1_gib"] = plan.minimal_bytes / GIB
+    figures["transport_ws1_s"] = seconds
+    figures["transport_ws1_gb_per_s"] = plan.minimal_bytes / 1e9 / seconds
+
+
+def test_chunked_logprob_peak_vs_plan(device, figures):
+    """The vocab-parallel log-prob of one micro-batch (DeepScaleR's: Qwen's 151,936 columns)
+    stays within what ``plan`` counts for it: logits, their gradient and the chunk's fp32
+    temporaries (plan/memory.py ``activation_bytes``)."""
+    needs_cuda()
+    from megatron_grpo.policy.logprob import logprob_peak_bytes, vocab_parallel_logprob_entropy
+
+    n, v = 4 * 4096, 151936
+    logits = torch.randn(n, v, device=device, dtype=torch.bfloat16).requires_grad_(True)
+    target = torch.randint(0, v, (n,), device=device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    logp, ent = vocab_parallel_logprob_entropy(logits, target, vocab_start=0, vocab_size=v)
+    (logp.sum() + ent.sum()).backward()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    measured = torch.cuda.max_memory_allocated() - base + logits.numel() * 2
+    plan_bytes = 3 * 2 * n * v + logprob_peak_bytes(n, v)  # plan.memory.activation_bytes
+    figures["logprob_tokens"] = n
+    figures["logprob_peak_gib"] = measured / GIB
+    figures["logprob_plan_gib"] = plan_bytes / GIB
+    figures["logprob_unchunked_fp32_gib_estimate"] = 8 * 4 * n * v / GIB
+    figures["logprob_fwd_bwd_s"] = seconds
+    assert measured <= plan_bytes, (measured / GIB, plan_bytes / GIB)
