@@ -7,6 +7,7 @@ docs/launch.md. ``megatron-grpo demo`` runs it on the embedded default with the 
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,6 +24,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sync-interval", type=int, help="v: sync vLLM every v steps (sync.interval)")
     p.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in the run dir"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run already in the run dir and start afresh (default: refuse it)",
     )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     p.set_defaults(func=run)
@@ -45,6 +51,10 @@ def run(args: argparse.Namespace) -> int:
 
     with exit_on_user_error():
         cfg = load_config(args.config, overrides_from_args(args))
+        if int(os.environ.get("RANK", "0")) == 0:  # one rank decides, before any model is built
+            from megatron_grpo.trainer.run_dir import prepare_run_dir
+
+            prepare_run_dir(cfg.run_dir, resume=args.resume, overwrite=args.overwrite)
         from megatron_grpo.trainer.loop import train
 
         train(cfg, resume=args.resume)
