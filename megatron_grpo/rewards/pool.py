@@ -59,6 +59,9 @@ def _worker_main(conn: Connection, target: str) -> None:
     # worker must not die mid-step on that signal.
     import signal
 
+    from megatron_grpo.platform.lifetime import die_with_parent
+
+    die_with_parent()  # a SIGKILLed trainer runs no cleanup: its workers must not outlive it
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     try:
