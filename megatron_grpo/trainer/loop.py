@@ -137,7 +137,6 @@ class GRPOTrainer:
         sub_world = self.world.trainer_world() if self.world is not None else {}
         self.ctx = ctx = init_distributed(cfg.parallel, self.spec, seed=cfg.seed, **sub_world)
         if ctx.rank == 0:
-            save_config(cfg, self.run_dir)
             print(format_config(cfg), flush=True)
         _say(
             ctx,
@@ -182,6 +181,8 @@ class GRPOTrainer:
             self._snapshot_served()
             _say(ctx, f"initial sync: {report.bytes / 2**20:.2f} MiB in {report.seconds:.2f}s "
                  f"(minimal {report.minimal_bytes / 2**20:.2f} MiB)")  # fmt: skip
+        if ctx.rank == 0:  # only once the run really starts (a failed start leaves none)
+            save_config(cfg, self.run_dir)
         from megatron_grpo.metrics import MetricsLogger, PhaseTimer
 
         self.timer = PhaseTimer()
@@ -218,11 +219,13 @@ class GRPOTrainer:
                     sync_report = self.sync(step)
             if g.ref_update_interval and step % g.ref_update_interval == 0 and self.ref:
                 self.ref.copy_weights_from(self.policy)  # success-rate amplification
+            # Log before saving: a checkpoint is never newer than metrics.jsonl (a resume
+            # drops the rows after its step and re-runs them, so no step's row is lost).
+            self.log(step, version, rewards, reward_info, samples, adv, train, sync_report,
+                     time.perf_counter() - t_step)  # fmt: skip
             if self._checkpoint_due(step):
                 self.save(step)
                 last_saved = step
-            self.log(step, version, rewards, reward_info, samples, adv, train, sync_report,
-                     time.perf_counter() - t_step)  # fmt: skip
             if self._stop_agreed():
                 if last_saved != step:
                     self.save(step)
@@ -367,16 +370,20 @@ class GRPOTrainer:
         _say(self.ctx, f"checkpoint {path}")
 
     def _resume(self) -> None:
-        from megatron_grpo.checkpoint import find_latest, load_checkpoint
+        from megatron_grpo.checkpoint import find_intact, load_checkpoint
 
-        latest = find_latest(self.run_dir)
+        latest, damaged = find_intact(self.run_dir)
+        for reason in damaged:
+            _say(self.ctx, f"{reason.split(';')[0]}: skipping it")
         if latest is None:
             raise ConfigError(
-                f"--resume: no complete checkpoint under {self.run_dir}/checkpoints; start "
+                f"--resume: no intact checkpoint under {self.run_dir}/checkpoints; start "
                 "without --resume, or point --run-dir at the run to continue."
             )
+        if damaged:
+            _say(self.ctx, f"falling back to the newest intact checkpoint, {latest.name}")
         templates = {k: v() for k, v in self._state_dicts(for_loading=True).items()}
-        loaded = load_checkpoint(latest, templates, optional=("ref", "served"))
+        loaded = load_checkpoint(latest, templates, optional=("ref", "served"), verify=False)
         self.policy.load_sharded_state_dict(loaded.state_dicts["policy"])
         if self.ref is not None and "ref" in loaded.state_dicts:
             self.ref.load_sharded_state_dict(loaded.state_dicts["ref"])
