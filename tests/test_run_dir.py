@@ -81,3 +81,16 @@ def test_prepared_model_is_reused_only_for_the_same_recipe(tmp_path):
         prepare_model_dir(other, 1, 0)  # other ranks never take the old recipe's model
     d = prepare_model_dir(other, 0, 10)
     assert _md5(d) != first and json.loads((d / COMPLETE).read_text())["recipe"]["seed"] == 99
+
+
+@pytest.mark.timeout(120)
+def test_unknown_reward_function_is_one_line_before_the_model_is_built(tmp_path):
+    run = tmp_path / "run"
+    rc, out = cli("train", "--run-dir", str(run), "reward.name=megatron_grpo.rewards:nope",
+                  timeout=100)  # fmt: skip
+    assert rc == 2, out[-2000:]
+    assert out.strip().splitlines()[-1] == (
+        "error: module 'megatron_grpo.rewards' has no attribute 'nope' (reward "
+        "'megatron_grpo.rewards:nope')."
+    )
+    assert "Traceback" not in out and not (run / "hf_model").exists()

@@ -120,7 +120,7 @@ class GRPOTrainer:
         from megatron_grpo.layouts.io import load_hf_into_megatron
         from megatron_grpo.models.spec import load_spec
         from megatron_grpo.policy.policy import build_policy
-        from megatron_grpo.rewards import build_reward
+        from megatron_grpo.rewards import build_reward, check_reward
         from megatron_grpo.trainer.model_dir import prepare_model_dir
 
         self.cfg = cfg
@@ -132,6 +132,10 @@ class GRPOTrainer:
         self._install_signal_handlers()
         rank = int(os.environ.get("RANK", "0"))
         self.num_engines = validate_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        try:  # an unknown reward, module or function: one line now, not after vLLM starts
+            check_reward(cfg.reward, cfg.data)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
         self.hf_dir = prepare_model_dir(cfg, rank, cfg.parallel.timeout_s)
         self.spec = load_spec(self.hf_dir)
         sub_world = self.world.trainer_world() if self.world is not None else {}
