@@ -137,7 +137,8 @@ def train_command(a: ThroughputArgs, v: int, run_dir: Path) -> list[str]:
                   f"--nproc-per-node={a.nproc}", "-m", "megatron_grpo.cli.main"]  # fmt: skip
     else:
         launch = [sys.executable, "-m", "megatron_grpo.cli.main"]
-    cmd = [*launch, "train", "--run-dir", str(run_dir), "--steps", str(a.steps),
+    # --overwrite: a re-run of the bench into the same out_dir replaces its runs.
+    cmd = [*launch, "train", "--run-dir", str(run_dir), "--overwrite", "--steps", str(a.steps),
            "--sync-interval", str(v)]  # fmt: skip
     if a.config:
         cmd += ["--config", a.config]

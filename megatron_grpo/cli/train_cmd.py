@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +30,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--overwrite",
         action="store_true",
         help="delete the run already in the run dir and start afresh (default: refuse it)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print library output (warnings, vLLM INFO, the config) on the console too; by "
+        "default it goes to RUN_DIR/train.log",
     )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     p.set_defaults(func=run)
@@ -55,7 +62,43 @@ def run(args: argparse.Namespace) -> int:
             from megatron_grpo.trainer.run_dir import prepare_run_dir
 
             prepare_run_dir(cfg.run_dir, resume=args.resume, overwrite=args.overwrite)
+        if "WORLD_SIZE" not in os.environ and cfg.rollout.placement == "colocated":
+            from megatron_grpo.trainer.spawn import ranks_needed, run_under_torchrun
+
+            nproc = ranks_needed(cfg)
+            if nproc > 1:  # one process asked for a layout of several ranks: start them
+                _check_before_spawning(cfg, nproc)
+                print(f"[megatron-grpo] starting {nproc} ranks under torchrun", flush=True)
+                return run_under_torchrun(_rank_argv(args), nproc)
+        if not args.verbose:
+            from megatron_grpo.metrics.console import LOG_FILE, capture, say
+
+            capture(Path(cfg.run_dir) / LOG_FILE, int(os.environ.get("RANK", "0")))
+            if int(os.environ.get("RANK", "0")) == 0:
+                say(f"library output goes to {Path(cfg.run_dir) / LOG_FILE} (--verbose shows it)")
         from megatron_grpo.trainer.loop import train
 
         train(cfg, resume=args.resume)
     return 0
+
+
+def _check_before_spawning(cfg, nproc: int) -> None:
+    """The checks the ranks would make first, here, so a bad config fails in one line."""
+    from megatron_grpo.config import ConfigError
+    from megatron_grpo.rewards import check_reward
+    from megatron_grpo.trainer.loop import validate_world
+
+    validate_world(cfg, nproc)
+    try:
+        check_reward(cfg.reward, cfg.data)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def _rank_argv(args: argparse.Namespace) -> list[str]:
+    """This command for the spawned ranks (--overwrite has already cleared the run dir)."""
+    argv = ["train"]
+    if args.config:
+        argv += ["--config", args.config]
+    argv += ["--resume"] * args.resume + ["--verbose"] * args.verbose
+    return argv + overrides_from_args(args)

@@ -30,26 +30,27 @@ import time
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent_pid: int | None = None) -> None:
-    """Make this process end (SIGKILL) when ``parent_pid`` (default: the current parent) dies."""
+def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGKILL) -> None:
+    """Make this process get ``sig`` (default SIGKILL) when ``parent_pid`` (default: the
+    current parent) dies. SIGTERM suits a process that must stop its own children (torchrun)."""
     parent_pid = os.getppid() if parent_pid is None else parent_pid
     armed = False
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
-            armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+            armed = libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
         except (OSError, AttributeError):
             armed = False
     if os.getppid() != parent_pid:  # the parent died before the signal was armed
         os._exit(1)
     if not armed:
-        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+        threading.Thread(target=_watch_parent, args=(parent_pid, sig), daemon=True).start()
 
 
-def _watch_parent(parent_pid: int) -> None:
+def _watch_parent(parent_pid: int, sig: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(1.0)
-    os._exit(1)
+    os.kill(os.getpid(), sig)
 
 
 def _manager_init(parent_pid: int) -> None:

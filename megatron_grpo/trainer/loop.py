@@ -41,7 +41,9 @@ class RolloutFailure(RuntimeError):
 
 def _say(ctx, msg: str) -> None:
     if ctx.rank == 0:
-        print(f"[megatron-grpo] {msg}", flush=True)
+        from megatron_grpo.metrics.console import say
+
+        say(msg)
 
 
 def validate_world(cfg: Config, world_size: int) -> int:
@@ -58,6 +60,9 @@ def validate_world(cfg: Config, world_size: int) -> int:
             )
         source = f"rollout.num_engines({engines})"
     else:
+        from megatron_grpo.distributed.setup import validate_parallel
+
+        validate_parallel(cfg.parallel, world_size)  # now, not after the warm start
         if world_size % cfg.rollout.tp:
             raise ConfigError(
                 f"rollout.tp({cfg.rollout.tp}) does not divide WORLD_SIZE({world_size}): "
@@ -188,11 +193,13 @@ class GRPOTrainer:
         if ctx.rank == 0:  # only once the run really starts (a failed start leaves none)
             save_config(cfg, self.run_dir)
         from megatron_grpo.metrics import MetricsLogger, PhaseTimer
+        from megatron_grpo.metrics.console import console_err
 
         self.timer = PhaseTimer()
         self.logger = MetricsLogger(
             self.run_dir, cfg.logging, cfg.steps, ctx.rank,
             resume_step=self.start_step if resume else None, run_config=dataclasses.asdict(cfg),
+            stream=console_err(),
         )  # fmt: skip
 
     # ------------------------------------------------------------------------ the loop
@@ -465,7 +472,9 @@ class GRPOTrainer:
     def finish(self) -> dict[str, Any]:
         summary = self.logger.finish(self.cfg.sync.interval)
         if self.ctx.rank == 0 and summary:
-            print(summary, flush=True)
+            from megatron_grpo.metrics.console import console_out
+
+            print(summary, file=console_out(), flush=True)
         return {"preempted": False, "step": self.cfg.steps}
 
     def close(self) -> None:
