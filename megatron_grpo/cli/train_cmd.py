@@ -62,14 +62,16 @@ def run(args: argparse.Namespace) -> int:
             from megatron_grpo.trainer.run_dir import prepare_run_dir
 
             prepare_run_dir(cfg.run_dir, resume=args.resume, overwrite=args.overwrite)
-        if "WORLD_SIZE" not in os.environ and cfg.rollout.placement == "colocated":
-            from megatron_grpo.trainer.spawn import ranks_needed, run_under_torchrun
+        from megatron_grpo.trainer.preflight import check_run
+        from megatron_grpo.trainer.spawn import ranks_needed, run_under_torchrun
 
-            nproc = ranks_needed(cfg)
-            if nproc > 1:  # one process asked for a layout of several ranks: start them
-                _check_before_spawning(cfg, nproc)
-                print(f"[megatron-grpo] starting {nproc} ranks under torchrun", flush=True)
-                return run_under_torchrun(_rank_argv(args), nproc)
+        spawn = "WORLD_SIZE" not in os.environ and cfg.rollout.placement == "colocated"
+        nproc = ranks_needed(cfg) if spawn else int(os.environ.get("WORLD_SIZE", "1"))
+        if cfg.rollout.placement == "colocated":
+            check_run(cfg, nproc)  # every check that can fail, before any rank or model
+        if spawn and nproc > 1:  # one process asked for a layout of several ranks: start them
+            print(f"[megatron-grpo] starting {nproc} ranks under torchrun", flush=True)
+            return run_under_torchrun(_rank_argv(args), nproc)
         if not args.verbose:
             from megatron_grpo.metrics.console import LOG_FILE, capture, say
 
@@ -80,19 +82,6 @@ def run(args: argparse.Namespace) -> int:
 
         train(cfg, resume=args.resume)
     return 0
-
-
-def _check_before_spawning(cfg, nproc: int) -> None:
-    """The checks the ranks would make first, here, so a bad config fails in one line."""
-    from megatron_grpo.config import ConfigError
-    from megatron_grpo.rewards import check_reward
-    from megatron_grpo.trainer.loop import validate_world
-
-    validate_world(cfg, nproc)
-    try:
-        check_reward(cfg.reward, cfg.data)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
 
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:

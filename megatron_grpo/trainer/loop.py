@@ -125,8 +125,9 @@ class GRPOTrainer:
         from megatron_grpo.layouts.io import load_hf_into_megatron
         from megatron_grpo.models.spec import load_spec
         from megatron_grpo.policy.policy import build_policy
-        from megatron_grpo.rewards import build_reward, check_reward
+        from megatron_grpo.rewards import build_reward
         from megatron_grpo.trainer.model_dir import prepare_model_dir
+        from megatron_grpo.trainer.preflight import check_run
 
         self.cfg = cfg
         self.world = world  # disaggregated: the default group is the trainer sub-world
@@ -136,11 +137,8 @@ class GRPOTrainer:
         self.stop_requested = False
         self._install_signal_handlers()
         rank = int(os.environ.get("RANK", "0"))
-        self.num_engines = validate_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        try:  # an unknown reward, module or function: one line now, not after vLLM starts
-            check_reward(cfg.reward, cfg.data)
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
+        # Layout, reward and data checks: one line now, not after the warm start or vLLM.
+        self.num_engines = check_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         self.hf_dir = prepare_model_dir(cfg, rank, cfg.parallel.timeout_s)
         self.spec = load_spec(self.hf_dir)
         sub_world = self.world.trainer_world() if self.world is not None else {}

@@ -60,16 +60,21 @@ def _build_preset(cfg: Config, target: Path) -> None:
     os.replace(tmp, target)
 
 
+def check_model_path(cfg: Config) -> None:
+    """FileNotFoundError (one line) when ``model.hf_path`` is neither a preset nor an HF dir."""
+    path = Path(cfg.model.hf_path)
+    if cfg.model.hf_path not in PRESETS and not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.hf_path={cfg.model.hf_path!r} is neither a preset {sorted(PRESETS)} nor a "
+            "directory with a config.json: point it at a Hugging Face model directory."
+        )
+
+
 def prepare_model_dir(cfg: Config, rank: int, timeout_s: float) -> Path:
     """The HF directory this run trains; built by rank 0 when ``model.hf_path`` is a preset."""
     if cfg.model.hf_path not in PRESETS:
-        path = Path(cfg.model.hf_path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model.hf_path={cfg.model.hf_path!r} is neither a preset {sorted(PRESETS)} nor a "
-                "directory with a config.json: point it at a Hugging Face model directory."
-            )
-        return path
+        check_model_path(cfg)
+        return Path(cfg.model.hf_path)
     target = Path(cfg.run_dir) / "hf_model" / cfg.model.hf_path
     want = recipe(cfg)
     if rank == 0 and built_recipe(target) != want:
