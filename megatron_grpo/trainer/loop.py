@@ -211,9 +211,9 @@ class GRPOTrainer:
             timer.reset()
             t_step = time.perf_counter()
             version = self.policy_version
-            with timer.phase("rollout"):
+            with timer.phase("rollout"), self._bounded(f"the rollout of step {step}"):
                 prompts, samples = self._rollout_or_fail(step)
-            with timer.phase("reward"):
+            with timer.phase("reward"), self._bounded(f"the rewards of step {step}"):
                 rewards, reward_info = self.score(prompts, samples)
             batch = collate(samples, self.tokenizer.pad_token_id)
             with timer.phase("logprobs"):
@@ -224,7 +224,7 @@ class GRPOTrainer:
             synced = step % cfg.sync.interval == 0
             sync_report = None
             if synced:
-                with timer.phase("sync"):
+                with timer.phase("sync"), self._bounded(f"the weight sync of step {step}"):
                     sync_report = self.sync(step)
             if g.ref_update_interval and step % g.ref_update_interval == 0 and self.ref:
                 self.ref.copy_weights_from(self.policy)  # success-rate amplification
@@ -233,7 +233,8 @@ class GRPOTrainer:
             self.log(step, version, rewards, reward_info, samples, adv, train, sync_report,
                      time.perf_counter() - t_step)  # fmt: skip
             if self._checkpoint_due(step):
-                self.save(step)
+                with self._bounded(f"the checkpoint of step {step}"):
+                    self.save(step)
                 last_saved = step
             if self._stop_agreed():
                 if last_saved != step:
@@ -345,6 +346,12 @@ class GRPOTrainer:
         return report
 
     # ------------------------------------------------------------------------ helpers
+    def _bounded(self, what: str):
+        """Every wait of the loop ends, at the latest after parallel.timeout_s (watchdog.py)."""
+        from megatron_grpo.trainer.watchdog import bounded
+
+        return bounded(what, self.cfg.parallel.timeout_s, "parallel.timeout_s bounds it")
+
     def _snapshot_served(self) -> None:
         if self.served is not None:
             self.served.copy_weights_from(self.policy)
