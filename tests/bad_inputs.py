@@ -98,6 +98,28 @@ HAND: list[tuple[str, list[str]]] = [
     ("template without {prompt}", [*T, "data.template=Q:"]),
     ("template with another field", [*T, "data.template={prompt}{x}"]),
     ("model directory missing", [*T, "model.hf_path=$TMP/nomodel"]),
+    (
+        "eval.interval on a data file without eval.data",
+        [*T, "eval.interval=5", "data.source=$TMP/bad.jsonl"],
+    ),  # fmt: skip
+    (
+        "eval: trainer TP does not divide the heads",
+        ["eval", "--model", "$TMP/hf", "--data", "synthetic:max", "--train-tp", "3"],
+    ),  # fmt: skip
+    (
+        "eval: rollout TP does not divide the heads",
+        ["eval", "--model", "$TMP/hf", "--data", "synthetic:max", "--rollout-tp", "3"],
+    ),  # fmt: skip
+    ("eval: model missing", ["eval", "--model", "$TMP/nomodel", "--data", "synthetic:max"]),
+    ("eval: data file missing", ["eval", "--model", "$TMP/hf", "--data", "$TMP/nope.jsonl"]),
+    (
+        "bench sync: rollout TP does not divide the heads",
+        ["bench", "sync", "--model", "$TMP/hf", "--rollout-tp", "3"],
+    ),  # fmt: skip
+    (
+        "train: TP does not divide the heads",
+        [*T, "model.hf_path=$TMP/hf", "parallel.tp=3", "parallel.dp=1", "rollout.tp=3"],
+    ),  # fmt: skip
     ("convert: checkpoint missing", ["convert", "inspect", "--ckpt", "$TMP/nockpt"]),
     (
         "convert: HF dir missing",
@@ -159,8 +181,10 @@ def run_case(argv: list[str], tmp: Path) -> tuple[int, list[str]]:
 
     argv = [a.replace("$TMP", str(tmp)) for a in argv]
     out = io.StringIO()
-    saved = loop.train, spawn.run_under_torchrun
-    loop.train, spawn.run_under_torchrun = _refuse, _refuse
+    from megatron_grpo.bench import spawn as bench_spawn
+
+    saved = loop.train, spawn.run_under_torchrun, bench_spawn.spawn_ranks
+    loop.train, spawn.run_under_torchrun, bench_spawn.spawn_ranks = _refuse, _refuse, _refuse
     cwd = os.getcwd()
     try:
         os.chdir(tmp)
@@ -175,15 +199,18 @@ def run_case(argv: list[str], tmp: Path) -> tuple[int, list[str]]:
                 rc, _ = 98, print(f"Traceback: {type(e).__name__}: {e}")
     finally:
         os.chdir(cwd)
-        loop.train, spawn.run_under_torchrun = saved
+        loop.train, spawn.run_under_torchrun, bench_spawn.spawn_ranks = saved
     lines = [x.replace(str(tmp), "$TMP") for x in out.getvalue().splitlines() if x.strip()]
     return rc, lines
 
 
 def make_files(tmp: Path) -> None:
+    from megatron_grpo.models.tiny import build_hf_model
+
     for name, text in FILES.items():
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp / name).write_text(text)
+    build_hf_model(tmp / "hf", "tiny", with_tokenizer=True)  # 4 heads, 2 KV heads
 
 
 def table(results: list[tuple[str, list[str], int, list[str]]]) -> str:

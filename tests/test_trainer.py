@@ -48,10 +48,14 @@ def rows(run_dir: Path) -> list[dict]:
 @pytest.mark.timeout(600)
 def test_syncs_exactly_every_v_and_vllm_serves_the_synced_weights(tmp_path):
     run = tmp_path / "run"
-    rc, out = train(run, "--steps", "5", "--sync-interval", "2", *FAST)
+    rc, out = train(run, "--steps", "5", "--sync-interval", "2", "eval.interval=2",
+                    "eval.num_prompts=4", *FAST)  # fmt: skip
     assert rc == 0, out[-3000:]
     r = rows(run)
     assert [x["step"] for x in r] == [1, 2, 3, 4, 5]
+    # Validation during training: every 2 steps, after the sync, on the weights vLLM serves.
+    assert [x.get("eval_policy_version") for x in r] == [None, 2, None, 4, None]
+    assert all(0.0 <= r[i]["eval_pass@1"] <= 1.0 for i in (1, 3))
     assert [x["synced"] for x in r] == [False, True, False, True, False]
     assert [x["policy_version"] for x in r] == [0, 0, 2, 2, 4]
     assert [x["lag"] for x in r] == [0, 1, 0, 1, 0]

@@ -378,6 +378,29 @@ class LoggingConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Validation during training: pass@1 on held-out prompts through the engines already up."""
+
+    interval: int = 0
+    """Evaluate every this many steps (after that step's sync, so it measures the weights vLLM
+    serves then: ``policy_version``); 0 disables."""
+    data: str = ""
+    """Held-out prompts: a data file (same keys as ``data``), or empty for the ``test`` split
+    of a ``synthetic:<task>`` training source."""
+    num_prompts: int = 32
+    """The first this many held-out prompts, the same at every evaluation."""
+    samples: int = 1
+    """Samples per prompt; pass@1 is the mean over them (with temperature 0: greedy accuracy)."""
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_positive("eval.interval", self.interval, allow_zero=True)
+        _check_positive("eval.num_prompts", self.num_prompts)
+        _check_positive("eval.samples", self.samples)
+        _check_positive("eval.temperature", self.temperature, allow_zero=True)
+
+
+@dataclass
 class Config:
     """The whole run: every section, plus the loop's length and seed."""
 
@@ -394,9 +417,19 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         _check_positive("steps", self.steps)
+        if (
+            self.eval.interval
+            and not self.eval.data
+            and not self.data.source.startswith("synthetic:")
+        ):
+            raise ConfigError(
+                f"eval.interval={self.eval.interval} needs held-out prompts: set eval.data to a "
+                f"data file (data.source={self.data.source!r} has no built-in test split)."
+            )
         _check_ranges(self)
         batch = self.grpo.prompts_per_step * self.grpo.group_size
         if self.grpo.mini_batch_size and batch % self.grpo.mini_batch_size:

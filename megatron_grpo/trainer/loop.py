@@ -180,6 +180,12 @@ class GRPOTrainer:
         self.reward_fn = build_reward(cfg.reward, cfg.data)
         self.advantage_fn = build_advantage_fn(g)
         self.loss_fn = make_loss_fn(g, cfg.rollout.max_new_tokens)
+        self.validator = None
+        if cfg.eval.interval:
+            from megatron_grpo.trainer.validation import Validator
+
+            self.validator = Validator(cfg, self.tokenizer, self.reward_fn)
+        self._eval_metrics: dict[str, Any] = {}
         self.start_step, self.policy_version = 0, 0
         if resume:
             self._resume()
@@ -226,6 +232,9 @@ class GRPOTrainer:
             if synced:
                 with timer.phase("sync"), self._bounded(f"the weight sync of step {step}"):
                     sync_report = self.sync(step)
+            if self.validator is not None and self.validator.due(step):
+                with timer.phase("eval"), self._bounded(f"the evaluation of step {step}"):
+                    self._eval_metrics = self.validator.run(self._generate, self.policy_version)
             if g.ref_update_interval and step % g.ref_update_interval == 0 and self.ref:
                 self.ref.copy_weights_from(self.policy)  # success-rate amplification
             # Log before saving: a checkpoint is never newer than metrics.jsonl (a resume
@@ -249,18 +258,20 @@ class GRPOTrainer:
         cfg = self.cfg
         prompts = self.prompts.next_batch(cfg.grpo.prompts_per_step)  # same on every rank
         r = cfg.rollout
-        generate = (
-            partial(generate_on_engines, self.engine, self.ctx, r.tp)
-            if self.world is None
-            else self.engine.generate  # disaggregated: rollout.server.RolloutClient
-        )
-        samples = generate(
+        samples = self._generate(
             [p.prompt_ids for p in prompts],
             n=cfg.grpo.group_size, temperature=r.temperature,
             top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
             seed=r.seed + 7919 * step, stop_token_ids=[self.tokenizer.eos_token_id],
         )  # fmt: skip
         return prompts, samples
+
+    def _generate(self, prompt_ids: list, **sampling) -> list:
+        """Samples of every prompt from the engines (all ranks get all, prompt-major)."""
+        if self.world is not None:  # disaggregated: rollout.server.RolloutClient
+            return self.engine.generate(prompt_ids, **sampling)
+        return generate_on_engines(self.engine, self.ctx, self.cfg.rollout.tp, prompt_ids,
+                                   **sampling)  # fmt: skip
 
     def _rollout_or_fail(self, step: int):
         try:
@@ -449,6 +460,10 @@ class GRPOTrainer:
         task_scores = reward_info["task_scores"]
         extra = {k: v for k, v in reward_info.items() if k not in ("reward_mean", "task_scores")}
         extra.update({f"adv_{k}": v for k, v in adv.metrics.items()})
+        extra.update(self._eval_metrics)  # validation of this step (eval.interval), if any
+        self._eval_metrics = {}
+        if "time_eval" in times:
+            extra["time_eval"] = times["time_eval"]
         for key in ("ratio_mean", "ratio_min", "ratio_max", "pg_loss", "approx_kl"):
             if mean(key) is not None:
                 extra[key] = mean(key)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 from megatron_grpo.config import Config, ConfigError
 
@@ -23,6 +24,14 @@ def check_run(cfg: Config, world_size: int) -> int:
 
     engines = validate_world(cfg, world_size)
     check_model_path(cfg)
+    hf = Path(cfg.model.hf_path)
+    if (hf / "config.json").is_file():  # a preset's shape is checked when it is built
+        from megatron_grpo.models.spec import check_heads, load_spec
+
+        try:
+            check_heads(load_spec(hf), cfg.parallel.tp, cfg.rollout.tp)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     data = cfg.data
     if data.template == "chat":  # needs the model's tokenizer: checked when it is loaded
         data = dataclasses.replace(data, template="{prompt}")
