@@ -42,7 +42,10 @@ def log_path() -> Path | None:
 
 def say(msg: str) -> None:
     """One line of the project's own, on the console (and in the log when captured)."""
-    print(f"[megatron-grpo] {msg}", file=console_out(), flush=True)
+    from tqdm import tqdm
+
+    with tqdm.external_write_mode(file=console_err()):  # clear and redraw the progress bar
+        print(f"[megatron-grpo] {msg}", file=console_out(), flush=True)
     if _out is not None:
         print(f"[megatron-grpo] {msg}", flush=True)
 
