@@ -210,16 +210,50 @@ def find_dist_checkpoint(ckpt: Path) -> tuple[Path, int | None]:
     if (ckpt / "latest").is_file():
         ckpt = ckpt / (ckpt / "latest").read_text().strip()
     if (ckpt / "metadata.json").is_file():
+        check_shards(ckpt)
         return ckpt, None
     for part in ("policy", "model"):
         if (ckpt / part / "metadata.json").is_file():
             step = None
             state = ckpt / "state.json"
             if state.is_file():
+                from megatron_grpo.checkpoint import damage
+
+                problem = damage(ckpt)  # sizes and checksums recorded at save
+                if problem:
+                    raise ConvertError(f"{ckpt} is damaged: {problem}; use another checkpoint.")
                 step = json.loads(state.read_text()).get("step")
+            check_shards(ckpt / part)
             return ckpt / part, step
     raise ConvertError(
         f"{ckpt} holds no megatron dist checkpoint (no metadata.json here, in policy/ or in "
         "model/): "
         "point --ckpt at a converted checkpoint or a training checkpoint step directory."
     )
+
+
+def check_shards(dist_dir: Path) -> None:
+    """Raise ConvertError naming the first missing or truncated shard of a torch_dist
+    checkpoint: its ``.metadata`` says where each tensor's bytes lie (file, offset, length),
+    so every ``.distcp`` file must reach the end of its last item."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(dist_dir)).read_metadata().storage_data
+    except Exception as e:  # a missing, truncated or foreign .metadata file
+        raise ConvertError(
+            f"{dist_dir}/.metadata is missing or unreadable ({type(e).__name__}): the checkpoint "
+            "is damaged; use another one."
+        ) from e
+    need: dict[str, int] = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        path = dist_dir / rel
+        if not path.is_file():
+            raise ConvertError(f"{path} is missing: the checkpoint is damaged; use another one.")
+        if path.stat().st_size < size:
+            raise ConvertError(
+                f"{path} is truncated ({path.stat().st_size} of at least {size} bytes): the "
+                "checkpoint is damaged; use another one."
+            )

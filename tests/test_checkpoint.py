@@ -15,6 +15,8 @@ import torch
 from megatron_grpo.checkpoint import (
     CheckpointError,
     LoopState,
+    damage,
+    find_intact,
     find_latest,
     list_checkpoints,
     load_checkpoint,
@@ -132,6 +134,35 @@ def test_keep_last_n_and_resave(tmp_path):
     assert load_checkpoint(tmp_path).loop_state.policy_version == 1
     assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 5]
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
+def test_damaged_file_is_named_and_resume_falls_back_to_the_intact_one(tmp_path):
+    for step in (2, 4, 6):
+        save_checkpoint(tmp_path, _state(step))
+    root = tmp_path / "checkpoints"
+    rng = root / "step_000006" / "rng" / "rank_00000.pt"
+    assert damage(root / "step_000006") is None
+    rng.write_bytes(rng.read_bytes()[:-7])  # truncated
+    assert f"{rng} has" in damage(root / "step_000006") and "truncated" in damage(rng.parents[1])
+    with pytest.raises(CheckpointError, match=r"step_000006 is damaged: .*rank_00000\.pt"):
+        load_checkpoint(tmp_path)
+    data = bytearray((root / "step_000004" / "rng" / "rank_00000.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one flipped bit
+    (root / "step_000004" / "rng" / "rank_00000.pt").write_bytes(bytes(data))
+    assert "checksum" in damage(root / "step_000004")
+    found, skipped = find_intact(tmp_path)
+    assert found == root / "step_000002"
+    assert [s.split(" is damaged")[0] for s in skipped] == [
+        "checkpoint step_000006", "checkpoint step_000004"
+    ]  # fmt: skip
+    (root / "step_000002" / "rng" / "rank_00000.pt").unlink()
+    assert "is missing" in damage(root / "step_000002")
+    (root / "step_000002" / "state.json").write_text("{not json")
+    assert "unreadable" in damage(root / "step_000002")
+    with pytest.raises(CheckpointError, match="state.json is damaged"):
+        load_checkpoint(root / "step_000002")
+    found, skipped = find_intact(tmp_path)
+    assert found is None and len(skipped) == 3 and "step_000002 is damaged" in skipped[2]
 
 
 def test_rng_round_trip(tmp_path):

@@ -235,3 +235,22 @@ def test_atomic_output_dir_removes_partial_output(tmp_path):
         (tmp / "partial").write_text("x")
         raise RuntimeError("boom")
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(300)
+def test_truncated_shard_is_one_line_in_inspect_and_mcore_to_hf(tiny_hf, tmp_path):
+    from tests._eval_helpers import cli
+
+    ckpt = tmp_path / "ckpt"
+    rc, out = cli("convert", "hf-to-mcore", "--hf", str(tiny_hf), "--out", str(ckpt))
+    assert rc == 0, out[-2000:]
+    shard = sorted(ckpt.glob("*.distcp"))[0]
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 2])
+    line = f"error: {shard} is truncated ({size // 2} of at least"
+    for cmd in (["inspect"], ["mcore-to-hf", "--out", str(tmp_path / "hf")]):
+        rc, out = cli("convert", *cmd, "--ckpt", str(ckpt))
+        errors = [x for x in out.splitlines() if x.startswith("error:")]
+        assert rc == 2 and len(errors) == 1 and errors[0].startswith(line), out
+        assert "Traceback" not in out
+    assert not (tmp_path / "hf").exists()

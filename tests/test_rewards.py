@@ -119,7 +119,7 @@ def test_inprocess_reward_error_is_counted_and_logged_once(caplog, monkeypatch):
 def test_build_reward_errors_name_the_fix():
     with pytest.raises(ValueError, match="reward.name=synthetic"):
         build_reward(RewardConfig(name="gsm8k"), DataConfig(source="synthetic:add"))
-    with pytest.raises(ValueError, match="dotted path"):
+    with pytest.raises(ValueError, match="neither a built-in reward"):
         build_reward(RewardConfig(name="nosuch"), DataConfig(source="x.jsonl"))
     with pytest.raises(ValueError, match="cannot import module"):
         build_reward(RewardConfig(name="no_such_pkg.mod:fn"), DataConfig(source="x.jsonl"))

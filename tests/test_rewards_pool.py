@@ -83,6 +83,26 @@ def test_user_reward_raise_and_death_score_zero(caplog):
         assert rewards == [1.0, 0.0, 1.0] and info["errors"] == 1
 
 
+USER_FILE = """
+def length_match(prompt, response, answer):
+    return float(len(response) == int(answer))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_user_reward_from_a_file_path(tmp_path, monkeypatch):
+    (tmp_path / "my_reward.py").write_text(USER_FILE)
+    monkeypatch.chdir(tmp_path)  # a path relative to the working directory, as users write it
+    cfg = RewardConfig(name="my_reward.py:length_match", num_workers=1)
+    with build_reward(cfg, FILE_DATA) as fn:
+        rewards, info = fn(["p"] * 3, ["ab", "abc", ""], ["2", "2", "0"])
+    assert rewards == [1.0, 0.0, 1.0] and info["errors"] == 0
+    with pytest.raises(ValueError, match=r"reward file 'nope.py' .* does not exist"):
+        build_reward(RewardConfig(name="nope.py:fn"), FILE_DATA)
+    with pytest.raises(ValueError, match="has no attribute 'other'"):
+        build_reward(RewardConfig(name="my_reward.py:other"), FILE_DATA)
+
+
 MATH_CASES = [
     # (response, gold, expected score)
     ("so x = \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),

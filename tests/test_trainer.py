@@ -48,10 +48,14 @@ def rows(run_dir: Path) -> list[dict]:
 @pytest.mark.timeout(600)
 def test_syncs_exactly_every_v_and_vllm_serves_the_synced_weights(tmp_path):
     run = tmp_path / "run"
-    rc, out = train(run, "--steps", "5", "--sync-interval", "2", *FAST)
+    rc, out = train(run, "--steps", "5", "--sync-interval", "2", "eval.interval=2",
+                    "eval.num_prompts=4", *FAST)  # fmt: skip
     assert rc == 0, out[-3000:]
     r = rows(run)
     assert [x["step"] for x in r] == [1, 2, 3, 4, 5]
+    # Validation during training: every 2 steps, after the sync, on the weights vLLM serves.
+    assert [x.get("eval_policy_version") for x in r] == [None, 2, None, 4, None]
+    assert all(0.0 <= r[i]["eval_pass@1"] <= 1.0 for i in (1, 3))
     assert [x["synced"] for x in r] == [False, True, False, True, False]
     assert [x["policy_version"] for x in r] == [0, 0, 2, 2, 4]
     assert [x["lag"] for x in r] == [0, 1, 0, 1, 0]
@@ -92,11 +96,15 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_world_that_does_not_fit_is_one_clear_line(tmp_path):
-    rc, out = train(tmp_path / "r", "parallel.tp=2", *FAST, timeout=200)
+def test_world_that_does_not_fit_is_one_clear_line_before_the_warm_start(tmp_path):
+    # One process spawns the ranks a layout needs (tp*pp*dp = 2 here), but rollout.tp=4
+    # cannot be placed on them: refused before any rank starts or any model is built.
+    rc, out = train(tmp_path / "r", "parallel.tp=2", "parallel.dp=1", "rollout.tp=4", *FAST,
+                    timeout=200)  # fmt: skip
     assert rc == 2
-    assert "error: tp(2)*pp(1)" in out and "WORLD_SIZE(1)" in out
-    assert "Traceback" not in out
+    assert out.strip().splitlines()[-1].startswith("error: rollout.tp(4) does not divide "
+                                                   "WORLD_SIZE(2)")  # fmt: skip
+    assert "Traceback" not in out and not (tmp_path / "r" / "hf_model").exists()
 
 
 @pytest.mark.timeout(300)
@@ -170,3 +178,22 @@ def test_grpo_learns_the_synthetic_task(tmp_path, v):
     last = sum(x["reward_mean"] for x in r[-10:]) / 10
     assert last > first + 0.15, (v, first, last, [round(x["reward_mean"], 2) for x in r])
     assert sum(x["synced"] for x in r) == 40 // v
+
+
+@pytest.mark.timeout(400)
+def test_one_process_spawns_the_ranks_and_the_console_shows_only_our_lines(tmp_path):
+    """`train --config configs/tiny_cpu.yaml` (tp=2) as one process starts its 2 ranks;
+    library output (warnings, vLLM INFO, the config) goes to train.log, rank-prefixed."""
+    run = tmp_path / "run"
+    rc, out = train(run, "--config", "configs/tiny_cpu.yaml", "--steps", "2", *FAST,
+                    timeout=350)  # fmt: skip
+    assert rc == 0, out[-3000:]
+    assert [x["step"] for x in rows(run)] == [1, 2]
+    lines = out.strip().splitlines()
+    assert len(lines) <= 25, out
+    assert "starting 2 ranks under torchrun" in lines[0]
+    assert "sync every v vs every step" in out  # the summary
+    log = (run / "train.log").read_text()
+    assert "[rank 0] " in log and "[rank 1] " in log
+    assert '"run_dir"' in log and '"run_dir"' not in out  # the config dump
+    assert "INFO" in log and "INFO" not in out and "Failed to load weights" not in out

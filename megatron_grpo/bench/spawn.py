@@ -30,6 +30,9 @@ def free_port() -> int:
 def _entry(
     fn: Callable, rank: int, world: int, port: int, out: str, env: dict, args: tuple
 ) -> None:
+    from megatron_grpo.platform.lifetime import die_with_parent
+
+    die_with_parent()  # a killed `eval` / `bench` must not leave its ranks behind
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env,

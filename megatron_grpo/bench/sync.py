@@ -414,6 +414,14 @@ def run_bench_sync(a: BenchSyncArgs) -> dict:
     from megatron_grpo.bench.spawn import spawn_ranks
 
     hf_dir = resolve_model(a)
+    from megatron_grpo.models.spec import check_heads, load_spec
+
+    try:  # before any rank starts, not vLLM's pydantic error from a spawned rank
+        check_heads(load_spec(hf_dir), a.train_tp, a.rollout_tp)
+    except ValueError as e:
+        from megatron_grpo.config import ConfigError
+
+        raise ConfigError(str(e)) from None
     env = {"OMP_NUM_THREADS": str(a.threads)}
     t0 = time.perf_counter()
     per_rank = spawn_ranks(bench_rank, a.world, a, str(hf_dir), timeout_s=3600.0, env=env)

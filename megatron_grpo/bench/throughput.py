@@ -145,7 +145,8 @@ def train_argv(
                   f"--nproc-per-node={nproc}", "-m", "megatron_grpo.cli.main"]  # fmt: skip
     else:
         launch = [sys.executable, "-m", "megatron_grpo.cli.main"]
-    cmd = [*launch, "train", "--run-dir", str(run_dir), "--steps", str(steps),
+    # --overwrite: a re-run of the bench into the same out_dir replaces its runs.
+    cmd = [*launch, "train", "--run-dir", str(run_dir), "--overwrite", "--steps", str(steps),
            "--sync-interval", str(v)]  # fmt: skip
     if config:
         cmd += ["--config", config]

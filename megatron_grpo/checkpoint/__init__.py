@@ -7,6 +7,8 @@ from megatron_grpo.checkpoint.core import (
     CheckpointError,
     LoadedCheckpoint,
     LoopState,
+    damage,
+    find_intact,
     find_latest,
     is_complete,
     list_checkpoints,
@@ -15,6 +17,7 @@ from megatron_grpo.checkpoint.core import (
     resolve_checkpoint,
     save_checkpoint,
     step_dir_name,
+    verify_checkpoint,
 )
 from megatron_grpo.checkpoint.rng import get_rng_state, set_rng_state
 
@@ -25,6 +28,8 @@ __all__ = [
     "CheckpointError",
     "LoadedCheckpoint",
     "LoopState",
+    "damage",
+    "find_intact",
     "find_latest",
     "get_rng_state",
     "is_complete",
@@ -35,4 +40,5 @@ __all__ = [
     "save_checkpoint",
     "set_rng_state",
     "step_dir_name",
+    "verify_checkpoint",
 ]

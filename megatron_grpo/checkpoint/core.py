@@ -16,6 +16,12 @@ point leaves the previous checkpoint and ``latest`` untouched; ``.tmp`` director
 never read, and the next save removes them. Older checkpoints are pruned only after the new
 one is complete.
 
+Integrity: state.json records the size and CRC32 of every other file of the checkpoint
+(``files``). ``load_checkpoint`` checks them first and raises one line naming the damaged
+file (truncated shard, missing rng file or ``.metadata``, broken state.json);
+``find_intact`` skips damaged checkpoints, newest first, which is how ``--resume`` falls
+back to the newest intact one.
+
 ``save_checkpoint`` and ``load_checkpoint`` are collective: every rank of the default
 process group calls them with its own shard templates (dist_checkpointing.save/load are
 collective over the world). The sharded parts are resharded on load — a checkpoint saved at
@@ -29,6 +35,7 @@ import logging
 import os
 import re
 import shutil
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -205,6 +212,95 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# -- integrity -------------------------------------------------------------------------------
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _payload_files(step_dir: Path) -> list[Path]:
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != STATE_FILE)
+
+
+def _gather_files(step_dir: Path, rank: int, world: int) -> dict[str, list]:
+    """``{relative path: [size, crc32]}`` of every file under ``step_dir`` but state.json;
+    each rank checksums every ``world``-th file and the shares are gathered."""
+    mine = {
+        str(p.relative_to(step_dir)): [p.stat().st_size, _crc32(p)]
+        for p in _payload_files(step_dir)[rank::world]
+    }
+    if world == 1:
+        return mine
+    shares: list = [None] * world
+    dist.all_gather_object(shares, mine)
+    return {k: v for share in shares for k, v in share.items()}
+
+
+def damage(path: str | os.PathLike, rank: int = 0, world: int = 1) -> str | None:
+    """The first damaged file of a checkpoint in one sentence (None: intact).
+
+    Checks state.json, then every file's size and CRC32 against the record written at save
+    (this rank checks every ``world``-th file). Checkpoints written before sizes were
+    recorded are checked for state.json only.
+    """
+    step_dir = Path(path)
+    try:
+        meta = json.loads((step_dir / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        return f"{step_dir / STATE_FILE} is unreadable ({type(e).__name__}: {e})"
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        return None
+    for rel, (size, crc) in sorted(files.items())[rank::world]:
+        p = step_dir / rel
+        if not p.is_file():
+            return f"{p} is missing"
+        if p.stat().st_size != size:
+            return f"{p} has {p.stat().st_size} bytes, {size} when saved (truncated?)"
+        if _crc32(p) != crc:
+            return f"{p} does not match the checksum recorded when it was saved"
+    return None
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Raise CheckpointError naming the damaged file when a checkpoint is not intact.
+
+    Collective when torch.distributed is initialized (every rank checks a share of the files);
+    every rank raises the same error.
+    """
+    step_dir = Path(path)
+    rank, world = _rank_world()
+    problems: list = [damage(step_dir, rank, world)]
+    if world > 1:
+        problems = [None] * world
+        dist.all_gather_object(problems, damage(step_dir, rank, world))
+    found = next((p for p in problems if p), None)
+    if found:
+        raise CheckpointError(
+            f"checkpoint {step_dir.name} is damaged: {found}; resume from an older checkpoint "
+            "(--resume falls back by itself) or delete this one."
+        )
+
+
+def find_intact(run_dir: str | os.PathLike) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint of a run that passes ``verify_checkpoint`` (``latest`` first),
+    and the one-line reasons of the damaged ones skipped on the way. Collective."""
+    latest = find_latest(run_dir)
+    ordered = [p for _, p in reversed(list_checkpoints(run_dir)) if p != latest]
+    skipped = []
+    for candidate in [latest, *ordered] if latest else ordered:
+        try:
+            verify_checkpoint(candidate)
+        except CheckpointError as e:
+            skipped.append(str(e))
+            continue
+        return candidate, skipped
+    return None, skipped
+
+
 # -- save ------------------------------------------------------------------------------------
 def _commit(tmp: Path, final: Path, root: Path) -> None:
     """Rank 0: make the finished ``tmp`` the checkpoint ``final`` and point ``latest`` at it.
@@ -288,12 +384,16 @@ def save_checkpoint(
     if state_dicts:
         from megatron.core import dist_checkpointing
 
+        from megatron_grpo.platform.lifetime import start_checkpoint_manager
+
+        start_checkpoint_manager()  # dies with this rank, survives group-wide pre-emption signals
         for name, source in state_dicts.items():
             dist_checkpointing.save(dict(_resolve(source)), str(tmp / name))
 
     if save_rng:
         torch.save(get_rng_state(), tmp / RNG_DIR / f"rank_{rank:05d}.pt")
     _barrier()  # every rank's files are in tmp before rank 0 seals it
+    files = _gather_files(tmp, rank, world)
 
     if rank == 0:
         meta = {
@@ -303,6 +403,7 @@ def save_checkpoint(
             "state_dicts": sorted(state_dicts),
             "rng": save_rng,
             "loop_state": asdict(loop_state),
+            "files": files,
         }
         # state.json is written last: its presence marks the directory as complete.
         with open(tmp / STATE_FILE, "w") as f:
@@ -321,7 +422,12 @@ def save_checkpoint(
 def read_state(path: str | os.PathLike) -> dict[str, Any]:
     """The raw state.json of a checkpoint (run dir, checkpoints dir or step dir)."""
     path = resolve_checkpoint(path)
-    meta = json.loads((path / STATE_FILE).read_text())
+    try:
+        meta = json.loads((path / STATE_FILE).read_text())
+    except ValueError as e:
+        raise CheckpointError(
+            f"{path / STATE_FILE} is damaged ({e}): load an older checkpoint, or delete this one."
+        ) from e
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{path / STATE_FILE} has format_version={meta.get('format_version')!r}; this code "
@@ -337,6 +443,7 @@ def load_checkpoint(
     optional: Iterable[str] = (),
     restore_rng: bool = True,
     strict: Any = None,
+    verify: bool = True,
 ) -> LoadedCheckpoint:
     """Load a checkpoint; collective over all ranks when ``templates`` is not empty.
 
@@ -351,10 +458,14 @@ def load_checkpoint(
         restore_rng: set this rank's RNG states from the checkpoint. Restored only when the
             world size matches the saving run's (else a warning, and ``rng_restored=False``).
         strict: passed to ``dist_checkpointing.load`` (None keeps its default).
+        verify: check every file's size and checksum against the record made at save first
+            (``verify_checkpoint``: CheckpointError naming the damaged file).
     """
     step_dir = resolve_checkpoint(path)
     meta = read_state(step_dir)
     rank, world = _rank_world()
+    if verify:
+        verify_checkpoint(step_dir)
     templates = dict(templates or {})
     _check_names(templates)
     optional = set(optional)

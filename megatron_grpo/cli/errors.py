@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 from megatron_grpo.config import ConfigError
@@ -17,8 +18,23 @@ def exit_on_user_error():
     try:
         yield
     except (ConfigError, UnsupportedModelError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        # The same config on every rank gives the same error: the console shows rank 0's.
+        _report(e, to_console=not isinstance(e, ConfigError) or _rank() == 0)
         sys.exit(2)
     except RolloutFailure as e:
-        print(f"error: {e}", file=sys.stderr)
+        _report(e, to_console=True)
         sys.exit(1)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _report(e: BaseException, to_console: bool) -> None:
+    """``error: <message>`` on the console, and in train.log when output is captured."""
+    from megatron_grpo.metrics.console import console_err, log_path
+
+    if log_path() is not None:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    if to_console:
+        print(f"error: {e}", file=console_err(), flush=True)

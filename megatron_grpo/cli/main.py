@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 # module path -> subcommand name; modules are imported lazily so `--help` stays fast.
 SUBCOMMANDS = {
@@ -20,12 +21,19 @@ SUBCOMMANDS = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (``--help`` still shows the usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="megatron-grpo",
         description="Off-policy GRPO on Megatron-core with a TP/PP -> vLLM resharding bridge.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for module in SUBCOMMANDS:
         importlib.import_module(module).add_parser(sub)
     return parser
@@ -34,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command != "train":  # train sends library output to train.log (console.py)
+        # megatron-core warns at import that it falls back from Transformer Engine / Apex to
+        # its local implementation: expected on CPU, noise next to a command's one line.
+        warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

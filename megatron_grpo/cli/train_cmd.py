@@ -7,6 +7,8 @@ docs/launch.md. ``megatron-grpo demo`` runs it on the embedded default with the 
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,6 +25,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sync-interval", type=int, help="v: sync vLLM every v steps (sync.interval)")
     p.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in the run dir"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run already in the run dir and start afresh (default: refuse it)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print library output (warnings, vLLM INFO, the config) on the console too; by "
+        "default it goes to RUN_DIR/train.log",
     )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     p.set_defaults(func=run)
@@ -45,7 +58,36 @@ def run(args: argparse.Namespace) -> int:
 
     with exit_on_user_error():
         cfg = load_config(args.config, overrides_from_args(args))
+        if int(os.environ.get("RANK", "0")) == 0:  # one rank decides, before any model is built
+            from megatron_grpo.trainer.run_dir import prepare_run_dir
+
+            prepare_run_dir(cfg.run_dir, resume=args.resume, overwrite=args.overwrite)
+        from megatron_grpo.trainer.preflight import check_run
+        from megatron_grpo.trainer.spawn import ranks_needed, run_under_torchrun
+
+        spawn = "WORLD_SIZE" not in os.environ and cfg.rollout.placement == "colocated"
+        nproc = ranks_needed(cfg) if spawn else int(os.environ.get("WORLD_SIZE", "1"))
+        if cfg.rollout.placement == "colocated":
+            check_run(cfg, nproc)  # every check that can fail, before any rank or model
+        if spawn and nproc > 1:  # one process asked for a layout of several ranks: start them
+            print(f"[megatron-grpo] starting {nproc} ranks under torchrun", flush=True)
+            return run_under_torchrun(_rank_argv(args), nproc)
+        if not args.verbose:
+            from megatron_grpo.metrics.console import LOG_FILE, capture, say
+
+            capture(Path(cfg.run_dir) / LOG_FILE, int(os.environ.get("RANK", "0")))
+            if int(os.environ.get("RANK", "0")) == 0:
+                say(f"library output goes to {Path(cfg.run_dir) / LOG_FILE} (--verbose shows it)")
         from megatron_grpo.trainer.loop import train
 
         train(cfg, resume=args.resume)
     return 0
+
+
+def _rank_argv(args: argparse.Namespace) -> list[str]:
+    """This command for the spawned ranks (--overwrite has already cleared the run dir)."""
+    argv = ["train"]
+    if args.config:
+        argv += ["--config", args.config]
+    argv += ["--resume"] * args.resume + ["--verbose"] * args.verbose
+    return argv + overrides_from_args(args)

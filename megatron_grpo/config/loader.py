@@ -127,6 +127,16 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
+def _yaml_error(path: Path, e: yaml.YAMLError) -> str:
+    """PyYAML's multi-line report as one line: ``file:line:col: problem``."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    context = getattr(e, "context", None)
+    what = f"{context}, {problem}" if context else problem
+    return f"config file {where} is not valid YAML ({what}): fix it at that line and column."
+
+
 def load_config(
     path: str | os.PathLike | None = None, overrides: list[str] | None = None
 ) -> Config:
@@ -141,7 +151,7 @@ def load_config(
         try:
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+            raise ConfigError(_yaml_error(p, e)) from None
     if overrides:
         data = _merge(data, parse_overrides(overrides))
     return _build(Config, data, "")

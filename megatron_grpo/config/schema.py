@@ -429,6 +429,29 @@ class LoggingConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Validation during training: pass@1 on held-out prompts through the engines already up."""
+
+    interval: int = 0
+    """Evaluate every this many steps (after that step's sync, so it measures the weights vLLM
+    serves then: ``policy_version``); 0 disables."""
+    data: str = ""
+    """Held-out prompts: a data file (same keys as ``data``), or empty for the ``test`` split
+    of a ``synthetic:<task>`` training source."""
+    num_prompts: int = 32
+    """The first this many held-out prompts, the same at every evaluation."""
+    samples: int = 1
+    """Samples per prompt; pass@1 is the mean over them (with temperature 0: greedy accuracy)."""
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_positive("eval.interval", self.interval, allow_zero=True)
+        _check_positive("eval.num_prompts", self.num_prompts)
+        _check_positive("eval.samples", self.samples)
+        _check_positive("eval.temperature", self.temperature, allow_zero=True)
+
+
+@dataclass
 class Config:
     """The whole run: every section, plus the loop's length and seed."""
 
@@ -445,9 +468,20 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         _check_positive("steps", self.steps)
+        if (
+            self.eval.interval
+            and not self.eval.data
+            and not self.data.source.startswith("synthetic:")
+        ):
+            raise ConfigError(
+                f"eval.interval={self.eval.interval} needs held-out prompts: set eval.data to a "
+                f"data file (data.source={self.data.source!r} has no built-in test split)."
+            )
+        _check_ranges(self)
         batch = self.grpo.prompts_per_step * self.grpo.group_size
         if self.grpo.mini_batch_size and batch % self.grpo.mini_batch_size:
             raise ConfigError(
@@ -474,6 +508,33 @@ class Config:
                 f"({self.rollout.max_new_tokens}) exceeds rollout.max_model_len"
                 f"({self.rollout.max_model_len}): raise rollout.max_model_len or shorten them."
             )
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Ranges of the numeric keys the section checks leave open (a value out of range was
+    accepted and only failed, or silently misbehaved, deep in a run)."""
+    r, g, o = cfg.rollout, cfg.grpo, cfg.optim
+    if r.top_k != -1 and r.top_k < 1:
+        raise ConfigError(f"rollout.top_k={r.top_k} must be -1 (off) or >= 1.")
+    _check_positive("rollout.cpu_kv_cache_gb", r.cpu_kv_cache_gb)
+    _check_positive("grpo.advantage_eps", g.advantage_eps, allow_zero=True)
+    _check_positive("grpo.red_weight_tau", g.red_weight_tau)
+    for key in ("rec_ring_eps_low", "rec_ring_eps_high", "regularizer_coef", "loss_agg_constant",
+                "overlong_penalty"):  # fmt: skip
+        _check_positive(f"grpo.{key}", getattr(g, key), allow_zero=True)
+    _check_positive("grpo.rec_tis_cap", g.rec_tis_cap)
+    _check_positive("grpo.tis_cap", g.tis_cap)
+    if not 0 <= g.overlong_buffer <= r.max_new_tokens:
+        raise ConfigError(
+            f"grpo.overlong_buffer={g.overlong_buffer} must be in [0, rollout.max_new_tokens"
+            f"({r.max_new_tokens})]: it is the last part of the response length that is "
+            "penalized; 0 disables."
+        )
+    _check_positive("optim.weight_decay", o.weight_decay, allow_zero=True)
+    _check_positive("optim.adam_eps", o.adam_eps)
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(o, key) < 1:
+            raise ConfigError(f"optim.{key}={getattr(o, key)} must be in [0, 1).")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -45,6 +45,11 @@ def plot_reward(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> P
             lo = [m - s for (_, m, s) in pts]
             hi = [m + s for (_, m, s) in pts]
             ax.fill_between(steps, lo, hi, color="tab:blue", alpha=0.15, label="+- std")
+    evals = [(r["step"], _num(r.get("eval_pass@1"))) for r in rows]
+    evals = [e for e in evals if e[1] is not None]
+    if evals:  # validation during training (eval.interval)
+        ax.plot([e[0] for e in evals], [e[1] for e in evals], "o-", color="tab:green", lw=1.2,
+                ms=3, label="held-out pass@1 (eval.interval)")  # fmt: skip
     synced = [r["step"] for r in rows if r.get("synced")]
     for i, s in enumerate(synced):
         ax.axvline(
@@ -54,7 +59,7 @@ def plot_reward(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> P
     ax.set_ylabel("reward")
     ax.set_title("Reward over training (orange: vLLM weight syncs)")
     ax.grid(alpha=0.3)
-    if pts or synced:
+    if pts or synced or evals:
         ax.legend(loc="best", fontsize=8)
     _save(fig, path)
     return path

@@ -169,3 +169,22 @@ def vllm_padded_vocab(vocab_size: int, tp: int, pad_to: int = 64) -> int:
     evenly over its TP ranks; the loader expects exactly ``vocab_size`` incoming rows.
     """
     return ((vocab_size + pad_to - 1) // pad_to) * pad_to
+
+
+def check_heads(spec: ModelSpec, train_tp: int, rollout_tp: int) -> None:
+    """ValueError (one line) when a tensor-parallel size cannot split the attention heads:
+    Megatron splits the ``num_heads`` query heads over the trainer TP ranks, vLLM the query
+    heads over the rollout TP ranks and the KV heads likewise (or replicates each KV head on
+    ``rollout_tp / num_kv_heads`` ranks)."""
+    h, g = spec.num_heads, spec.num_kv_heads
+    if h % train_tp:
+        raise ValueError(
+            f"trainer tp({train_tp}) does not divide the model's {h} attention heads: pick a "
+            f"tp that divides {h}."
+        )
+    if h % rollout_tp or (g % rollout_tp and rollout_tp % g):
+        raise ValueError(
+            f"rollout tp({rollout_tp}) does not split the model's {h} attention heads / {g} KV "
+            f"heads (vLLM needs tp to divide {h}, and to divide {g} or be a multiple of it): "
+            "pick another rollout tp."
+        )

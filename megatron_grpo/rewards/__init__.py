@@ -4,6 +4,6 @@ Entry point: :func:`build_reward` -> :class:`RewardFn`. This package imports no 
 pool workers start quickly.
 """
 
-from megatron_grpo.rewards.builder import RewardFn, build_reward
+from megatron_grpo.rewards.builder import RewardFn, build_reward, check_reward
 
-__all__ = ["RewardFn", "build_reward"]
+__all__ = ["RewardFn", "build_reward", "check_reward"]

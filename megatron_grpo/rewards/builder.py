@@ -149,12 +149,9 @@ class RewardFn:
         self.close()
 
 
-def build_reward(reward_cfg, data_cfg=None) -> RewardFn:
-    """The reward of ``reward.name`` (see :class:`~megatron_grpo.config.schema.RewardConfig`).
-
-    ``data_cfg`` is checked against the reward: a ``synthetic:<task>`` source needs
-    ``reward.name=synthetic`` (or a user function) because its answers are bare strings.
-    """
+def check_reward(reward_cfg, data_cfg=None) -> None:
+    """Every check ``build_reward`` makes, without starting anything (ValueError, one line):
+    run it before expensive work. A user function is imported here, in this process."""
     name = reward_cfg.name
     src = getattr(data_cfg, "source", "") or ""
     if src.startswith("synthetic:") and name in ("gsm8k", "gsm8k_flexible", "math"):
@@ -162,6 +159,30 @@ def build_reward(reward_cfg, data_cfg=None) -> RewardFn:
             f"data.source={src!r} pairs with reward.name=synthetic, not {name!r}: set "
             "reward.name=synthetic or use a GSM8K/MATH data file."
         )
+    if name in _INPROCESS or name in _POOLED:
+        return
+    if ":" not in name:
+        raise ValueError(
+            f"reward.name={name!r} is neither a built-in reward {sorted([*_INPROCESS, *_POOLED])} "
+            "nor 'package.module:function' / 'path/to/file.py:function'."
+        )
+    if reward_cfg.format_weight:
+        raise ValueError(
+            f"reward.format_weight={reward_cfg.format_weight} has no format check for the user "
+            f"reward {name!r}: fold the format into the function and set reward.format_weight=0."
+        )
+    load_callable(name)
+
+
+def build_reward(reward_cfg, data_cfg=None) -> RewardFn:
+    """The reward of ``reward.name`` (see :class:`~megatron_grpo.config.schema.RewardConfig`).
+
+    ``data_cfg`` is checked against the reward: a ``synthetic:<task>`` source needs
+    ``reward.name=synthetic`` (or a user function) because its answers are bare strings.
+    A user function is ``package.module:function`` or ``path/to/file.py:function``.
+    """
+    check_reward(reward_cfg, data_cfg)  # fail now, in the parent, with a clear message
+    name = reward_cfg.name
     common = dict(name=name, timeout_s=reward_cfg.timeout_s, format_weight=reward_cfg.format_weight)
     if name in _INPROCESS:
         score, fmt = _INPROCESS[name]
@@ -170,16 +191,5 @@ def build_reward(reward_cfg, data_cfg=None) -> RewardFn:
         target, fmt = _POOLED[name]
         pool = DeadlinePool(target, reward_cfg.num_workers, reward_cfg.timeout_s)
         return RewardFn(format_fn=fmt, pool=pool, **common)
-    if ":" not in name:
-        raise ValueError(
-            f"reward.name={name!r} is neither a built-in reward {sorted([*_INPROCESS, *_POOLED])} "
-            "nor a dotted path 'package.module:function'."
-        )
-    if reward_cfg.format_weight:
-        raise ValueError(
-            f"reward.format_weight={reward_cfg.format_weight} has no format check for the user "
-            f"reward {name!r}: fold the format into the function and set reward.format_weight=0."
-        )
-    load_callable(name)  # fail now, in the parent, with a clear message
     pool = DeadlinePool(name, reward_cfg.num_workers, reward_cfg.timeout_s)
     return RewardFn(format_fn=None, pool=pool, **common)

@@ -258,6 +258,12 @@ def prepare(
             "reward.name=gsm8k (or gsm8k_flexible, math, synthetic, package.module:function)."
         )
     source = resolve_model(model, hf_config)
+    from megatron_grpo.models.spec import check_heads, load_spec
+
+    try:  # before any rank starts: a spawned rank's traceback is not an answer
+        check_heads(load_spec(source.hf_dir), train_tp, rollout_tp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     forced = [
         f"data.source={data}", f"parallel.tp={train_tp}", f"parallel.pp={train_pp}",
         "parallel.vpp=null", f"rollout.tp={rollout_tp}", "rollout.placement=colocated",

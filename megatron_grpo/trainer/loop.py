@@ -41,7 +41,9 @@ class RolloutFailure(RuntimeError):
 
 def _say(ctx, msg: str) -> None:
     if ctx.rank == 0:
-        print(f"[megatron-grpo] {msg}", flush=True)
+        from megatron_grpo.metrics.console import say
+
+        say(msg)
 
 
 def validate_world(cfg: Config, world_size: int) -> int:
@@ -63,6 +65,9 @@ def validate_world(cfg: Config, world_size: int) -> int:
                 "(colocated only): set sync.verify=false with rollout.placement=disaggregated."
             )
     else:
+        from megatron_grpo.distributed.setup import validate_parallel
+
+        validate_parallel(cfg.parallel, world_size)  # now, not after the warm start
         if world_size % cfg.rollout.tp:
             raise ConfigError(
                 f"rollout.tp({cfg.rollout.tp}) does not divide WORLD_SIZE({world_size}): "
@@ -127,6 +132,7 @@ class GRPOTrainer:
         from megatron_grpo.policy.policy import build_policy
         from megatron_grpo.rewards import build_reward
         from megatron_grpo.trainer.model_dir import prepare_model_dir
+        from megatron_grpo.trainer.preflight import check_run
 
         self.cfg = cfg
         self.world = world  # disaggregated: the default group is the trainer sub-world
@@ -136,13 +142,13 @@ class GRPOTrainer:
         self.stop_requested = False
         self._install_signal_handlers()
         rank = int(os.environ.get("RANK", "0"))
-        self.num_engines = validate_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        # Layout, reward and data checks: one line now, not after the warm start or vLLM.
+        self.num_engines = check_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         self.hf_dir = prepare_model_dir(cfg, rank, cfg.parallel.timeout_s)
         self.spec = load_spec(self.hf_dir)
         sub_world = self.world.trainer_world() if self.world is not None else {}
         self.ctx = ctx = init_distributed(cfg.parallel, self.spec, seed=cfg.seed, **sub_world)
         if ctx.rank == 0:
-            save_config(cfg, self.run_dir)
             print(format_config(cfg), flush=True)
         _say(
             ctx,
@@ -184,6 +190,12 @@ class GRPOTrainer:
         self.reward_fn = build_reward(cfg.reward, cfg.data)
         self.advantage_fn = build_advantage_fn(g)
         self.loss_fn = make_loss_fn(g, cfg.rollout.max_new_tokens)
+        self.validator = None
+        if cfg.eval.interval:
+            from megatron_grpo.trainer.validation import Validator
+
+            self.validator = Validator(cfg, self.tokenizer, self.reward_fn)
+        self._eval_metrics: dict[str, Any] = {}
         self.start_step, self.policy_version = 0, 0
         if resume:
             self._resume()
@@ -192,12 +204,16 @@ class GRPOTrainer:
             self._snapshot_served()
             _say(ctx, f"initial sync: {report.bytes / 2**20:.2f} MiB in {report.seconds:.2f}s "
                  f"(minimal {report.minimal_bytes / 2**20:.2f} MiB)")  # fmt: skip
+        if ctx.rank == 0:  # only once the run really starts (a failed start leaves none)
+            save_config(cfg, self.run_dir)
         from megatron_grpo.metrics import MetricsLogger, PhaseTimer
+        from megatron_grpo.metrics.console import console_err
 
         self.timer = PhaseTimer()
         self.logger = MetricsLogger(
             self.run_dir, cfg.logging, cfg.steps, ctx.rank,
             resume_step=self.start_step if resume else None, run_config=dataclasses.asdict(cfg),
+            stream=console_err(),
         )  # fmt: skip
 
     # ------------------------------------------------------------------------ the loop
@@ -211,11 +227,11 @@ class GRPOTrainer:
             timer.reset()
             t_step = time.perf_counter()
             version = self.policy_version
-            with timer.phase("rollout"):
+            with timer.phase("rollout"), self._bounded(f"the rollout of step {step}"):
                 self.memory.before_generate()
                 prompts, samples = self._rollout_or_fail(step)
                 self.memory.after_generate()
-            with timer.phase("reward"):
+            with timer.phase("reward"), self._bounded(f"the rewards of step {step}"):
                 rewards, reward_info = self.score(prompts, samples)
             batch = collate(samples, self.tokenizer.pad_token_id)
             with timer.phase("logprobs"):
@@ -227,15 +243,23 @@ class GRPOTrainer:
             sync_report = None
             self.memory.before_sync()
             if synced:
-                with timer.phase("sync"):
+                with timer.phase("sync"), self._bounded(f"the weight sync of step {step}"):
                     sync_report = self.sync(step)
+            if self.validator is not None and self.validator.due(step):
+                with timer.phase("eval"), self._bounded(f"the evaluation of step {step}"):
+                    self.memory.before_generate()  # vLLM awake, trainer state off the GPU
+                    self._eval_metrics = self.validator.run(self._generate, self.policy_version)
+                    self.memory.after_generate()
             if g.ref_update_interval and step % g.ref_update_interval == 0 and self.ref:
                 self.ref.copy_weights_from(self.policy)  # success-rate amplification
-            if self._checkpoint_due(step):
-                self.save(step)
-                last_saved = step
+            # Log before saving: a checkpoint is never newer than metrics.jsonl (a resume
+            # drops the rows after its step and re-runs them, so no step's row is lost).
             self.log(step, version, rewards, reward_info, samples, adv, train, sync_report,
                      time.perf_counter() - t_step)  # fmt: skip
+            if self._checkpoint_due(step):
+                with self._bounded(f"the checkpoint of step {step}"):
+                    self.save(step)
+                last_saved = step
             if self._stop_agreed():
                 if last_saved != step:
                     self.save(step)
@@ -249,18 +273,20 @@ class GRPOTrainer:
         cfg = self.cfg
         prompts = self.prompts.next_batch(cfg.grpo.prompts_per_step)  # same on every rank
         r = cfg.rollout
-        generate = (
-            partial(generate_on_engines, self.engine, self.ctx, r.tp)
-            if self.world is None
-            else self.engine.generate  # disaggregated: rollout.server.RolloutClient
-        )
-        samples = generate(
+        samples = self._generate(
             [p.prompt_ids for p in prompts],
             n=cfg.grpo.group_size, temperature=r.temperature,
             top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
             seed=r.seed + 7919 * step, stop_token_ids=[self.tokenizer.eos_token_id],
         )  # fmt: skip
         return prompts, samples
+
+    def _generate(self, prompt_ids: list, **sampling) -> list:
+        """Samples of every prompt from the engines (all ranks get all, prompt-major)."""
+        if self.world is not None:  # disaggregated: rollout.server.RolloutClient
+            return self.engine.generate(prompt_ids, **sampling)
+        return generate_on_engines(self.engine, self.ctx, self.cfg.rollout.tp, prompt_ids,
+                                   **sampling)  # fmt: skip
 
     def _rollout_or_fail(self, step: int):
         try:
@@ -361,6 +387,12 @@ class GRPOTrainer:
         return report
 
     # ------------------------------------------------------------------------ helpers
+    def _bounded(self, what: str):
+        """Every wait of the loop ends, at the latest after parallel.timeout_s (watchdog.py)."""
+        from megatron_grpo.trainer.watchdog import bounded
+
+        return bounded(what, self.cfg.parallel.timeout_s, "parallel.timeout_s bounds it")
+
     def _snapshot_served(self) -> None:
         if self.served is not None:
             self.served.copy_weights_from(self.policy)
@@ -398,16 +430,20 @@ class GRPOTrainer:
         _say(self.ctx, f"checkpoint {path}")
 
     def _resume(self) -> None:
-        from megatron_grpo.checkpoint import find_latest, load_checkpoint
+        from megatron_grpo.checkpoint import find_intact, load_checkpoint
 
-        latest = find_latest(self.run_dir)
+        latest, damaged = find_intact(self.run_dir)
+        for reason in damaged:
+            _say(self.ctx, f"{reason.split(';')[0]}: skipping it")
         if latest is None:
             raise ConfigError(
-                f"--resume: no complete checkpoint under {self.run_dir}/checkpoints; start "
+                f"--resume: no intact checkpoint under {self.run_dir}/checkpoints; start "
                 "without --resume, or point --run-dir at the run to continue."
             )
+        if damaged:
+            _say(self.ctx, f"falling back to the newest intact checkpoint, {latest.name}")
         templates = {k: v() for k, v in self._state_dicts(for_loading=True).items()}
-        loaded = load_checkpoint(latest, templates, optional=("ref", "served"))
+        loaded = load_checkpoint(latest, templates, optional=("ref", "served"), verify=False)
         self.policy.load_sharded_state_dict(loaded.state_dicts["policy"])
         if self.ref is not None and "ref" in loaded.state_dicts:
             self.ref.load_sharded_state_dict(loaded.state_dicts["ref"])
@@ -457,6 +493,10 @@ class GRPOTrainer:
         task_scores = reward_info["task_scores"]
         extra = {k: v for k, v in reward_info.items() if k not in ("reward_mean", "task_scores")}
         extra.update({f"adv_{k}": v for k, v in adv.metrics.items()})
+        extra.update(self._eval_metrics)  # validation of this step (eval.interval), if any
+        self._eval_metrics = {}
+        if "time_eval" in times:
+            extra["time_eval"] = times["time_eval"]
         for key in ("ratio_mean", "ratio_min", "ratio_max", "pg_loss", "approx_kl"):
             if mean(key) is not None:
                 extra[key] = mean(key)
@@ -487,7 +527,9 @@ class GRPOTrainer:
     def finish(self) -> dict[str, Any]:
         summary = self.logger.finish(self.cfg.sync.interval)
         if self.ctx.rank == 0 and summary:
-            print(summary, flush=True)
+            from megatron_grpo.metrics.console import console_out
+
+            print(summary, file=console_out(), flush=True)
         return {"preempted": False, "step": self.cfg.steps}
 
     def close(self) -> None:

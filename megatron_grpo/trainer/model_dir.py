@@ -10,7 +10,9 @@ directory. Other ranks wait for the directory's completion marker.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import shutil
 import time
@@ -19,14 +21,37 @@ from pathlib import Path
 from megatron_grpo.config.schema import Config
 from megatron_grpo.models.tiny import PRESETS, build_hf_model
 
+log = logging.getLogger(__name__)
+
 COMPLETE = ".complete"
+
+
+def recipe(cfg: Config) -> dict:
+    """Everything the prepared model's bytes depend on; a directory built from another
+    recipe (an earlier run with another seed or warm start) is rebuilt, never reused."""
+    m = cfg.model
+    out = {"preset": m.hf_path, "seed": cfg.seed, "warm_start_steps": m.warm_start_steps}
+    if m.warm_start_steps:
+        out.update(warm_start_lr=m.warm_start_lr, warm_start_batch_size=m.warm_start_batch_size,
+                   data=dataclasses.asdict(cfg.data))  # fmt: skip
+    return out
+
+
+def built_recipe(target: Path) -> dict | None:
+    """The recipe recorded in ``target``'s completion marker (None: not complete, or written
+    by a version that recorded none)."""
+    try:
+        return json.loads((target / COMPLETE).read_text()).get("recipe")
+    except (OSError, ValueError):
+        return None
 
 
 def _build_preset(cfg: Config, target: Path) -> None:
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     build_hf_model(tmp, cfg.model.hf_path, seed=cfg.seed, with_tokenizer=True)
-    info = {"preset": cfg.model.hf_path, "seed": cfg.seed, "warm_start_steps": 0}
+    info = {"preset": cfg.model.hf_path, "seed": cfg.seed, "warm_start_steps": 0,
+            "recipe": recipe(cfg)}  # fmt: skip
     if cfg.model.warm_start_steps:
         info["warm_start"] = warm_start(tmp, cfg)
         info["warm_start_steps"] = cfg.model.warm_start_steps
@@ -35,21 +60,30 @@ def _build_preset(cfg: Config, target: Path) -> None:
     os.replace(tmp, target)
 
 
+def check_model_path(cfg: Config) -> None:
+    """FileNotFoundError (one line) when ``model.hf_path`` is neither a preset nor an HF dir."""
+    path = Path(cfg.model.hf_path)
+    if cfg.model.hf_path not in PRESETS and not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.hf_path={cfg.model.hf_path!r} is neither a preset {sorted(PRESETS)} nor a "
+            "directory with a config.json: point it at a Hugging Face model directory."
+        )
+
+
 def prepare_model_dir(cfg: Config, rank: int, timeout_s: float) -> Path:
     """The HF directory this run trains; built by rank 0 when ``model.hf_path`` is a preset."""
     if cfg.model.hf_path not in PRESETS:
-        path = Path(cfg.model.hf_path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model.hf_path={cfg.model.hf_path!r} is neither a preset {sorted(PRESETS)} nor a "
-                "directory with a config.json: point it at a Hugging Face model directory."
-            )
-        return path
+        check_model_path(cfg)
+        return Path(cfg.model.hf_path)
     target = Path(cfg.run_dir) / "hf_model" / cfg.model.hf_path
-    if rank == 0 and not (target / COMPLETE).is_file():
+    want = recipe(cfg)
+    if rank == 0 and built_recipe(target) != want:
+        if target.exists():
+            log.warning("%s was prepared with another recipe (%s): rebuilding it", target,
+                        built_recipe(target))  # fmt: skip
         _build_preset(cfg, target)
     deadline = time.monotonic() + timeout_s
-    while not (target / COMPLETE).is_file():
+    while built_recipe(target) != want:
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"rank {rank} waited {timeout_s:.0f}s for rank 0 to build {target}: check rank "

@@ -1,0 +1,50 @@
+"""Every check of a training run that can fail, run before anything expensive.
+
+Called by each rank first thing (``GRPOTrainer``), and by ``megatron-grpo train`` run as one
+process before it starts the ranks: layout against the world size, the reward (a user
+function is imported), and the data (read and validated without a tokenizer; the prompt
+length check, which needs the tokenizer, comes later). Each failure is one ConfigError line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from megatron_grpo.config import Config, ConfigError
+
+
+def check_run(cfg: Config, world_size: int) -> int:
+    """Raise ConfigError for a run that cannot start; return the number of vLLM engines."""
+    from megatron_grpo.data import build_prompt_source
+    from megatron_grpo.rewards import check_reward
+    from megatron_grpo.trainer.loop import validate_world
+    from megatron_grpo.trainer.model_dir import check_model_path
+
+    engines = validate_world(cfg, world_size)
+    check_model_path(cfg)
+    hf = Path(cfg.model.hf_path)
+    if (hf / "config.json").is_file():  # a preset's shape is checked when it is built
+        from megatron_grpo.models.spec import check_heads, load_spec
+
+        try:
+            check_heads(load_spec(hf), cfg.parallel.tp, cfg.rollout.tp)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    data = cfg.data
+    if data.template == "chat":  # needs the model's tokenizer: checked when it is loaded
+        data = dataclasses.replace(data, template="{prompt}")
+    try:
+        check_reward(cfg.reward, cfg.data)
+        quiet = logging.getLogger("megatron_grpo.data")  # the rows-skipped note comes later
+        level, quiet.level = quiet.level, logging.ERROR
+        try:
+            build_prompt_source(data, tokenizer=None)
+        finally:
+            quiet.setLevel(level)
+    except FileNotFoundError:
+        raise
+    except (ValueError, KeyError) as e:
+        raise ConfigError(str(e).strip().splitlines()[0] if str(e).strip() else repr(e)) from e
+    return engines

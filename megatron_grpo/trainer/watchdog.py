@@ -1,0 +1,55 @@
+"""A bound on every wait of the training loop that can otherwise hang for good.
+
+A rollout blocked in a dead vLLM engine, a reward call, a weight sync whose peer died, a
+checkpoint barrier another rank never reaches: none of these returns by itself (under NCCL
+``Work.wait`` returns at once, so a collective's timeout bounds nothing). ``bounded(what,
+seconds)`` runs a watchdog thread beside the wait; past the deadline it prints one line
+naming the phase, the step and the setting that bounds it, and ends the process (exit 3):
+a blocked C call cannot be interrupted from Python, and the launcher (torchrun, Slurm)
+then stops the other ranks. Children die with the process (platform/lifetime.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Iterator
+
+EXIT_TIMEOUT = 3
+
+
+class PhaseTimeout(RuntimeError):
+    """Raised in tests instead of exiting (``on_timeout``)."""
+
+
+def _exit(message: str) -> None:
+    from megatron_grpo.metrics.console import console_err, log_path
+
+    if log_path() is not None:
+        print(message, file=sys.stderr, flush=True)
+    print(message, file=console_err(), flush=True)
+    os._exit(EXIT_TIMEOUT)
+
+
+@contextlib.contextmanager
+def bounded(what: str, seconds: float, setting: str, on_timeout=_exit) -> Iterator[None]:
+    """Run the body; if it has not finished after ``seconds``, call ``on_timeout`` with
+    ``error: <what> did not finish within <seconds>s (<setting>): ...`` (default: print it
+    and exit the process with status 3)."""
+    done = threading.Event()
+    rank = os.environ.get("RANK", "0")
+
+    def watch() -> None:
+        if not done.wait(seconds):
+            on_timeout(
+                f"error: rank {rank}: {what} did not finish within {seconds:g}s ({setting}): "
+                "a peer rank or engine died or hangs; check train.log, then resume with --resume."
+            )
+
+    threading.Thread(target=watch, name=f"watchdog:{what}", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()

@@ -1,0 +1,138 @@
+"""Faults under a real torchrun on CPU (2 ranks): kill -9 of a rank right after a checkpoint,
+a damaged checkpoint on resume, and no process of the run left behind.
+
+Every process a run starts carries ``MGRPO_FAULT_MARKER=<unique>`` in its environment (they
+inherit it); after each run the test looks for live processes with that marker, which would
+be orphans (their parent is gone), and kills exactly those before failing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TWO_RANKS = [
+    "grpo.group_size=4",
+    "grpo.prompts_per_step=4",
+    "grpo.micro_batch_size=16",
+    "rollout.max_new_tokens=4",
+    "rollout.cpu_kv_cache_gb=0.25",
+    "model.warm_start_steps=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "logging.plots=false",
+    "checkpoint.interval=1",
+    "checkpoint.keep_last=3",
+    "sync.interval=2",
+]
+
+# Rank 0 dies (SIGKILL, no cleanup) right after the checkpoint of step KILL_AFTER is
+# committed: the moment at which the old loop had saved but not yet logged the step.
+# (Guarded: the checkpoint Manager is a spawned process that re-imports this script.)
+KILL_AFTER_SAVE = """
+import os, signal, sys
+
+if __name__ == "__main__":
+    from megatron_grpo.trainer import loop
+
+    real = loop.GRPOTrainer.save
+
+    def save(self, step):
+        real(self, step)
+        if step == int(os.environ["KILL_AFTER"]) and self.ctx.rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    loop.GRPOTrainer.save = save
+    from megatron_grpo.cli.main import main
+
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _marked(marker: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get("MGRPO_FAULT_MARKER") == marker:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def assert_no_leftovers(marker: str, grace_s: float = 20.0) -> None:
+    """No process of the run is alive ``grace_s`` after it ended (kills any it finds)."""
+    deadline = time.monotonic() + grace_s
+    while (left := _marked(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    described = []
+    for p in left:
+        try:
+            described.append(f"{p.pid} (parent {p.ppid()}): {' '.join(p.cmdline())[:160]}")
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert not described, "processes outlived the run:\n" + "\n".join(described)
+
+
+def torchrun(script: Path, args: list[str], marker: str, timeout: int, **env) -> tuple[int, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "MGRPO_FAULT_MARKER": marker, **env}  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(script), *args]  # fmt: skip
+    # Output to a file, not a pipe: an orphan holding the pipe open would block the reader.
+    log = script.with_name(f"torchrun_{uuid.uuid4().hex[:6]}.log")
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    return proc.returncode, log.read_text(errors="replace")
+
+
+def steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x)["step"] for x in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.timeout(600)
+def test_kill_after_checkpoint_loses_no_row_leaves_no_orphan_and_resume_skips_damage(tmp_path):
+    run, script = tmp_path / "run", tmp_path / "kill_after_save.py"
+    script.write_text(KILL_AFTER_SAVE)
+    marker = uuid.uuid4().hex
+    args = ["train", "--run-dir", str(run), "--steps", "3", *TWO_RANKS]
+    rc, out = torchrun(script, args, marker, 280, KILL_AFTER="2")
+    try:
+        assert rc != 0, out[-3000:]
+        assert (run / "checkpoints" / "latest").read_text().strip() == "step_000002", out[-3000:]
+        # The checkpoint of step 2 exists, so step 2's row must too (logged before saving).
+        assert steps(run) == [1, 2], out[-3000:]
+    finally:
+        assert_no_leftovers(marker)
+
+    # Damage the newest checkpoint: resume names the file and falls back to step 1.
+    shard = sorted((run / "checkpoints" / "step_000002" / "policy").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    rc, out = torchrun(script, [*args, "--resume"], marker, 280, KILL_AFTER="0")
+    try:
+        assert rc == 0, out[-3000:]
+        assert f"checkpoint step_000002 is damaged: {shard} has 100 bytes" in out, out[-3000:]
+        assert "falling back to the newest intact checkpoint, step_000001" in out
+        assert "Traceback" not in out
+        assert steps(run) == [1, 2, 3]
+    finally:
+        assert_no_leftovers(marker)
