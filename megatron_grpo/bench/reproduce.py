@@ -37,6 +37,7 @@ import json
 import math
 import os
 import re
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -455,7 +456,10 @@ def run_bench_reproduce(a: ReproduceArgs, log=print) -> dict[str, Any]:
     for seed in seeds:  # round-robin: every variant once per seed, in the same order
         for r in runs:
             run_dir = out / "runs" / r.name / f"seed{seed}"
-            run_dir.mkdir(parents=True, exist_ok=True)
+            # Started afresh: a model built by an earlier invocation with other overrides
+            # (hf_model/ is reused when complete) must not leak into this run.
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
             cmd = train_argv(a.nproc, a.config, run_dir, a.steps, r.v,
                              [*r.overrides, *a.overrides, *seed_overrides(seed)])  # fmt: skip
             commands.setdefault(r.name, " ".join(cmd))
