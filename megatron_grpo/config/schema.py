@@ -522,7 +522,6 @@ def _check_ranges(cfg: Config) -> None:
     for key in ("rec_ring_eps_low", "rec_ring_eps_high", "regularizer_coef", "loss_agg_constant",
                 "overlong_penalty"):  # fmt: skip
         _check_positive(f"grpo.{key}", getattr(g, key), allow_zero=True)
-    _check_positive("grpo.rec_tis_cap", g.rec_tis_cap)
     _check_positive("grpo.tis_cap", g.tis_cap)
     if not 0 <= g.overlong_buffer <= r.max_new_tokens:
         raise ConfigError(
