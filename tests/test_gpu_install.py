@@ -66,3 +66,8 @@ def test_gpu_extra_resolves_for_linux_x86_64_py312():
         r = Requirement(req)
         name = gpu_install.canonical(r.name)
         assert name in got and r.specifier.contains(got[name], prereleases=True), req
+
+
+def test_an_unreachable_index_is_reported_as_such():
+    with pytest.raises(gpu_install.RegistryUnreachable, match="127.0.0.1:9"):
+        gpu_install.check_index("http://127.0.0.1:9/simple/vllm/", timeout_s=2)

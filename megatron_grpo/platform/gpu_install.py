@@ -10,14 +10,14 @@ What it runs (no install, nothing written to the environment)::
         --platform manylinux_2_17_x86_64 ... --platform manylinux_2_35_x86_64
         <base requirements> <gpu extra>
 
-- ``--isolated``: ignores this machine's pip config (local wheel folders, CPU torch
-  constraints); the registry is PyPI.
+- ``--isolated`` and ``PIP_CONFIG_FILE=/dev/null``: none of this machine's pip config
+  (local wheel folders, CPU torch constraints) applies; the registry is PyPI.
 - ``--platform`` is exact in pip (``manylinux_2_28`` does not admit ``manylinux_2_17``
   wheels), so every glibc tag from 2.17 to 2.35 (Ubuntu 22.04; NGC containers have newer)
   is listed: vLLM's dependencies ship wheels tagged anywhere in that range.
 - ``--use-feature=fast-deps``: the metadata of wheels without PEP 658 metadata (torch,
   the CUDA libraries) is read with HTTP range requests instead of downloading the wheel:
-  about 80 MB in about 70 s instead of ~11 GB (measured on the development machine).
+  about 80 MB in 60-110 s where a plain dry run downloads those wheels whole (torch alone: 527 MB, measured).
 - ``--only-binary=:all:``: nothing is built. Transformer-Engine's PyTorch extension is an
   sdist and therefore not in the extra (docs/install.md builds it, or uses the NGC image).
 """
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -43,6 +44,9 @@ EXPECTED = {
     "transformer-engine-cu13": "2.11.0",
 }
 """Versions the resolution must contain (what the code is verified against)."""
+
+
+INDEX_PROBE = "https://pypi.org/simple/vllm/"
 
 
 class RegistryUnreachable(RuntimeError):
@@ -100,17 +104,37 @@ def pip_command(reqs: list[str], python_version: str) -> list[str]:
     return cmd + reqs
 
 
+def check_index(url: str = INDEX_PROBE, timeout_s: float = 15.0) -> None:
+    """Raise RegistryUnreachable unless the index answers: pip itself, offline, ends in "no
+    matching distribution", which cannot be told apart from pins that do not resolve."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            r.read(1)
+    except (urllib.error.URLError, OSError) as e:
+        raise RegistryUnreachable(f"{url} did not answer ({e})") from None
+
+
 def resolve(python_version: str = "3.12", timeout_s: float = 600.0) -> dict:
     """Run the dry run; return ``{"seconds", "requirements", "packages": {name: version}}``.
     Raises RegistryUnreachable when the index cannot be reached, RuntimeError (naming pip's
     last error line) when the pins do not resolve together."""
     base, gpu = requirements()
     reqs = base + gpu
+    check_index()
     t0 = time.perf_counter()
     try:
+        # PIP_CONFIG_FILE=devnull: even with --isolated, pip reads the site-wide config
+        # (seen here: /etc/xdg/pip's constraints file capping torch); the answer must not
+        # depend on the machine that asks.
+        env = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
         out = subprocess.run(
-            pip_command(reqs, python_version), capture_output=True, text=True, timeout=timeout_s
-        )
+            pip_command(reqs, python_version),
+            capture_output=True, text=True, timeout=timeout_s, env=env,
+        )  # fmt: skip
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"pip's resolver dry run ran past {timeout_s:.0f}s") from None
     seconds = time.perf_counter() - t0
@@ -150,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         f"resolved {len(pk)} packages in {res['seconds']:.0f}s for Python "
         f"{args.python_version} / linux x86_64: "
         + ", ".join(
-            f"{k} {pk.get(k)}"
-            for k in (*EXPECTED, "transformer-engine-cu13", "flashinfer-python", "transformers")
+            f"{k} {pk.get(k)}" for k in (*EXPECTED, "flashinfer-python", "transformers")
         )  # fmt: skip
     )
     if args.json:
