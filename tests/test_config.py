@@ -43,7 +43,10 @@ def test_yaml_then_overrides(tmp_path):
         (["sync.interval=0"], "sync.interval=0 must be > 0"),
         (["sync.method=nccl"], "sync.method='nccl' is not one of ['direct', 'baseline']"),
         (["parallel.vpp=2"], "parallel.vpp=2 needs parallel.pp >= 2 (got 1)"),
-        (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true needs parallel.tp > 1"),
+        (
+            ["parallel.sequence_parallel=true"],
+            "parallel.sequence_parallel=true needs parallel.tp > 1",
+        ),
         (["grpo.tis=token_truncate"], "set grpo.ratio_mode=exact or grpo.tis=none"),
         (["grpo.dual_clip_c=0.5"], "grpo.dual_clip_c=0.5 must be > 1"),
         (["optim.min_lr=1", "optim.lr=0.1"], "optim.min_lr=1.0 exceeds optim.lr=0.1"),

@@ -261,7 +261,9 @@ def _run(engine: Any, cmd: dict[str, Any], e: int) -> Any:
     if op == "generate":
         prompts, engines = cmd["prompts"], cmd["engines"]
         p = len(prompts)
-        return engine.generate(prompts[e * p // engines : (e + 1) * p // engines], **cmd["sampling"])
+        return engine.generate(
+            prompts[e * p // engines : (e + 1) * p // engines], **cmd["sampling"]
+        )
     if op == "init_transfer":
         info = dict(cmd["info"], rank_offset=cmd["rank_offsets"][e])
         engine.init_transfer(info)
