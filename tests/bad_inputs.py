@@ -57,6 +57,7 @@ HAND: list[tuple[str, list[str]]] = [
     ("sequence parallel without tp", [*T, "parallel.sequence_parallel=true"]),
     ("top_p above 1", [*T, "rollout.top_p=2"]),
     ("overlong buffer past max_new_tokens", [*T, "grpo.overlong_buffer=1000"]),
+    ("truncated sampling", [*T, "rollout.top_k=5"]),
     ("unknown command-line flag", ["train", "--nope"]),
     ("--steps not a number", ["train", "--steps", "many"]),
     ("unknown command", ["trian"]),
