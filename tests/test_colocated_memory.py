@@ -46,10 +46,17 @@ class FakeOffload:
 def _trainer(cfg: Config, memory: ColocatedMemory, calls: list, monkeypatch) -> loop.GRPOTrainer:
     """A GRPOTrainer whose phases record themselves; ``run`` and ``save`` are the real ones."""
     t = loop.GRPOTrainer.__new__(loop.GRPOTrainer)
-    t.cfg, t.memory, t.timer = cfg, memory, PhaseTimer()
+
+    class StepTimer(PhaseTimer):
+        def reset(self):  # run() resets the timer as each step begins
+            calls.append("begin")
+            super().reset()
+
+    t.cfg, t.memory, t.timer = cfg, memory, StepTimer()
     t.start_step, t.policy_version, t.stop_requested = 0, 0, False
     t.ctx = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1)
     t.run_dir, t.served, t.ref = "unused", None, None
+    t.validator, t._eval_metrics = None, {}
     t.prompts = SimpleNamespace(state_dict=lambda: {})
     t.weight_sync = SimpleNamespace(syncs=0)
     t.policy = SimpleNamespace(sharded_state_dict=lambda *a: {})
@@ -96,12 +103,12 @@ def _dance(monkeypatch, sleep_level=1, offload_weights=True):
         memory=lambda: None,
     )
     _trainer(cfg, memory, calls, monkeypatch).run()
-    steps, cur = [], []
+    steps: list[list[str]] = []
     for c in calls:
-        cur.append(c)
-        if c.startswith("log "):
-            steps.append(cur)
-            cur = []
+        if c == "begin":
+            steps.append([])
+        elif steps:
+            steps[-1].append(c)
     return steps
 
 
@@ -123,13 +130,14 @@ def test_loop_order_sleep_and_offload(monkeypatch):
         "state.offload", "empty_cache", "vllm.wake(weights)", "sync",
         "log 2",
     ]  # fmt: skip
-    # Step 3 saves a checkpoint: the optimizer state comes back for the save, then leaves.
+    # Step 3 saves a checkpoint after logging it (a checkpoint is never newer than the log):
+    # the optimizer state comes back for the save, then leaves.
     assert s3[s3.index("vllm.wake(weights)") + 1 :] == [
-        "state.reload", "save 3 resident=state+weights", "state.offload", "log 3",
+        "log 3", "state.reload", "save 3 resident=state+weights", "state.offload",
     ]  # fmt: skip
     assert s4[-6:] == [
-        "vllm.wake(weights)", "sync", "state.reload", "save 4 resident=state+weights",
-        "state.offload", "log 4",
+        "vllm.wake(weights)", "sync", "log 4", "state.reload", "save 4 resident=state+weights",
+        "state.offload",
     ]  # fmt: skip
 
 
