@@ -17,8 +17,7 @@ RUN_DIR=${RUN_DIR:-runs/demo}
 
 # One OpenMP thread per rank: the ranks share the machine's cores.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-rm -rf "$RUN_DIR"
 start=$(date +%s)
 torchrun --standalone --nproc-per-node "$NPROC" -m megatron_grpo.cli.main \
-    train --config "$CONFIG" --run-dir "$RUN_DIR" "$@"
+    train --config "$CONFIG" --run-dir "$RUN_DIR" --overwrite "$@"
 echo "demo finished in $(( $(date +%s) - start )) s; run directory: $RUN_DIR"
