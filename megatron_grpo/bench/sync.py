@@ -218,7 +218,7 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
             delivered: dict[str, torch.Tensor] = {}
             sent_sums: dict = {}
             if engine is not None:
-                rx = engine.begin_weight_update()
+                rx = engine.begin_weight_update(record_checksums=verify_now)
 
                 def sink(name, t, rx=rx, keep=verify_now, delivered=delivered, sums=sent_sums):
                     if keep:
@@ -237,6 +237,8 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
             dist.barrier()
             with torch.no_grad():
                 st, _ = tr.sync(shards, sink=sink, finish=finish)
+            if engine is not None:
+                engine.update_phases(st)
             reports.append(SyncReport.merge(_gather_stats(st)).to_dict())
             if verify_now:
                 out["checks"]["direct"] = check("direct", delivered, sent_sums if engine else None)
@@ -308,6 +310,10 @@ def summarize(a: BenchSyncArgs, per_rank: list[dict], hf_dir: Path) -> dict:
         d["first_seconds"] = reports[0]["seconds"]
         d["bytes_per_link"] = reports[0]["bytes_per_link"]
         d["peak_bucket_bytes"] = reports[0]["peak_bucket_bytes"]
+        # Disjoint phases summing to ``seconds`` (``SyncStats.breakdown``), median per phase.
+        d["breakdown"] = {
+            k: _median([r["breakdown"][k] for r in reports]) for k in reports[0]["breakdown"]
+        }
         # The transfer alone: wall time minus vLLM's per-tensor load and post-processing.
         d["transport_s"] = _median([r["seconds"] - r["load_s"] - r["finish_s"] for r in reports])
         return d

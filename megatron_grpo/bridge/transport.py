@@ -299,6 +299,7 @@ class Transport:
         self._buffers: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._handshaken = False
         self._syncs = 0
+        self._wait_s = 0.0  # seconds ``_poll`` spent blocked on the network
 
     # -- metadata ---------------------------------------------------------------------
 
@@ -462,6 +463,7 @@ class Transport:
         watch(ops)
         ops.clear()
         while pending:
+            t_wait = time.perf_counter()
             try:
                 op, exc = done_q.get(timeout=self.timeout_s)
             except queue.Empty:
@@ -473,6 +475,7 @@ class Transport:
                     "and called sync with the same plan; the process group is now unusable "
                     "and must be destroyed."
                 ) from None
+            self._wait_s += time.perf_counter() - t_wait
             del pending[id(op)]
             if exc is not None:  # a dead peer, or the op's own timeout
                 raise SyncError(
@@ -667,7 +670,9 @@ class Transport:
                 f"{b.entries[0].copy.dst_name!r})"
             )
 
+        wait0 = self._wait_s
         self._poll(ops, describe, on_done)
+        st.transfer_s = self._wait_s - wait0
 
         missing = [n for n, k in remaining.items() if k != 0]
         if missing:  # cannot happen with a consistent schedule; guard the invariant anyway
@@ -677,8 +682,5 @@ class Transport:
             reported = finish()
             st.finish_s = float(reported) if reported is not None else time.perf_counter() - t0
         st.total_s = time.perf_counter() - t_start
-        st.transfer_s = max(
-            0.0, st.total_s - st.pack_s - st.unpack_s - st.load_s - st.finish_s - st.handshake_s
-        )
         st.peak_bucket_bytes = self.bucket_memory_bytes
         return st, built

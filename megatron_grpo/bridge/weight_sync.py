@@ -129,7 +129,8 @@ class WeightSync:
         """The direct bridge: push ``shards`` (this rank's trainer shards by name). With
         ``sent_checksums`` (a dict), the checksum of every tensor delivered to this rank's
         vLLM receiver is recorded in it, by vLLM name."""
-        receiver = self.engine.begin_weight_update()
+        # Repacked parameters' checksums cost a pass over every weight: only when verifying.
+        receiver = self.engine.begin_weight_update(record_checksums=sent_checksums is not None)
         sink = receiver.receive_shard
         if sent_checksums is not None:
             from megatron_grpo.bridge.verify import checksum
@@ -142,6 +143,7 @@ class WeightSync:
             stats, _ = self.transport.sync(
                 shards, sink=sink, finish=self.engine.finish_weight_update
             )
+        self.engine.update_phases(stats)
         self.syncs += 1
         return merge_over_ranks(stats)
 
