@@ -140,6 +140,7 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
     from megatron_grpo.distributed import init_distributed
     from megatron_grpo.layouts.io import load_hf_into_megatron
     from megatron_grpo.models.spec import load_spec
+    from megatron_grpo.platform.cpu import device_mode_suspended
     from megatron_grpo.policy.policy import build_policy
 
     spec = load_spec(hf_dir)
@@ -235,7 +236,7 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
 
                 finish = None
             dist.barrier()
-            with torch.no_grad():
+            with torch.no_grad(), device_mode_suspended():
                 st, _ = tr.sync(shards, sink=sink, finish=finish)
             if engine is not None:
                 engine.update_phases(st)

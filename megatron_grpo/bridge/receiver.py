@@ -262,7 +262,9 @@ def _copy_presharded(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
 def _copy_shard(dst: torch.Tensor, t: torch.Tensor, name: str, vocab: bool) -> None:
     """The direct path's loader: ``t`` (this rank's shard) into the live tensor ``dst``."""
     if tuple(t.shape) != tuple(dst.shape):
-        if not (vocab and t.dim() == 2 and t.shape[1] == dst.shape[1] and t.shape[0] <= dst.shape[0]):
+        if not (
+            vocab and t.dim() == 2 and t.shape[1] == dst.shape[1] and t.shape[0] <= dst.shape[0]
+        ):
             raise ValueError(
                 f"{name}: incoming shard has shape {tuple(t.shape)} but this vLLM rank's "
                 f"parameter is {tuple(dst.shape)}; the sender must send exactly the rank's "

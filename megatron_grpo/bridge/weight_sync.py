@@ -21,6 +21,7 @@ from megatron_grpo.bridge.transport import Transport
 from megatron_grpo.config.schema import SyncConfig
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec
+from megatron_grpo.platform.cpu import device_mode_suspended
 
 
 def colocated_engine_ranks(world_size: int, rollout_tp: int) -> list[list[int]]:
@@ -139,7 +140,7 @@ class WeightSync:
                 sent_checksums[name] = checksum(t)
                 receiver.receive_shard(name, t)
 
-        with torch.no_grad():
+        with torch.no_grad(), device_mode_suspended():
             stats, _ = self.transport.sync(
                 shards, sink=sink, finish=self.engine.finish_weight_update
             )
