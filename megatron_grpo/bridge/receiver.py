@@ -362,14 +362,25 @@ class ShardReceiver:
         self.direct = True
         """Every module can take the direct path (no quantized layers): sessions write into
         the live parameters (``_DirectSession``); otherwise vLLM's layerwise reload runs."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        head = getattr(self.model, "lm_head", None)
         for name, (module, attr, shape, _) in self._expected.items():
             prefix = name.rpartition(".")[0]
             qm = getattr(module, "quant_method", None)
             if qm is not None and type(qm).__name__ not in _DIRECT_METHODS:
                 self.direct = False
+            # An input embedding's post-processing only builds the packed GEMM copy that
+            # ``quant_method.apply`` uses, and only the LM head calls ``apply``
+            # (logits_processor.py); the embedding itself looks rows up in ``weight``
+            # (vocab_parallel_embedding.py: ``quant_method.embedding``). A tied lm_head
+            # sharing the weight is re-processed on its own (``self._tied``).
+            process = qm is not None and not (
+                type(module) is VocabParallelEmbedding and module is not head
+            )
             m = self._by_module.get(prefix)
             if m is None:
-                m = self._by_module[prefix] = _Module(prefix, module, [], False, qm is not None)
+                m = self._by_module[prefix] = _Module(prefix, module, [], False, process)
             m.names.append(name)
             m.repacked |= tuple(getattr(module, attr).shape) != shape
             self._module_of[name] = (m, module, attr, name.endswith(_VOCAB_PARAMS))
