@@ -25,6 +25,14 @@ quantized GPU layers do the same. Weights must re-enter through vLLM's reload pa
    repacking) and copies the result into the saved kernel tensors.
 3. ``finalize_layerwise_reload`` processes the remaining layers and restores unloaded ones.
 
+For models without quantized layers a session skips that machinery (``_DirectSession``):
+shards are written into the live parameters where they keep their logical shape, and a
+repacked layer is rebuilt from its shards, processed by vLLM's own
+``process_weights_after_loading`` and copied into its kernel tensors -- the same steps
+``_layerwise_process`` takes, without moving every module to meta and back, running each
+loader twice (``CopyCounter``) or walking every module at finish. The rest of this text is
+the layerwise path, kept for quantized layers and HF reloads.
+
 The one change this module makes: inside a bridge session, each parameter's *original*
 loader (the one the wrapper calls) is a plain shape-checked copy, installed by re-wrapping
 the parameter with vLLM's own ``make_online_process_loader``; the previous loaders are put
