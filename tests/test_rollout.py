@@ -108,6 +108,17 @@ def _colocated_tp1(rank: int, world: int, root: str) -> dict:
         res["sent_checksums"] = {k: tensor_checksum(v) for k, v in shards.items()}
         res["expected"] = eng.receiver.expected_shards()
         res["after_samples_version"] = eng.generate(PROMPTS[:1], max_new_tokens=2)[0].weight_version
+        # An update nobody verifies records no repacked checksums (and keeps no stale ones).
+        rx = eng.receiver
+        res["repacked"] = {
+            n for n, (m, a, shape, _) in rx._expected.items() if tuple(getattr(m, a).shape) != shape
+        }
+        rx = eng.begin_weight_update(record_checksums=False)
+        rx.receive_shards(shards.items())
+        eng.finish_weight_update()
+        res["unverified_checksums"] = set(rx.checksums())
+        res["unverified_post_s"] = rx.timings["post_s"]
+        res["after_unverified"] = _probe(eng)
         eng.shutdown()
         out["variants"][variant] = res
     out["pg_alive"] = dist.is_initialized()
@@ -164,6 +175,16 @@ def test_version_and_checksums(colocated_tp1: dict, variant: str) -> None:
     assert res["after_samples_version"] == "3"
     sums = {k: v[2] for k, v in res["checksums"].items()}
     assert sums == res["sent_checksums"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_unverified_update_drops_repacked_checksums(colocated_tp1: dict, variant: str) -> None:
+    res = colocated_tp1["variants"][variant]
+    assert res["repacked"]  # CPU: every linear layer is repacked
+    assert res["unverified_checksums"] == set(res["expected"]) - res["repacked"]
+    assert res["unverified_post_s"] > 0  # vLLM's repack ran (and was timed)
+    assert res["after_unverified"] == res["after"]
 
 
 def test_colocated_keeps_the_trainer_group(colocated_tp1: dict) -> None:

@@ -62,6 +62,12 @@ def test_syncs_exactly_every_v_and_vllm_serves_the_synced_weights(tmp_path):
     minimal = r[1]["sync_minimal_bytes"]
     assert minimal > 0
     assert [x["sync_bytes"] for x in r] == [0, minimal, 0, minimal, 0]
+    # Every sync's phases (docs/metrics.md) split its seconds; vLLM's CPU repack ran.
+    phases = ("handshake", "pack", "transfer", "unpack", "vllm_load", "vllm_post",
+              "cache_reset", "other")  # fmt: skip
+    for x in (r[1], r[3]):
+        assert sum(x[f"sync_{p}_s"] for p in phases) == pytest.approx(x["sync_seconds"])
+        assert x["sync_vllm_post_s"] > 0 and x["sync_unpack_s"] > 0
     # At lag 0 vLLM serves exactly the trainer's weights: the first SGD step's importance
     # ratio pi_theta / alpha is 1 up to fp32 noise (a stale or misplaced slice shows here).
     for x in r:

@@ -221,6 +221,13 @@ def test_single_rank_colocated_sync_needs_no_process_group() -> None:
     for name, t in got.items():
         assert torch.equal(t, ref[(0, name)]), name
     assert st.bytes_local == plan.minimal_bytes and st.bytes_sent == 0
+    parts = st.breakdown()
+    assert list(parts) == [
+        "handshake", "pack", "transfer", "unpack", "vllm_load", "vllm_post", "cache_reset", "other"
+    ]  # fmt: skip
+    assert all(v >= 0 for v in parts.values())
+    assert sum(parts.values()) == pytest.approx(st.total_s)
+    assert parts["vllm_load"] == pytest.approx(st.load_s)  # the sink, nothing else of vLLM's
 
 
 def test_reference_executor_leaves_padding_zero() -> None:

@@ -37,7 +37,9 @@ class BenchSyncArgs:
     bucket_mb: list[float] = field(default_factory=lambda: [64.0])
     repeats: int = 3
     sink: str = "vllm"
-    """``vllm``: real colocated engines; ``null``: transfer only."""
+    """``vllm``: real colocated engines; ``null``: transfer only; ``vllm-fresh``: ``vllm``
+    plus vLLM loading the same weights from a freshly written safetensors directory (its own
+    loader, what a user without the bridge would do), timed side by side."""
     timeout_s: float = 120.0
     parity_tol: float = 1e-3
     cache_dir: str = "runs/bench"
@@ -48,8 +50,8 @@ class BenchSyncArgs:
         for k in ("train_tp", "train_pp", "rollout_tp", "repeats"):
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')}={getattr(self, k)} must be >= 1.")
-        if self.sink not in ("vllm", "null"):
-            raise ValueError(f"--sink={self.sink!r} must be 'vllm' or 'null'.")
+        if self.sink not in ("vllm", "null", "vllm-fresh"):
+            raise ValueError(f"--sink={self.sink!r} must be 'vllm', 'vllm-fresh' or 'null'.")
         if not self.bucket_mb or any(b <= 0 for b in self.bucket_mb):
             raise ValueError(f"--bucket-mb={self.bucket_mb}: give positive sizes, e.g. 16,64.")
 
@@ -140,6 +142,7 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
     from megatron_grpo.distributed import init_distributed
     from megatron_grpo.layouts.io import load_hf_into_megatron
     from megatron_grpo.models.spec import load_spec
+    from megatron_grpo.platform.cpu import device_mode_suspended
     from megatron_grpo.policy.policy import build_policy
 
     spec = load_spec(hf_dir)
@@ -156,7 +159,7 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
     )  # fmt: skip
     setup = {"policy_s": time.perf_counter() - t0}
     engine = None
-    if a.sink == "vllm":
+    if a.sink in ("vllm", "vllm-fresh"):
         from megatron_grpo.rollout.engine import RolloutEngine
 
         t0 = time.perf_counter()
@@ -218,7 +221,7 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
             delivered: dict[str, torch.Tensor] = {}
             sent_sums: dict = {}
             if engine is not None:
-                rx = engine.begin_weight_update()
+                rx = engine.begin_weight_update(record_checksums=verify_now)
 
                 def sink(name, t, rx=rx, keep=verify_now, delivered=delivered, sums=sent_sums):
                     if keep:
@@ -235,8 +238,10 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
 
                 finish = None
             dist.barrier()
-            with torch.no_grad():
+            with torch.no_grad(), device_mode_suspended():
                 st, _ = tr.sync(shards, sink=sink, finish=finish)
+            if engine is not None:
+                engine.update_phases(st)
             reports.append(SyncReport.merge(_gather_stats(st)).to_dict())
             if verify_now:
                 out["checks"]["direct"] = check("direct", delivered, sent_sums if engine else None)
@@ -257,6 +262,10 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
         if rep == 0 and engine is not None:
             out["checks"]["baseline"] = check("baseline", None, None)
 
+    # -- vLLM's own load from a fresh safetensors directory ---------------------------
+    if a.sink == "vllm-fresh":
+        out["vllm_fresh"] = _fresh_load(a, engine, Path(hf_dir), scale, rank, policy, seqs)
+
     # -- raw flat transfer of the same bytes -------------------------------------------
     raw = RawTransfer(plan.bytes_per_link(), rank, dtype=dtype, timeout_s=a.timeout_s)
     out["raw"] = []
@@ -272,6 +281,52 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
     if engine is not None:  # the spawned ranks leave by os._exit: release vLLM's segments
         engine.shutdown()
     return out
+
+
+def _write_scaled_hf(hf_dir: Path, dst: Path, scale: float) -> None:
+    """``hf_dir`` with every weight multiplied by ``scale`` (in float32), as a trainer would
+    save its current weights for vLLM to load."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in sorted(hf_dir.iterdir()):
+        if f.suffix == ".safetensors":
+            sd = {k: v.float() * scale for k, v in load_file(f).items()}
+            save_file(sd, dst / f.name, metadata={"format": "pt"})
+        elif f.is_file():
+            shutil.copy(f, dst / f.name)
+
+
+def _fresh_load(a: BenchSyncArgs, engine, hf_dir: Path, scale: float, rank, policy, seqs):
+    """vLLM reloading the current weights from a freshly written safetensors directory
+    (``RolloutEngine.reload_from_hf``: vLLM's own narrowing loaders in its reload path), the
+    floor a user without the bridge gets; the write (rank 0) is timed apart."""
+    import os
+    import shutil
+
+    import torch.distributed as dist
+
+    fresh = Path(a.cache_dir) / f"fresh-{os.environ.get('MASTER_PORT', '0')}"
+    t0 = time.perf_counter()
+    if rank == 0:
+        _write_scaled_hf(hf_dir, fresh, scale)
+    write_s = time.perf_counter() - t0
+    dist.barrier()
+    engine.receiver.record_checksums = False  # read-back is not part of vLLM's load
+    seconds = []
+    for _ in range(a.repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.reload_from_hf(fresh)
+        seconds.append(time.perf_counter() - t0)
+    engine.receiver.record_checksums = True
+    parity = _parity(policy, engine, seqs, a.parity_tol).to_dict()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(fresh, ignore_errors=True)
+    return {"seconds_all": seconds, "write_s": write_s, "parity": parity}
 
 
 # ------------------------------------------------------------------------------ summary
@@ -308,6 +363,10 @@ def summarize(a: BenchSyncArgs, per_rank: list[dict], hf_dir: Path) -> dict:
         d["first_seconds"] = reports[0]["seconds"]
         d["bytes_per_link"] = reports[0]["bytes_per_link"]
         d["peak_bucket_bytes"] = reports[0]["peak_bucket_bytes"]
+        # Disjoint phases summing to ``seconds`` (``SyncStats.breakdown``), median per phase.
+        d["breakdown"] = {
+            k: _median([r["breakdown"][k] for r in reports]) for k in reports[0]["breakdown"]
+        }
         # The transfer alone: wall time minus vLLM's per-tensor load and post-processing.
         d["transport_s"] = _median([r["seconds"] - r["load_s"] - r["finish_s"] for r in reports])
         return d
@@ -354,6 +413,12 @@ def summarize(a: BenchSyncArgs, per_rank: list[dict], hf_dir: Path) -> dict:
             best["transport_s"] / raw["seconds"] if raw["seconds"] else None
         ),
         "baseline_over_direct": method(r0["baseline"])["seconds"] / best["seconds"],
+        # The fixed cost over the bytes, and the ratio to what no bridge can avoid: the raw
+        # transfer of the same bytes plus vLLM's own post-load processing (the CPU repack).
+        "direct_minus_raw_s": best["seconds"] - raw["seconds"],
+        "direct_over_floor": best["seconds"] / (raw["seconds"] + best["breakdown"]["vllm_post"])
+        if raw["seconds"]
+        else None,
         "verified": all(ok(c) for c in checks),
         # Bit-exact delivery alone (shards + vLLM read-back checksums), without the logprob
         # parity, which also depends on Megatron-vs-vLLM forward numerics.
@@ -363,6 +428,17 @@ def summarize(a: BenchSyncArgs, per_rank: list[dict], hf_dir: Path) -> dict:
         "plan": r0["plan"],
         "bucket_memory_bytes": r0.get("bucket_memory_bytes"),
     }
+    if "vllm_fresh" in r0:  # a load is over when its slowest rank is
+        per_rep = [max(r["vllm_fresh"]["seconds_all"][i] for r in per_rank) for i in
+                   range(len(r0["vllm_fresh"]["seconds_all"]))]  # fmt: skip
+        result["vllm_fresh"] = {
+            "seconds": _median(per_rep),
+            "seconds_all": per_rep,
+            "write_s": r0["vllm_fresh"]["write_s"],
+            "parity_ok": all(r["vllm_fresh"]["parity"]["ok"] for r in per_rank),
+            "parity_max_abs_diff": max(r["vllm_fresh"]["parity"]["max_abs_diff"] for r in per_rank),
+        }
+        result["vllm_fresh_over_direct"] = result["vllm_fresh"]["seconds"] / best["seconds"]
     return result
 
 
@@ -388,6 +464,19 @@ def format_table(res: dict) -> str:
         lines.append(row(f"direct (bucket {b} MB)", d))
     lines.append(row("baseline (gather+bcast)", res["baseline"]))
     lines.append(row("raw (1 flat buf/link)", res["raw"]))
+    if "vllm_fresh" in res:
+        f = res["vllm_fresh"]
+        lines.append(
+            f"{'vllm-fresh (HF load)':<22}{'':>10}{'':>10}{f['seconds']:>9.4f}   (+ write "
+            f"{f['write_s']:.4f} s on rank 0; parity ok={f['parity_ok']})  "
+            f"fresh/direct = {res['vllm_fresh_over_direct']:.2f}x"
+        )
+    b = res["direct"]["breakdown"]
+    lines.append("direct breakdown (s): " + "  ".join(f"{k} {v:.4f}" for k, v in b.items()))
+    lines.append(
+        f"direct - raw = {res['direct_minus_raw_s']:.4f} s   direct / (raw + vllm_post) = "
+        f"{res['direct_over_floor']:.2f}x"
+    )
     lines.append(
         f"direct/raw = {res['direct_over_raw']:.2f}x (transport only "
         f"{res['direct_transport_over_raw']:.2f}x)   baseline/direct = "

@@ -6,12 +6,19 @@ merges the ranks of one sync into the figures the bench prints and the trainer l
 
 Phases (seconds, per rank):
 - ``pack``: copying source slices into flat send buckets (``narrow`` + ``copy_``);
-- ``transfer``: time the rank spent waiting on the network, i.e. wall time not spent
-  packing, unpacking, loading or finishing (overlapped network time is not counted twice);
+- ``transfer``: time the rank spent blocked waiting on the network (overlapped network
+  time is not counted);
 - ``unpack``: copying received buckets (and in-process links) into destination shards;
-- ``load``: time inside the sink (the vLLM receiver's per-tensor load);
-- ``finish``: the vLLM side's post-load processing, reported by the sink's ``finish``;
+- ``load``: time inside the sink (the vLLM receiver's per-tensor load), including any
+  post-load processing vLLM ran there;
+- ``finish``: the sink's ``finish`` (close of vLLM's reload session, cache reset);
 - ``handshake``: the one-off plan-fingerprint exchange (first sync only).
+
+``breakdown()`` splits a sync's wall time into disjoint phases that sum to it: handshake,
+pack, transfer, unpack, ``vllm_load`` (writing the shards, processing excluded),
+``vllm_post`` (vLLM's ``process_weights_after_loading``: the CPU GEMM repack, wherever it
+ran), ``cache_reset`` (vLLM's prefix-cache reset) and ``other`` (the rest: Python
+bookkeeping of transport and session).
 """
 
 from __future__ import annotations
@@ -50,12 +57,30 @@ class SyncStats:
     load_s: float = 0.0
     finish_s: float = 0.0
     handshake_s: float = 0.0
+    post_s: float = 0.0
+    """vLLM's post-load processing (part of ``load_s`` and ``finish_s``)."""
+    cache_reset_s: float = 0.0
+    """vLLM's prefix-cache reset (part of ``finish_s``)."""
     total_s: float = 0.0
     peak_bucket_bytes: int = 0
     """Bytes of flat bucket buffers this rank holds (send + receive), reused across syncs:
     the transport's extra memory beyond the destination shards themselves."""
     dst_bytes: int = 0
     """Bytes of destination shards this rank built."""
+
+    def breakdown(self) -> dict[str, float]:
+        """Disjoint phases (seconds) that sum to ``total_s`` (see the module docstring)."""
+        parts = {
+            "handshake": self.handshake_s,
+            "pack": self.pack_s,
+            "transfer": self.transfer_s,
+            "unpack": self.unpack_s,
+            "vllm_load": max(0.0, self.load_s + self.finish_s - self.post_s - self.cache_reset_s),
+            "vllm_post": self.post_s,
+            "cache_reset": self.cache_reset_s,
+        }
+        parts["other"] = max(0.0, self.total_s - sum(parts.values()))
+        return parts
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,6 +107,8 @@ class SyncReport:
     handshake_s: float
     peak_bucket_bytes: int
     """The largest per-rank bucket memory."""
+    breakdown: dict[str, float] = field(default_factory=dict)
+    """The slowest rank's ``SyncStats.breakdown()``: phases summing to ``seconds``."""
     ranks: list[dict] = field(default_factory=list)
 
     @classmethod
@@ -110,6 +137,7 @@ class SyncReport:
             finish_s=max(s.finish_s for s in stats),
             handshake_s=max(s.handshake_s for s in stats),
             peak_bucket_bytes=max(s.peak_bucket_bytes for s in stats),
+            breakdown=max(stats, key=lambda s: s.total_s).breakdown(),
             ranks=[s.to_dict() for s in sorted(stats, key=lambda s: s.rank)],
         )
 

@@ -25,6 +25,14 @@ quantized GPU layers do the same. Weights must re-enter through vLLM's reload pa
    repacking) and copies the result into the saved kernel tensors.
 3. ``finalize_layerwise_reload`` processes the remaining layers and restores unloaded ones.
 
+For models without quantized layers a session skips that machinery (``_DirectSession``):
+shards are written into the live parameters where they keep their logical shape, and a
+repacked layer is rebuilt from its shards, processed by vLLM's own
+``process_weights_after_loading`` and copied into its kernel tensors -- the same steps
+``_layerwise_process`` takes, without moving every module to meta and back, running each
+loader twice (``CopyCounter``) or walking every module at finish. The rest of this text is
+the layerwise path, kept for quantized layers and HF reloads.
+
 The one change this module makes: inside a bridge session, each parameter's *original*
 loader (the one the wrapper calls) is a plain shape-checked copy, installed by re-wrapping
 the parameter with vLLM's own ``make_online_process_loader``; the previous loaders are put
@@ -43,6 +51,7 @@ logprob checks in the tests cover that.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -258,6 +267,48 @@ def _copy_presharded(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     param.data.copy_(loaded_weight)
 
 
+def _copy_shard(dst: torch.Tensor, t: torch.Tensor, name: str, vocab: bool) -> None:
+    """The direct path's loader: ``t`` (this rank's shard) into the live tensor ``dst``."""
+    if tuple(t.shape) != tuple(dst.shape):
+        if not (
+            vocab and t.dim() == 2 and t.shape[1] == dst.shape[1] and t.shape[0] <= dst.shape[0]
+        ):
+            raise ValueError(
+                f"{name}: incoming shard has shape {tuple(t.shape)} but this vLLM rank's "
+                f"parameter is {tuple(dst.shape)}; the sender must send exactly the rank's "
+                "(fused, vocabulary-padded) shard -- check the sync plan against "
+                "ShardReceiver.expected_shards()."
+            )
+        dst[t.shape[0] :].zero_()  # vocabulary rows past the real vocabulary: padding
+        dst[: t.shape[0]].copy_(t)
+        return
+    dst.copy_(t)
+
+
+# quant methods whose ``process_weights_after_loading`` only derives kernel state from the
+# logical weights (vllm/model_executor/layers/linear.py: UnquantizedLinearMethod,
+# vocab_parallel_embedding.py: UnquantizedEmbeddingMethod): on CPU a packed GEMM handle
+# (dispatch_cpu_unquantized_gemm), elsewhere nothing or a re-layout of the same values.
+# Re-running it on freshly written logical weights is exactly what a reload does.
+_DIRECT_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
+
+
+@dataclass
+class _Module:
+    """One vLLM module's parameters, as the direct path sees them."""
+
+    prefix: str
+    module: torch.nn.Module
+    names: list[str]
+    """Expected parameter names (vLLM) of this module."""
+    repacked: bool
+    """Some parameter no longer has its logical shape (CPU GEMM repack): the module's
+    logical tensors are rebuilt from the shards and post-processed, then copied into the
+    kernel tensors."""
+    process: bool
+    """The module has a quant method whose post-processing must re-run after a write."""
+
+
 class ShardReceiver:
     """Loads per-rank vLLM-layout shards into one worker's model; version and checksums.
 
@@ -278,6 +329,14 @@ class ShardReceiver:
         self._session: _Session | None = None
         self._expected: dict[str, tuple[torch.nn.Module, str, tuple[int, ...], torch.dtype]] = {}
         self._tied: list[tuple[str, torch.nn.Module]] = []
+        self.record_checksums = True
+        """Record the checksum of every repacked parameter as it is processed (what
+        ``checksums()`` reads for them). Off, a sync skips that work and ``checksums()``
+        omits those parameters until a session records them again (``sync.verify``)."""
+        self.timings: dict[str, float] = {}
+        """The latest session's vLLM-side seconds: ``post_s`` (post-load processing,
+        ``process_weights_after_loading``) and ``start_s``/``finish_s`` (session setup and
+        close, post-processing excluded)."""
         self._build_index()
 
     # -- index of the logical (loadable) parameters
@@ -306,6 +365,33 @@ class ShardReceiver:
                 if getattr(module, "quant_method", None) is not None:
                     self._tied.append((prefix, module))
             seen.add(id(p))
+        self._by_module: dict[str, _Module] = {}
+        self._module_of: dict[str, tuple[_Module, torch.nn.Module, str, bool]] = {}
+        self.direct = True
+        """Every module can take the direct path (no quantized layers): sessions write into
+        the live parameters (``_DirectSession``); otherwise vLLM's layerwise reload runs."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        head = getattr(self.model, "lm_head", None)
+        for name, (module, attr, shape, _) in self._expected.items():
+            prefix = name.rpartition(".")[0]
+            qm = getattr(module, "quant_method", None)
+            if qm is not None and type(qm).__name__ not in _DIRECT_METHODS:
+                self.direct = False
+            # An input embedding's post-processing only builds the packed GEMM copy that
+            # ``quant_method.apply`` uses, and only the LM head calls ``apply``
+            # (logits_processor.py); the embedding itself looks rows up in ``weight``
+            # (vocab_parallel_embedding.py: ``quant_method.embedding``). A tied lm_head
+            # sharing the weight is re-processed on its own (``self._tied``).
+            process = qm is not None and not (
+                type(module) is VocabParallelEmbedding and module is not head
+            )
+            m = self._by_module.get(prefix)
+            if m is None:
+                m = self._by_module[prefix] = _Module(prefix, module, [], False, process)
+            m.names.append(name)
+            m.repacked |= tuple(getattr(module, attr).shape) != shape
+            self._module_of[name] = (m, module, attr, name.endswith(_VOCAB_PARAMS))
 
     def expected_shards(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """``{vLLM name: (this rank's logical shape, dtype)}``: what a sync must deliver.
@@ -318,8 +404,14 @@ class ShardReceiver:
 
         if self._session is not None:
             raise RuntimeError("ShardReceiver.start() called twice; call finish() first.")
-        initialize_layerwise_reload(self.model)
-        self._session = _Session(self, presharded)
+        t0 = time.perf_counter()
+        self.timings = {"post_s": 0.0}
+        if presharded and self.direct:
+            self._session = _DirectSession(self)
+        else:
+            initialize_layerwise_reload(self.model)
+            self._session = _Session(self, presharded)
+        self.timings["start_s"] = time.perf_counter() - t0
 
     def receive_shard(self, name: str, tensor: torch.Tensor) -> None:
         """Load one shard (usable as the transport's ``sink(name, tensor)``)."""
@@ -346,14 +438,19 @@ class ShardReceiver:
 
         if self._session is None:
             raise RuntimeError("ShardReceiver.finish() without start().")
+        t0 = time.perf_counter()
+        post0 = self.timings["post_s"]
         session, self._session = self._session, None
-        try:
-            finalize_layerwise_reload(self.model, self.model_config)
-        finally:
-            session.close()
+        if isinstance(session, _DirectSession):
+            session.finish()
+        else:
+            try:
+                finalize_layerwise_reload(self.model, self.model_config)
+            finally:
+                session.close()
         for prefix, module in self._tied:
             if prefix not in session.processed:
-                module.quant_method.process_weights_after_loading(module)
+                self._process(module)
         if session.presharded:
             missing = sorted(set(self._expected) - session.loaded)
             if missing:
@@ -364,7 +461,14 @@ class ShardReceiver:
                     missing[:8],
                 )
         self.version += 1
+        self.timings["finish_s"] = time.perf_counter() - t0 - (self.timings["post_s"] - post0)
         return self.version
+
+    def _process(self, module: torch.nn.Module) -> None:
+        """vLLM's post-load processing of one module, timed (``timings["post_s"]``)."""
+        t0 = time.perf_counter()
+        module.quant_method.process_weights_after_loading(module)
+        self.timings["post_s"] = self.timings.get("post_s", 0.0) + time.perf_counter() - t0
 
     def load_hf_checkpoint(self, path: str | Path) -> int:
         """Reload an HF checkpoint through the model's own ``load_weights`` (vLLM's narrowing
@@ -425,9 +529,12 @@ class ShardReceiver:
             name = f"{prefix}.{attr}" if prefix else attr
             if p is None or name not in self._expected:
                 continue
-            self._captured_sums[name] = ParamChecksum(
-                tuple(p.shape), str(p.dtype), tensor_checksum(p)
-            )
+            if self.record_checksums:
+                self._captured_sums[name] = ParamChecksum(
+                    tuple(p.shape), str(p.dtype), tensor_checksum(p)
+                )
+            else:  # a stale value must not pass for the new one
+                self._captured_sums.pop(name, None)
             if self.keep_copies:
                 self._captured[name] = p.detach().clone()
 
@@ -455,7 +562,11 @@ class _Session:
                 prefix = prefixes.get(id(layer), "")
                 self.processed.add(prefix)
                 rx._capture(prefix, layer)
-                return _orig(layer)
+                t0 = time.perf_counter()
+                try:
+                    return _orig(layer)
+                finally:
+                    rx.timings["post_s"] += time.perf_counter() - t0
 
             qm.process_weights_after_loading = hook
             self._restore.append(lambda qm=qm: vars(qm).pop("process_weights_after_loading", None))
@@ -489,3 +600,92 @@ class _Session:
         for undo in reversed(self._restore):
             undo()
         self._restore.clear()
+
+
+class _DirectSession:
+    """One update without vLLM's layerwise machinery, for models with no quantized layer.
+
+    vLLM's reload (``_Session``) moves every module to meta tensors at start, runs each
+    loader twice (once under ``CopyCounter`` to count elements, once for real), and walks
+    every module at finish; for an unquantized model all of that reproduces what a plain
+    write does. Here:
+
+    - a module whose parameters keep their logical shape (norms, embeddings, every
+      unquantized layer on GPU) gets each shard copied into the live parameter storage;
+      if it has a quant method (the CPU embedding/lm_head keep a packed GEMM copy), vLLM's
+      ``process_weights_after_loading`` re-runs on it once all its parameters arrived;
+    - a repacked module (CPU linear layers: ``weight`` is a ``(0,)`` placeholder next to a
+      packed handle) gets its logical parameters rebuilt from the shards themselves (no
+      copy), ``process_weights_after_loading`` repacks them, and the results are copied
+      into the kernel tensors, which go back in place -- the same steps as vLLM's
+      ``_layerwise_process`` + ``_copy_and_restore_kernel_tensors``
+      (``reload/layerwise.py``), which keep references held elsewhere valid.
+    """
+
+    def __init__(self, rx: ShardReceiver) -> None:
+        self.rx = rx
+        self.presharded = True
+        self.loaded: set[str] = set()
+        self.processed: set[str] = set()
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        entry = self.rx._module_of.get(name)
+        if entry is None:
+            raise KeyError(
+                f"{name!r} is not a parameter of this vLLM model (tied lm_head? HF name?); "
+                f"expected vLLM names such as {sorted(self.rx._expected)[:4]}."
+            )
+        m, module, attr, vocab = entry
+        if name in self.loaded:
+            raise RuntimeError(f"{name}: received twice in one weight update.")
+        self.loaded.add(name)
+        if not m.repacked:
+            _copy_shard(getattr(module, attr).data, tensor, name, vocab)
+            if m.process and all(n in self.loaded for n in m.names):
+                self._processed(m)
+            return
+        shape, dtype = self.rx._expected[name][2:]
+        if tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"{name}: incoming shard has shape {tuple(tensor.shape)} but this vLLM "
+                f"rank's logical parameter is {shape}; the sender must send exactly the "
+                "rank's (fused) shard -- check the sync plan against "
+                "ShardReceiver.expected_shards()."
+            )
+        pending = self._pending.setdefault(m.prefix, {})
+        pending[attr] = tensor.to(dtype).contiguous()
+        if len(pending) == len(m.names):
+            self._repack(m, self._pending.pop(m.prefix))
+
+    def _processed(self, m: _Module) -> None:
+        self.processed.add(m.prefix)
+        self.rx._process(m.module)
+
+    def _repack(self, m: _Module, tensors: dict[str, torch.Tensor]) -> None:
+        module = m.module
+        kernel = {a: p for a, p in module._parameters.items() if p is not None}
+        for attr, t in tensors.items():
+            module._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
+        self.rx._capture(m.prefix, module)
+        try:
+            self._processed(m)
+            for attr, p in kernel.items():  # processed values into the kernel storage
+                p.data.copy_(module._parameters[attr])
+        finally:
+            for attr, p in kernel.items():
+                module._parameters[attr] = p
+
+    def finish(self) -> None:
+        partial = sorted(p for p in self._pending)
+        self._pending.clear()
+        if partial:
+            raise RuntimeError(
+                f"weight update left repacked layers {partial[:4]} partly loaded: a repacked "
+                "layer's logical weights are gone after vLLM's processing, so an update must "
+                "carry all of its parameters (send every shard of the layer)."
+            )
+        for m in self.rx._by_module.values():  # processing waits on parameters never sent
+            if m.process and not m.repacked and m.prefix not in self.processed:
+                if any(n in self.loaded for n in m.names):
+                    self._processed(m)

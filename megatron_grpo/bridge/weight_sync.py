@@ -21,6 +21,7 @@ from megatron_grpo.bridge.transport import Transport
 from megatron_grpo.config.schema import SyncConfig
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec
+from megatron_grpo.platform.cpu import device_mode_suspended
 
 
 def colocated_engine_ranks(world_size: int, rollout_tp: int) -> list[list[int]]:
@@ -129,7 +130,8 @@ class WeightSync:
         """The direct bridge: push ``shards`` (this rank's trainer shards by name). With
         ``sent_checksums`` (a dict), the checksum of every tensor delivered to this rank's
         vLLM receiver is recorded in it, by vLLM name."""
-        receiver = self.engine.begin_weight_update()
+        # Repacked parameters' checksums cost a pass over every weight: only when verifying.
+        receiver = self.engine.begin_weight_update(record_checksums=sent_checksums is not None)
         sink = receiver.receive_shard
         if sent_checksums is not None:
             from megatron_grpo.bridge.verify import checksum
@@ -138,10 +140,11 @@ class WeightSync:
                 sent_checksums[name] = checksum(t)
                 receiver.receive_shard(name, t)
 
-        with torch.no_grad():
+        with torch.no_grad(), device_mode_suspended():
             stats, _ = self.transport.sync(
                 shards, sink=sink, finish=self.engine.finish_weight_update
             )
+        self.engine.update_phases(stats)
         self.syncs += 1
         return merge_over_ranks(stats)
 

@@ -1,7 +1,7 @@
 """``megatron-grpo bench``: measurements that print figures (docs/bridge.md).
 
 megatron-grpo bench sync --model HF_DIR|PRESET --train-tp A --train-pp B --rollout-tp C
-    [--bucket-mb X[,Y,...]] [--repeats N] [--sink vllm|null] --json OUT.json
+    [--bucket-mb X[,Y,...]] [--repeats N] [--sink vllm|vllm-fresh|null] --json OUT.json
 megatron-grpo bench throughput [--config FILE] --v 1,2,5,10 --steps N [--warmup W]
     [--nproc P] [--out-dir DIR] --json OUT.json [key=value ...]
 megatron-grpo bench project [--json OUT.json] [--plot OUT.png]
@@ -57,9 +57,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--repeats", type=int, default=3, help="timed syncs per method (median)")
     s.add_argument(
         "--sink",
-        choices=("vllm", "null"),
+        choices=("vllm", "vllm-fresh", "null"),
         default="vllm",
-        help="vllm: load into real colocated engines; null: transfer only",
+        help="vllm: load into real colocated engines; vllm-fresh: also time vLLM loading the "
+        "same weights from a fresh safetensors directory; null: transfer only",
     )
     s.add_argument("--timeout-s", type=float, default=120.0, help="sync.timeout_s of the bridge")
     s.add_argument("--parity-tol", type=float, default=1e-3, help="max |logp diff| accepted")

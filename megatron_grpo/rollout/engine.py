@@ -145,6 +145,7 @@ class RolloutEngine:
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
         self._version = 0
+        self.last_update_timings: dict[str, float] = {}
         if placement == "colocated":
             # vllm/v1/engine/core_client.py: InprocClient registers a finalizer that runs
             # EngineCore.shutdown -> cleanup_dist_env_and_memory, which destroys the default
@@ -330,13 +331,16 @@ class RolloutEngine:
         self._run_update(worker, lambda rx: rx.receive_bucket(flat, entries))
         return self._version
 
-    def begin_weight_update(self) -> ShardReceiver:
+    def begin_weight_update(self, record_checksums: bool = True) -> ShardReceiver:
         """Colocated: open vLLM's reload protocol on this rank's worker and return its
         receiver; feed it shards (``receive_shard``), then call ``finish_weight_update``.
-        Used by the resharding bridge, whose transport hands over shards as they complete."""
+        Used by the resharding bridge, whose transport hands over shards as they complete.
+        ``record_checksums=False`` skips recording the repacked parameters' checksums
+        (``ShardReceiver.record_checksums``) when nobody will verify this update."""
         from vllm.config import set_current_vllm_config
 
         worker = self._in_process_worker()
+        worker.weight_transfer_engine.receiver.record_checksums = record_checksums
         worker.start_weight_update()
         self._update_ctx = set_current_vllm_config(worker.vllm_config)
         self._update_ctx.__enter__()
@@ -357,6 +361,7 @@ class RolloutEngine:
     def _run_update(self, worker: Any, body: Any) -> None:
         from vllm.config import set_current_vllm_config
 
+        worker.weight_transfer_engine.receiver.record_checksums = True
         worker.start_weight_update()
         try:
             with set_current_vllm_config(worker.vllm_config):
@@ -368,8 +373,16 @@ class RolloutEngine:
     def _after_update(self) -> None:
         self._version += 1
         # KV blocks cached for old weights must not serve new requests.
+        t0 = time.perf_counter()
         self.llm.reset_prefix_cache()
+        self.last_update_timings["cache_reset_s"] = time.perf_counter() - t0
         self.llm.llm_engine.set_weight_version(str(self._version))
+
+    def update_phases(self, stats: Any) -> None:
+        """Colocated: copy the latest update's vLLM-side seconds (post-load processing,
+        prefix-cache reset) into a ``bridge.accounting.SyncStats`` for its breakdown."""
+        stats.post_s = self.receiver.timings.get("post_s", 0.0)
+        stats.cache_reset_s = self.last_update_timings.get("cache_reset_s", 0.0)
 
     def reload_from_hf(self, path: str | Path | None = None) -> int:
         """Reload weights from an HF checkpoint through vLLM's own loader (TP narrowing and

@@ -503,6 +503,7 @@ class GRPOTrainer:
         if sync_report is not None:
             extra.update(sync_seconds=sync_report.seconds, sync_minimal_bytes=sync_report.minimal_bytes,
                          sync_wire_bytes=sync_report.wire_bytes)  # fmt: skip
+            extra.update({f"sync_{k}_s": v for k, v in sync_report.breakdown.items()})
             extra.update(getattr(self.weight_sync, "last_verify", None) or {})  # sync.verify
         row = StepMetrics(
             step=step,
