@@ -356,6 +356,19 @@ class RolloutClient:
 
         return self._shared(run)
 
+    def submit(self, prompt_ids: list, **sampling: Any) -> int | None:
+        """Queue a ``generate`` without waiting (rollout.ahead): the engines run queued
+        commands back to back, in order; ``collect(ticket)`` returns the samples. The ticket
+        is meaningful on trainer rank 0 only (other ranks get theirs from rank 0)."""
+        if self.ctx.rank != 0:
+            return None
+        return self._post("generate", prompts=[list(p) for p in prompt_ids],
+                          engines=self.engines, sampling=sampling)  # fmt: skip
+
+    def collect(self, ticket: int | None) -> list:
+        """The samples of a ``submit``ted generate, on every trainer rank (blocks until done)."""
+        return self._shared(lambda: [s for part in self._collect(ticket, "generate") for s in part])
+
     def init_transfer(self, inputs: Any, backend: str, timeout_s: float) -> Any:
         """Build the transfer group (trainer ranks + every engine worker); returns it."""
         from megatron_grpo.bridge.receiver import init_transfer_group
