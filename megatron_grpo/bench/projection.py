@@ -143,9 +143,10 @@ class Assumptions:
 # the trainer asks for its first step), of which the lines above are the limits.
 
 
-def window_time(r: float, t: float, s: float, v: int, ahead: int, placement: str,
-                batch_fixed: float = 0.0) -> float:  # fmt: skip
-    """Seconds for one sync window of ``v`` steps (the last one syncs) under rollout.ahead.
+def window_events(r: float, t: float, s: float, v: int, ahead: int, placement: str,
+                  batch_fixed: float = 0.0) -> list[tuple[str, str, float, float]]:  # fmt: skip
+    """The schedule of one sync window of ``v`` steps (the last one syncs) under
+    rollout.ahead, as ``(lane, label, start_s, end_s)`` with lanes ``vllm`` and ``trainer``.
 
     ``r``: seconds to generate one step's batch, ``t``: trainer seconds per step, ``s``:
     seconds per sync, ``placement``: ``colocated`` or ``disaggregated``, ``batch_fixed``:
@@ -157,17 +158,34 @@ def window_time(r: float, t: float, s: float, v: int, ahead: int, placement: str
         )
     if placement not in ("colocated", "disaggregated"):
         raise ValueError(f"placement={placement!r}: 'colocated' or 'disaggregated'.")
-    trainer = 0.0
+    events, trainer = [], 0.0
     for first in range(0, v, ahead + 1):
         m = min(ahead + 1, v - first)
         if placement == "colocated":  # one call, then the trainer; nothing overlaps
-            trainer += r * (batch_fixed + (1 - batch_fixed) * m) if m > 1 else r
-            trainer += m * t
+            gen = r * (batch_fixed + (1 - batch_fixed) * m) if m > 1 else r
+            steps = f"{first + 1}-{first + m}" if m > 1 else f"{first + 1}"
+            events.append(("vllm", f"gen {steps}", trainer, trainer + gen))
+            trainer += gen
+            for j in range(m):
+                events.append(("trainer", f"train {first + j + 1}", trainer, trainer + t))
+                trainer += t
         else:  # queued back to back when the trainer asks for the chunk's first step
             launched = trainer
             for j in range(m):
-                trainer = max(launched + (j + 1) * r, trainer) + t
-    return trainer + s
+                ready = launched + (j + 1) * r
+                events.append(("vllm", f"gen {first + j + 1}", ready - r, ready))
+                start = max(ready, trainer)
+                events.append(("trainer", f"train {first + j + 1}", start, start + t))
+                trainer = start + t
+    events.append(("trainer", "sync", trainer, trainer + s))
+    events.append(("vllm", "sync", trainer, trainer + s))
+    return events
+
+
+def window_time(r: float, t: float, s: float, v: int, ahead: int, placement: str,
+                batch_fixed: float = 0.0) -> float:  # fmt: skip
+    """Seconds for one sync window (``window_events``' end)."""
+    return max(e[3] for e in window_events(r, t, s, v, ahead, placement, batch_fixed))
 
 
 def schedule_step_time(r: float, t: float, s: float, v: int, ahead: int, placement: str,

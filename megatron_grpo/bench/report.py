@@ -302,3 +302,48 @@ def write_reproduce_report(res: Mapping[str, Any], out_dir: str | os.PathLike) -
     js = out / "reproduce.json"
     js.write_text(json.dumps(res, indent=2, default=str))
     return [*files, md, js]
+
+
+def plot_ahead_timeline(
+    r: float, t: float, s: float, v: int, path: str | os.PathLike, batch_fixed: float = 0.5
+) -> Path:
+    """One sync window, serial vs rollout.ahead = v-1, both placements: the vLLM and trainer
+    lanes of ``bench.projection.window_events`` (``r`` rollout, ``t`` train, ``s`` sync
+    seconds; ``batch_fixed``: colocated batching share, see projection.py)."""
+    from matplotlib.figure import Figure
+
+    from megatron_grpo.bench.projection import window_events
+
+    cases = [
+        ("disaggregated", 0, "disaggregated, serial (ahead=0)"),
+        ("disaggregated", v - 1, f"disaggregated, ahead={v - 1}"),
+        ("colocated", 0, "colocated, serial (ahead=0)"),
+        ("colocated", v - 1, f"colocated, ahead={v - 1} (one call)"),
+    ]
+    colors = {"gen": PHASE_COLORS["rollout"], "train": PHASE_COLORS["train"],
+              "sync": PHASE_COLORS["sync"]}  # fmt: skip
+    fig = Figure(figsize=(8, 4.2))
+    ax = fig.add_subplot()
+    ticks, labels = [], []
+    for i, (placement, ahead, title) in enumerate(cases):
+        base = (len(cases) - 1 - i) * 3
+        events = window_events(r, t, s, v, ahead, placement, batch_fixed)
+        for lane, label, start, end in events:
+            y = base + (1 if lane == "vllm" else 0)
+            ax.broken_barh([(start, end - start)], (y + 0.1, 0.8), edgecolor="white",
+                           color=colors[label.split()[0]])  # fmt: skip
+            if label != "sync":
+                ax.text((start + end) / 2, y + 0.5, label.split()[-1], ha="center",
+                        va="center", fontsize=6, color="white")  # fmt: skip
+        end = max(e[3] for e in events)
+        ax.text(end + 0.1, base + 0.5, f"{end:.1f} s", va="center", fontsize=7)
+        ticks += [base + 0.5, base + 1.5]
+        labels += [f"{title}: trainer", "vLLM"]
+    ax.set_yticks(ticks, labels, fontsize=7)
+    ax.set_xlabel(f"seconds (model: rollout {r:g} s, train {t:g} s, sync {s:g} s per window)")
+    ax.set_title(f"One sync window of v={v} steps: serial vs generated ahead", fontsize=9)
+    handles = [Figure().add_subplot().bar([0], [0], color=c, label=k)[0] for k, c in colors.items()]
+    ax.legend(handles, list(colors), fontsize=7, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    _save(fig, Path(path))
+    return Path(path)
