@@ -139,3 +139,36 @@ def test_sync_table_reports_gb_per_s_against_raw():
         "| raw (1 flat buffer per link) | 1907.3 | 953.7 | 1.000 | 2.000 | 1.000 | 2.000 | 1.00x |"
         in text
     )
+
+
+def test_ahead_pairs_carry_their_override_and_their_speedup_over_serial(tmp_path):
+    a = ThroughputArgs(vs=[4], steps=5, aheads=[0, 3])
+    assert train_command(a, 4, tmp_path / "x", 3)[-1] == "rollout.ahead=3"
+    assert train_command(a, 4, tmp_path / "x", 0)[-1] == "rollout.ahead=0"
+    assert not any("rollout.ahead" in x for x in train_command(ThroughputArgs(vs=[1]), 1, tmp_path))
+    with pytest.raises(ValueError, match="--ahead"):
+        ThroughputArgs(vs=[4], steps=5, aheads=[0, 0])
+    with pytest.raises(ValueError, match="rollout.ahead"):
+        ThroughputArgs(vs=[4], steps=5, overrides=["rollout.ahead=2"])
+    from megatron_grpo.bench.throughput import analyze_rounds
+
+    serial = analyze_rounds([[_row(k, k == 4) for k in (1, 2, 3, 4, 5)]], 4, 1)
+    fast = [dict(_row(k, k == 4), time_step=1.2) for k in (1, 2, 3, 4, 5)]
+    ahead = analyze_rounds([fast], 4, 1, ahead=3)
+    c = compare([ahead, serial])
+    assert [(r["v"], r["ahead"]) for r in c["runs"]] == [(4, 0), (4, 3)]
+    assert c["runs"][0]["ahead_speedup"] == pytest.approx(1.0)
+    assert c["runs"][1]["ahead_speedup"] == pytest.approx(serial["step_time_mean_s"] / 1.2)
+
+
+def test_pinning_splits_the_cores_and_refuses_a_bad_list(monkeypatch):
+    from megatron_grpo.bench.throughput import pin_env
+    from megatron_grpo.rollout.server import pin_role
+
+    assert pin_env([1, 0]) == {
+        "MEGATRON_GRPO_TRAINER_CPUS": "0", "MEGATRON_GRPO_ROLLOUT_CPUS": "1",
+    }  # fmt: skip
+    assert pin_env([0]) == {}
+    monkeypatch.setenv("MEGATRON_GRPO_TRAINER_CPUS", "x-1")
+    with pytest.raises(RuntimeError, match="MEGATRON_GRPO_TRAINER_CPUS='x-1'"):
+        pin_role(True, 1)

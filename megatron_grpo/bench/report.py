@@ -22,13 +22,18 @@ def plot_throughput(res: Mapping[str, Any], path: str | os.PathLike) -> Path:
     predicts; the paper's 1.35x at v=10 (Qwen2.5-7B, 8xH100) as a marker."""
     from matplotlib.figure import Figure
 
-    runs = res["runs"]
-    vs = [r["v"] for r in runs]
+    all_runs = res["runs"]
     fig = Figure(figsize=(6, 3.6))
     ax = fig.add_subplot()
-    ax.plot(vs, [r["steps_per_s_ratio"] for r in runs], "o-", label="steps/s (measured)")
-    ax.plot(vs, [r["tokens_per_s_ratio"] for r in runs], "s--", label="tokens/s (measured)")
-    ax.plot(vs, [r["sync_only_ratio"] for r in runs], "^:", label="sync saving alone")
+    for ahead in sorted({r.get("ahead", 0) for r in all_runs}):
+        runs = [r for r in all_runs if r.get("ahead", 0) == ahead]
+        vs = [r["v"] for r in runs]
+        tag = "" if ahead == 0 else f", ahead={ahead}"
+        ax.plot(vs, [r["steps_per_s_ratio"] for r in runs], "o-", label=f"steps/s{tag}")
+        ax.plot(vs, [r["tokens_per_s_ratio"] for r in runs], "s--", label=f"tokens/s{tag}")
+        if ahead == 0:
+            ax.plot(vs, [r["sync_only_ratio"] for r in runs], "^:", label="sync saving alone")
+    vs = sorted({r["v"] for r in all_runs})
     ax.plot([10], [1.35], "k*", ms=10, label="paper, 7B on 8xH100")
     ax.axhline(1.0, color="gray", lw=0.6)
     ax.set_xlabel("sync period v (steps)")
@@ -46,7 +51,7 @@ def plot_phases(res: Mapping[str, Any], path: str | os.PathLike) -> Path:
     from matplotlib.figure import Figure
 
     runs = res["runs"]
-    labels = [f"v={r['v']}" for r in runs]
+    labels = [f"v={r['v']}" + (f" a={r['ahead']}" if r.get("ahead") else "") for r in runs]
     fig = Figure(figsize=(6, 3.6))
     ax = fig.add_subplot()
     bottom = [0.0] * len(runs)
@@ -71,16 +76,17 @@ def throughput_markdown(res: Mapping[str, Any]) -> str:
         f"`{' '.join(a['overrides']) or '(none)'}`; rounds={a.get('rounds', 1)} (round-robin, "
         f"steps pooled). Ratios are to v={ref}.",
         "",
-        "| v | steps/s | ratio | median ratio of rounds | tokens/s | ratio | syncs (measured) "
+        "| v | ahead | steps/s | ratio | vs serial | median ratio of rounds | tokens/s | ratio | syncs (measured) "
         "| s/sync | sync/step "
         "| rollout | reward | logprobs | train | other | step | sync-only ratio | load 1m |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["runs"]:
         p = r["phase_mean_s"]
         sps = r["sync_time_mean_s"]
         lines.append(
-            f"| {r['v']} | {r['steps_per_s']:.4f} | {r['steps_per_s_ratio']:.3f} | "
+            f"| {r['v']} | {r.get('ahead', 0)} | {r['steps_per_s']:.4f} | "
+            f"{r['steps_per_s_ratio']:.3f} | {_opt(r.get('ahead_speedup'))} | "
             f"{_opt(r.get('steps_per_s_ratio_median_of_rounds'))} | "
             f"{r['tokens_per_s']:.1f} | {r['tokens_per_s_ratio']:.3f} | {r['num_syncs']} "
             f"({r['measured_syncs']}) | {f'{sps:.3f}' if sps is not None else '-'} | "
