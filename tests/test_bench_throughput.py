@@ -172,3 +172,14 @@ def test_pinning_splits_the_cores_and_refuses_a_bad_list(monkeypatch):
     monkeypatch.setenv("MEGATRON_GRPO_TRAINER_CPUS", "x-1")
     with pytest.raises(RuntimeError, match="MEGATRON_GRPO_TRAINER_CPUS='x-1'"):
         pin_role(True, 1)
+
+
+def test_ahead_prediction_comes_from_the_serial_runs_phases():
+    from megatron_grpo.bench.throughput import analyze_rounds, predicted_ahead_speedup
+
+    serial = analyze_rounds([[_row(k, k % 4 == 0) for k in range(1, 9)]], 4, 4)
+    # R = 1.1, T = 0.7 + other 0.2 = 0.9, S = 0.4 (from _row); disaggregated window:
+    # serial 4 * 2.0 + 0.4, ahead=3 R + 4 T + S (R > T: the engines are the pace: 4R + T + S)
+    run = {"v": 4, "ahead": 3, "placement": "disaggregated"}
+    assert predicted_ahead_speedup(serial, run) == pytest.approx(8.4 / (4 * 1.1 + 0.9 + 0.4))
+    assert predicted_ahead_speedup(serial, dict(run, placement="colocated")) == pytest.approx(1)

@@ -76,10 +76,10 @@ def throughput_markdown(res: Mapping[str, Any]) -> str:
         f"`{' '.join(a['overrides']) or '(none)'}`; rounds={a.get('rounds', 1)} (round-robin, "
         f"steps pooled). Ratios are to v={ref}.",
         "",
-        "| v | ahead | steps/s | ratio | vs serial | median ratio of rounds | tokens/s | ratio | syncs (measured) "
+        "| v | ahead | steps/s | ratio | vs serial | predicted | median ratio of rounds | tokens/s | ratio | syncs (measured) "
         "| s/sync | sync/step "
         "| rollout | reward | logprobs | train | other | step | sync-only ratio | load 1m |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["runs"]:
         p = r["phase_mean_s"]
@@ -87,6 +87,7 @@ def throughput_markdown(res: Mapping[str, Any]) -> str:
         lines.append(
             f"| {r['v']} | {r.get('ahead', 0)} | {r['steps_per_s']:.4f} | "
             f"{r['steps_per_s_ratio']:.3f} | {_opt(r.get('ahead_speedup'))} | "
+            f"{_opt(r.get('ahead_speedup_predicted'))} | "
             f"{_opt(r.get('steps_per_s_ratio_median_of_rounds'))} | "
             f"{r['tokens_per_s']:.1f} | {r['tokens_per_s_ratio']:.3f} | {r['num_syncs']} "
             f"({r['measured_syncs']}) | {f'{sps:.3f}' if sps is not None else '-'} | "

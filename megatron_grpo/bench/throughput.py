@@ -268,6 +268,22 @@ def _key(r: Mapping[str, Any]) -> tuple[int, int]:
     return r["v"], r.get("ahead", 0)
 
 
+def predicted_ahead_speedup(serial: Mapping[str, Any], run: Mapping[str, Any]) -> float | None:
+    """What ``bench.projection.window_time`` predicts for ``run``'s rollout.ahead from the
+    serial run's phases: R = rollout + reward, T = logprobs + train + other, S = seconds per
+    sync (colocated: no batching gain assumed, f = 0, as on a saturated CPU)."""
+    from megatron_grpo.bench.projection import schedule_step_time
+
+    p, v = serial["phase_mean_s"], serial["v"]
+    r, t = p["rollout"] + p["reward"], p["logprobs"] + p["train"] + p["other"]
+    s = serial["sync_time_mean_s"] or 0.0
+    placement = run.get("placement", "colocated")
+    ahead = run.get("ahead", 0)
+    return schedule_step_time(r, t, s, v, 0, placement) / schedule_step_time(
+        r, t, s, v, ahead, placement
+    )
+
+
 def compare(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Ratios of every run to the run with the smallest v (and smallest ahead), and of every
     run to the serial run (ahead 0) of its own v (``ahead_speedup``)."""
@@ -282,6 +298,7 @@ def compare(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             if base and r["steps_per_s"] and base["steps_per_s"]
             else None
         )
+        r["ahead_speedup_predicted"] = predicted_ahead_speedup(base, r) if base else None
         r["steps_per_s_ratio"] = (
             r["steps_per_s"] / ref["steps_per_s"]
             if r["steps_per_s"] and ref["steps_per_s"]
