@@ -103,7 +103,7 @@ def test_bench_throughput_end_to_end(tmp_path):
     assert runs[2]["sync_amortized_s"] < runs[1]["sync_amortized_s"]
     for name in ("throughput_vs_v.png", "phase_breakdown.png", "throughput.md", "throughput.json"):
         assert (out / name).stat().st_size > 0
-    assert "| v | steps/s |" in (out / "throughput.md").read_text()
+    assert "| v | ahead | steps/s |" in (out / "throughput.md").read_text()
 
 
 def test_rounds_are_pooled_and_ratios_are_also_taken_round_by_round():

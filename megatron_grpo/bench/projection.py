@@ -408,11 +408,12 @@ def calibrate_from_throughput(res: Mapping[str, Any]) -> dict[str, Any]:
     """Check the model on a measured ``bench throughput`` result: T_other and S from the
     reference run alone (its non-sync step time, its mean seconds per sync), then the
     predicted ratio for every other v against the measured one."""
-    ref = min(res["runs"], key=lambda r: r["v"])
+    serial = [r for r in res["runs"] if r.get("ahead", 0) == 0]  # this model has no ahead
+    ref = min(serial, key=lambda r: r["v"])
     s = ref["sync_time_mean_s"] or 0.0
     t_other = ref["step_time_mean_s"] - ref["sync_amortized_s"]
     rows = []
-    for r in res["runs"]:
+    for r in serial:
         rows.append({
             "v": r["v"], "measured_ratio": r["steps_per_s_ratio"],
             "predicted_ratio": throughput_ratio(t_other, s, r["v"], ref["v"]),
