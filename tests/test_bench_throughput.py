@@ -103,7 +103,7 @@ def test_bench_throughput_end_to_end(tmp_path):
     assert runs[2]["sync_amortized_s"] < runs[1]["sync_amortized_s"]
     for name in ("throughput_vs_v.png", "phase_breakdown.png", "throughput.md", "throughput.json"):
         assert (out / name).stat().st_size > 0
-    assert "| v | steps/s |" in (out / "throughput.md").read_text()
+    assert "| v | ahead | steps/s |" in (out / "throughput.md").read_text()
 
 
 def test_rounds_are_pooled_and_ratios_are_also_taken_round_by_round():
@@ -139,3 +139,47 @@ def test_sync_table_reports_gb_per_s_against_raw():
         "| raw (1 flat buffer per link) | 1907.3 | 953.7 | 1.000 | 2.000 | 1.000 | 2.000 | 1.00x |"
         in text
     )
+
+
+def test_ahead_pairs_carry_their_override_and_their_speedup_over_serial(tmp_path):
+    a = ThroughputArgs(vs=[4], steps=5, aheads=[0, 3])
+    assert train_command(a, 4, tmp_path / "x", 3)[-1] == "rollout.ahead=3"
+    assert train_command(a, 4, tmp_path / "x", 0)[-1] == "rollout.ahead=0"
+    assert not any("rollout.ahead" in x for x in train_command(ThroughputArgs(vs=[1]), 1, tmp_path))
+    with pytest.raises(ValueError, match="--ahead"):
+        ThroughputArgs(vs=[4], steps=5, aheads=[0, 0])
+    with pytest.raises(ValueError, match="rollout.ahead"):
+        ThroughputArgs(vs=[4], steps=5, overrides=["rollout.ahead=2"])
+    from megatron_grpo.bench.throughput import analyze_rounds
+
+    serial = analyze_rounds([[_row(k, k == 4) for k in (1, 2, 3, 4, 5)]], 4, 1)
+    fast = [dict(_row(k, k == 4), time_step=1.2) for k in (1, 2, 3, 4, 5)]
+    ahead = analyze_rounds([fast], 4, 1, ahead=3)
+    c = compare([ahead, serial])
+    assert [(r["v"], r["ahead"]) for r in c["runs"]] == [(4, 0), (4, 3)]
+    assert c["runs"][0]["ahead_speedup"] == pytest.approx(1.0)
+    assert c["runs"][1]["ahead_speedup"] == pytest.approx(serial["step_time_mean_s"] / 1.2)
+
+
+def test_pinning_splits_the_cores_and_refuses_a_bad_list(monkeypatch):
+    from megatron_grpo.bench.throughput import pin_env
+    from megatron_grpo.rollout.server import pin_role
+
+    assert pin_env([1, 0]) == {
+        "MEGATRON_GRPO_TRAINER_CPUS": "0", "MEGATRON_GRPO_ROLLOUT_CPUS": "1",
+    }  # fmt: skip
+    assert pin_env([0]) == {}
+    monkeypatch.setenv("MEGATRON_GRPO_TRAINER_CPUS", "x-1")
+    with pytest.raises(RuntimeError, match="MEGATRON_GRPO_TRAINER_CPUS='x-1'"):
+        pin_role(True, 1)
+
+
+def test_ahead_prediction_comes_from_the_serial_runs_phases():
+    from megatron_grpo.bench.throughput import analyze_rounds, predicted_ahead_speedup
+
+    serial = analyze_rounds([[_row(k, k % 4 == 0) for k in range(1, 9)]], 4, 4)
+    # R = 1.1, T = 0.7 + other 0.2 = 0.9, S = 0.4 (from _row); disaggregated window:
+    # serial 4 * 2.0 + 0.4, ahead=3 R + 4 T + S (R > T: the engines are the pace: 4R + T + S)
+    run = {"v": 4, "ahead": 3, "placement": "disaggregated"}
+    assert predicted_ahead_speedup(serial, run) == pytest.approx(8.4 / (4 * 1.1 + 0.9 + 0.4))
+    assert predicted_ahead_speedup(serial, dict(run, placement="colocated")) == pytest.approx(1)

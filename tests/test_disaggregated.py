@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -117,3 +118,47 @@ def test_channel_gives_up_on_a_silent_peer_and_on_abort():
     ch.post("cmd/1", {"op": "stop"})
     assert ch.wait("cmd/1", [], "command 1") == {"op": "stop"}
     assert not store.check(["megatron_grpo/ctl/cmd/1"])
+
+
+# ------------------------------------------------------------------------------ rollout.ahead
+@pytest.mark.timeout(1200)
+def test_ahead_streams_the_window_and_logs_what_the_serial_schedule_logs(tmp_path):
+    """rollout.ahead=3 (v=4): the engines generate steps 1..4 back to back after the initial
+    sync; the metrics equal the serial run's (same prompts, seeds and served weights), also
+    after a resume from step 2, when steps 3 and 4 had been generated ahead."""
+    from tests.test_trainer import RESUME_KEYS
+
+    def run(run_dir, *args, flags=()):
+        rc, out, left = torchrun_train(
+            run_dir, *flags, "--steps", "5", "--sync-interval", "4", "rollout.placement=disaggregated",
+            "rollout.num_engines=1", "checkpoint.interval=2", "checkpoint.keep_last=3", *FAST,
+            *args, timeout=400,
+        )  # fmt: skip
+        assert rc == 0, out[-4000:]
+        assert not left, f"processes of the run still alive after it ended: {left}"
+        return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    def same(a, b):
+        assert [x["step"] for x in b] == [1, 2, 3, 4, 5]
+        assert [x["policy_version"] for x in b] == [0, 0, 0, 0, 4]
+        assert [x["lag"] for x in b] == [0, 1, 2, 3, 0]
+        for x, y in zip(a, b):
+            for key in RESUME_KEYS:
+                if isinstance(x[key], float):
+                    assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-6), (x["step"], key)
+                else:
+                    assert y[key] == x[key], (x["step"], key)
+
+    serial = run(tmp_path / "serial")
+    ahead_dir = tmp_path / "ahead"
+    same(serial, run(ahead_dir, "rollout.ahead=3"))
+    # Resume mid-window: the checkpoint of step 2 must hold the data position of 2 consumed
+    # steps (not of the 4 generated ones), so steps 3 and 4 are drawn and generated again.
+    ckpts = ahead_dir / "checkpoints"
+    for later in ("step_000004", "step_000005", "latest"):
+        target = ckpts / later
+        if target.is_dir():
+            shutil.rmtree(target)
+        else:
+            target.unlink(missing_ok=True)
+    same(serial, run(ahead_dir, "rollout.ahead=3", flags=["--resume"]))

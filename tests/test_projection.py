@@ -101,3 +101,32 @@ def test_plan_bytes_of_the_7b_layouts():
         rs = [s["ratios"][v] for v in p["vs"]]
         assert rs[0] == 1.0 and all(b2 >= a2 for a2, b2 in zip(rs, rs[1:]))
     assert math.isclose(p["calibration"]["check_it_s"][1], 0.02828, rel_tol=1e-12)
+
+
+# ------------------------------------------------------------------------------ rollout.ahead
+def test_window_time_matches_the_hand_derived_limits():
+    from megatron_grpo.bench.projection import window_time
+
+    r, t, s, v = 2.0, 3.0, 5.0, 4
+    assert window_time(r, t, s, v, 0, "disaggregated") == v * (r + t) + s  # serial
+    assert window_time(r, t, s, v, 0, "colocated") == v * (r + t) + s
+    assert window_time(r, t, s, v, v - 1, "disaggregated") == r + v * t + s  # trainer-bound
+    assert window_time(3.0, 2.0, s, v, v - 1, "disaggregated") == v * 3.0 + 2.0 + s  # engines
+    # one call of v steps: f*R + (1-f)*R*v, then the trainer
+    assert window_time(r, t, s, v, v - 1, "colocated", 0.25) == r * (0.25 + 0.75 * v) + v * t + s
+    # ahead=1: chunks (1,2) and (3,4), each launched when the trainer asks for its first step
+    assert window_time(r, t, s, v, 1, "disaggregated") == 2 * (r + 2 * t) + s
+    with pytest.raises(ValueError, match="ahead >= 0"):
+        window_time(r, t, s, v, -1, "colocated")
+
+
+def test_seven_b_prediction_uses_the_paper_calibration_and_gains_only_for_v_above_1():
+    from megatron_grpo.bench.projection import seven_b_disaggregated
+
+    p = seven_b_disaggregated(vs=(1, 4))
+    assert p["rollout_s"] + p["train_s"] == pytest.approx(1 / 0.02828 - p["sync_s"])
+    v1, v4 = p["rows"]
+    assert v1["speedup"] == pytest.approx(1.0)
+    r, t, s = p["rollout_s"], p["train_s"], p["sync_s"]
+    assert v4["ahead_step_s"] == pytest.approx((r + 4 * t + s) / 4)
+    assert v4["serial_step_s"] == pytest.approx(r + t + s / 4)

@@ -128,6 +128,95 @@ class Assumptions:
     broadcast would be (receivers - 1) x slower)."""
 
 
+# ------------------------------------------------------------------------------ schedule
+# rollout.ahead (rollout/ahead.py): what generating a window's batches ahead buys. With R the
+# seconds to generate (and score) one step's batch, T the trainer's seconds per step
+# (log-probs + SGD), S the seconds per sync, a window of v steps takes:
+#   serial                     v * (R + T) + S
+#   disaggregated, ahead >= v-1  R + v*T + S            when R <= T (the trainer is the pace)
+#                              v*R + T + S              when R > T  (the engines are)
+#   colocated, ahead >= v-1    R_batch(v) + v*T + S     (one call; no overlap on one device)
+# where R_batch(m) = R * (f + (1 - f) * m) models how a generate call of m steps' prompts
+# costs against one of a single step (f: the share of R that does not grow with the batch;
+# f = 0 on a saturated CPU, near 1 on a GPU far from saturation). ``window_time`` simulates
+# the schedule the code runs for any ahead (chunks of ahead+1 steps, each chunk launched when
+# the trainer asks for its first step), of which the lines above are the limits.
+
+
+def window_events(r: float, t: float, s: float, v: int, ahead: int, placement: str,
+                  batch_fixed: float = 0.0) -> list[tuple[str, str, float, float]]:  # fmt: skip
+    """The schedule of one sync window of ``v`` steps (the last one syncs) under
+    rollout.ahead, as ``(lane, label, start_s, end_s)`` with lanes ``vllm`` and ``trainer``.
+
+    ``r``: seconds to generate one step's batch, ``t``: trainer seconds per step, ``s``:
+    seconds per sync, ``placement``: ``colocated`` or ``disaggregated``, ``batch_fixed``:
+    the share f of ``r`` that a larger colocated call does not repeat (see above)."""
+    if v < 1 or ahead < 0 or min(r, t, s) < 0 or not 0 <= batch_fixed <= 1:
+        raise ValueError(
+            f"window_time(r={r}, t={t}, s={s}, v={v}, ahead={ahead}, batch_fixed="
+            f"{batch_fixed}): need v >= 1, ahead >= 0, times >= 0 and 0 <= batch_fixed <= 1."
+        )
+    if placement not in ("colocated", "disaggregated"):
+        raise ValueError(f"placement={placement!r}: 'colocated' or 'disaggregated'.")
+    events, trainer = [], 0.0
+    for first in range(0, v, ahead + 1):
+        m = min(ahead + 1, v - first)
+        if placement == "colocated":  # one call, then the trainer; nothing overlaps
+            gen = r * (batch_fixed + (1 - batch_fixed) * m) if m > 1 else r
+            steps = f"{first + 1}-{first + m}" if m > 1 else f"{first + 1}"
+            events.append(("vllm", f"gen {steps}", trainer, trainer + gen))
+            trainer += gen
+            for j in range(m):
+                events.append(("trainer", f"train {first + j + 1}", trainer, trainer + t))
+                trainer += t
+        else:  # queued back to back when the trainer asks for the chunk's first step
+            launched = trainer
+            for j in range(m):
+                ready = launched + (j + 1) * r
+                events.append(("vllm", f"gen {first + j + 1}", ready - r, ready))
+                start = max(ready, trainer)
+                events.append(("trainer", f"train {first + j + 1}", start, start + t))
+                trainer = start + t
+    events.append(("trainer", "sync", trainer, trainer + s))
+    events.append(("vllm", "sync", trainer, trainer + s))
+    return events
+
+
+def window_time(r: float, t: float, s: float, v: int, ahead: int, placement: str,
+                batch_fixed: float = 0.0) -> float:  # fmt: skip
+    """Seconds for one sync window (``window_events``' end)."""
+    return max(e[3] for e in window_events(r, t, s, v, ahead, placement, batch_fixed))
+
+
+def schedule_step_time(r: float, t: float, s: float, v: int, ahead: int, placement: str,
+                       batch_fixed: float = 0.0) -> float:  # fmt: skip
+    """Mean seconds per trainer step: ``window_time / v``."""
+    return window_time(r, t, s, v, ahead, placement, batch_fixed) / v
+
+
+def seven_b_disaggregated(
+    a: Assumptions | None = None, vs: Sequence[int] = (1, 2, 4, 8, 10), rollout_share: float = 0.5
+) -> dict[str, Any]:
+    """The 7B prediction for the disaggregated 2-node layout (one node of vLLM engines, one
+    of trainer ranks): the paper's calibrated T_other split into rollout R and train T by
+    ``rollout_share`` (an assumption: the paper does not publish the split; each phase keeps
+    a whole node, as in the colocated run where it has the node in turn), its S per sync, and
+    steps/s serial vs ahead = v - 1 for every v."""
+    a = a or Assumptions()
+    (va, xa), (vb, xb) = a.paper_it_s
+    t_other, s = calibrate(xa, va, xb, vb)
+    r, t = rollout_share * t_other, (1 - rollout_share) * t_other
+    rows = []
+    for v in vs:
+        serial = schedule_step_time(r, t, s, v, 0, "disaggregated")
+        ahead = schedule_step_time(r, t, s, v, v - 1, "disaggregated")
+        rows.append({"v": v, "serial_step_s": serial, "ahead_step_s": ahead,
+                     "serial_it_s": 1 / serial, "ahead_it_s": 1 / ahead,
+                     "speedup": serial / ahead})  # fmt: skip
+    return {"rollout_s": r, "train_s": t, "sync_s": s, "rollout_share": rollout_share,
+            "rows": rows}  # fmt: skip
+
+
 # ------------------------------------------------------------------------------ bytes
 
 
@@ -305,6 +394,7 @@ def project(
         "scenarios": [asdict(s) for s in scenarios],
         "layouts": by_layout,
         "vs": list(vs),
+        "schedule_7b_disaggregated": seven_b_disaggregated(a),
         "gap": {
             "paper_S_over_verl_nccl": s_paper / a.verl_sync_s[1],
             "paper_S_over_direct_wire": s_paper / scenarios[1].sync_s,
@@ -318,11 +408,12 @@ def calibrate_from_throughput(res: Mapping[str, Any]) -> dict[str, Any]:
     """Check the model on a measured ``bench throughput`` result: T_other and S from the
     reference run alone (its non-sync step time, its mean seconds per sync), then the
     predicted ratio for every other v against the measured one."""
-    ref = min(res["runs"], key=lambda r: r["v"])
+    serial = [r for r in res["runs"] if r.get("ahead", 0) == 0]  # this model has no ahead
+    ref = min(serial, key=lambda r: r["v"])
     s = ref["sync_time_mean_s"] or 0.0
     t_other = ref["step_time_mean_s"] - ref["sync_amortized_s"]
     rows = []
-    for r in res["runs"]:
+    for r in serial:
         rows.append({
             "v": r["v"], "measured_ratio": r["steps_per_s_ratio"],
             "predicted_ratio": throughput_ratio(t_other, s, r["v"], ref["v"]),
@@ -370,6 +461,21 @@ def format_projection(p: Mapping[str, Any]) -> str:
             f"{lay['baseline_wire_s']:>9.4f}{lay['direct_ratio_v10']:>9.4f}"
             f"{lay['baseline_ratio_v10']:>9.4f}"
         )
+    sch = p.get("schedule_7b_disaggregated")
+    if sch:
+        out += [
+            "",
+            f"rollout.ahead, 7B disaggregated on 2 nodes (vLLM node + trainer node; R = "
+            f"{sch['rollout_s']:.2f} s, T = {sch['train_s']:.2f} s: T_other split "
+            f"{sch['rollout_share']:.0%} rollout, an assumption; S = {sch['sync_s']:.2f} s):",
+            f"{'v':>4}{'serial s/step':>15}{'ahead s/step':>14}{'serial it/s':>13}"
+            f"{'ahead it/s':>12}{'speedup':>9}",
+        ]
+        for row in sch["rows"]:
+            out.append(
+                f"{row['v']:>4}{row['serial_step_s']:>15.2f}{row['ahead_step_s']:>14.2f}"
+                f"{row['serial_it_s']:>13.4f}{row['ahead_it_s']:>12.4f}{row['speedup']:>9.3f}"
+            )
     g = p["gap"]
     out += [
         "",

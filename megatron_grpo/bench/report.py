@@ -22,13 +22,18 @@ def plot_throughput(res: Mapping[str, Any], path: str | os.PathLike) -> Path:
     predicts; the paper's 1.35x at v=10 (Qwen2.5-7B, 8xH100) as a marker."""
     from matplotlib.figure import Figure
 
-    runs = res["runs"]
-    vs = [r["v"] for r in runs]
+    all_runs = res["runs"]
     fig = Figure(figsize=(6, 3.6))
     ax = fig.add_subplot()
-    ax.plot(vs, [r["steps_per_s_ratio"] for r in runs], "o-", label="steps/s (measured)")
-    ax.plot(vs, [r["tokens_per_s_ratio"] for r in runs], "s--", label="tokens/s (measured)")
-    ax.plot(vs, [r["sync_only_ratio"] for r in runs], "^:", label="sync saving alone")
+    for ahead in sorted({r.get("ahead", 0) for r in all_runs}):
+        runs = [r for r in all_runs if r.get("ahead", 0) == ahead]
+        vs = [r["v"] for r in runs]
+        tag = "" if ahead == 0 else f", ahead={ahead}"
+        ax.plot(vs, [r["steps_per_s_ratio"] for r in runs], "o-", label=f"steps/s{tag}")
+        ax.plot(vs, [r["tokens_per_s_ratio"] for r in runs], "s--", label=f"tokens/s{tag}")
+        if ahead == 0:
+            ax.plot(vs, [r["sync_only_ratio"] for r in runs], "^:", label="sync saving alone")
+    vs = sorted({r["v"] for r in all_runs})
     ax.plot([10], [1.35], "k*", ms=10, label="paper, 7B on 8xH100")
     ax.axhline(1.0, color="gray", lw=0.6)
     ax.set_xlabel("sync period v (steps)")
@@ -46,7 +51,7 @@ def plot_phases(res: Mapping[str, Any], path: str | os.PathLike) -> Path:
     from matplotlib.figure import Figure
 
     runs = res["runs"]
-    labels = [f"v={r['v']}" for r in runs]
+    labels = [f"v={r['v']}" + (f" a={r['ahead']}" if r.get("ahead") else "") for r in runs]
     fig = Figure(figsize=(6, 3.6))
     ax = fig.add_subplot()
     bottom = [0.0] * len(runs)
@@ -71,16 +76,18 @@ def throughput_markdown(res: Mapping[str, Any]) -> str:
         f"`{' '.join(a['overrides']) or '(none)'}`; rounds={a.get('rounds', 1)} (round-robin, "
         f"steps pooled). Ratios are to v={ref}.",
         "",
-        "| v | steps/s | ratio | median ratio of rounds | tokens/s | ratio | syncs (measured) "
+        "| v | ahead | steps/s | ratio | vs serial | predicted | median ratio of rounds | tokens/s | ratio | syncs (measured) "
         "| s/sync | sync/step "
         "| rollout | reward | logprobs | train | other | step | sync-only ratio | load 1m |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["runs"]:
         p = r["phase_mean_s"]
         sps = r["sync_time_mean_s"]
         lines.append(
-            f"| {r['v']} | {r['steps_per_s']:.4f} | {r['steps_per_s_ratio']:.3f} | "
+            f"| {r['v']} | {r.get('ahead', 0)} | {r['steps_per_s']:.4f} | "
+            f"{r['steps_per_s_ratio']:.3f} | {_opt(r.get('ahead_speedup'))} | "
+            f"{_opt(r.get('ahead_speedup_predicted'))} | "
             f"{_opt(r.get('steps_per_s_ratio_median_of_rounds'))} | "
             f"{r['tokens_per_s']:.1f} | {r['tokens_per_s_ratio']:.3f} | {r['num_syncs']} "
             f"({r['measured_syncs']}) | {f'{sps:.3f}' if sps is not None else '-'} | "
@@ -302,3 +309,48 @@ def write_reproduce_report(res: Mapping[str, Any], out_dir: str | os.PathLike) -
     js = out / "reproduce.json"
     js.write_text(json.dumps(res, indent=2, default=str))
     return [*files, md, js]
+
+
+def plot_ahead_timeline(
+    r: float, t: float, s: float, v: int, path: str | os.PathLike, batch_fixed: float = 0.5
+) -> Path:
+    """One sync window, serial vs rollout.ahead = v-1, both placements: the vLLM and trainer
+    lanes of ``bench.projection.window_events`` (``r`` rollout, ``t`` train, ``s`` sync
+    seconds; ``batch_fixed``: colocated batching share, see projection.py)."""
+    from matplotlib.figure import Figure
+
+    from megatron_grpo.bench.projection import window_events
+
+    cases = [
+        ("disaggregated", 0, "disaggregated, serial (ahead=0)"),
+        ("disaggregated", v - 1, f"disaggregated, ahead={v - 1}"),
+        ("colocated", 0, "colocated, serial (ahead=0)"),
+        ("colocated", v - 1, f"colocated, ahead={v - 1} (one call)"),
+    ]
+    colors = {"gen": PHASE_COLORS["rollout"], "train": PHASE_COLORS["train"],
+              "sync": PHASE_COLORS["sync"]}  # fmt: skip
+    fig = Figure(figsize=(8, 4.2))
+    ax = fig.add_subplot()
+    ticks, labels = [], []
+    for i, (placement, ahead, title) in enumerate(cases):
+        base = (len(cases) - 1 - i) * 3
+        events = window_events(r, t, s, v, ahead, placement, batch_fixed)
+        for lane, label, start, end in events:
+            y = base + (1 if lane == "vllm" else 0)
+            ax.broken_barh([(start, end - start)], (y + 0.1, 0.8), edgecolor="white",
+                           color=colors[label.split()[0]])  # fmt: skip
+            if label != "sync":
+                ax.text((start + end) / 2, y + 0.5, label.split()[-1], ha="center",
+                        va="center", fontsize=6, color="white")  # fmt: skip
+        end = max(e[3] for e in events)
+        ax.text(end + 0.1, base + 0.5, f"{end:.1f} s", va="center", fontsize=7)
+        ticks += [base + 0.5, base + 1.5]
+        labels += [f"{title}: trainer", "vLLM"]
+    ax.set_yticks(ticks, labels, fontsize=7)
+    ax.set_xlabel(f"seconds (model: rollout {r:g} s, train {t:g} s, sync {s:g} s per window)")
+    ax.set_title(f"One sync window of v={v} steps: serial vs generated ahead", fontsize=9)
+    handles = [Figure().add_subplot().bar([0], [0], color=c, label=k)[0] for k, c in colors.items()]
+    ax.legend(handles, list(colors), fontsize=7, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    _save(fig, Path(path))
+    return Path(path)

@@ -72,6 +72,12 @@ class ThroughputArgs:
     """Run every v this many times, round-robin (v1 v2 ... v1 v2 ...); steps are pooled."""
     threads: int = 1
     """OMP_NUM_THREADS of each rank."""
+    aheads: list[int] = field(default_factory=lambda: [0])
+    """rollout.ahead values; every (v, ahead) pair runs, side by side (0 = serial)."""
+    pin: bool = True
+    """Disaggregated runs: trainer ranks on one half of this process's cores, rollout ranks
+    (and vLLM's processes, which inherit it) on the other (``PIN_ENV``), so that the overlap
+    of rollout.ahead is real on a small machine."""
 
     def __post_init__(self) -> None:
         check_args(self)
@@ -86,6 +92,8 @@ def check_args(a: ThroughputArgs) -> None:
         raise ValueError(f"--v {a.vs}: give sync periods >= 1, e.g. --v 1,2,5,10.")
     if len(set(a.vs)) != len(a.vs):
         raise ValueError(f"--v {a.vs}: each v once.")
+    if not a.aheads or any(x < 0 for x in a.aheads) or len(set(a.aheads)) != len(a.aheads):
+        raise ValueError(f"--ahead {a.aheads}: give distinct values >= 0, e.g. --ahead 0,3.")
     if a.warmup < 0 or a.nproc < 0 or a.threads < 1 or a.rounds < 1:
         raise ValueError(
             f"--warmup({a.warmup}) and --nproc({a.nproc}) must be >= 0 (nproc 0: from the "
@@ -108,11 +116,11 @@ def check_args(a: ThroughputArgs) -> None:
         )
     for o in a.overrides:
         key = o.split("=", 1)[0]
-        if "=" not in o or key in ("steps", "sync.interval", "run_dir", "seed"):
+        if "=" not in o or key in ("steps", "sync.interval", "run_dir", "seed", "rollout.ahead"):
             raise ValueError(
                 f"override {o!r}: give key=value, and not steps / sync.interval / run_dir / "
-                "seed, which the benchmark sets itself (--steps, --v, --out-dir; the config's "
-                "seed is shared by every run)."
+                "seed / rollout.ahead, which the benchmark sets itself (--steps, --v, "
+                "--out-dir, --ahead; the config's seed is shared by every run)."
             )
 
 
@@ -130,9 +138,25 @@ def default_config() -> str | None:
     return str(path) if path.is_file() else None
 
 
-def train_command(a: ThroughputArgs, v: int, run_dir: Path) -> list[str]:
-    """The command line of the run for sync period ``v``."""
-    return train_argv(a.nproc, a.config, run_dir, a.steps, v, a.overrides)
+def train_command(a: ThroughputArgs, v: int, run_dir: Path, ahead: int = 0) -> list[str]:
+    """The command line of the run for sync period ``v`` (and rollout.ahead ``ahead``)."""
+    extra = [] if a.aheads == [0] else [f"rollout.ahead={ahead}"]
+    return train_argv(a.nproc, a.config, run_dir, a.steps, v, [*a.overrides, *extra])
+
+
+PIN_ENV = ("MEGATRON_GRPO_TRAINER_CPUS", "MEGATRON_GRPO_ROLLOUT_CPUS")
+"""CPU lists (``0``, ``0-3``, ``0,2``) that ``rollout.server.join_world`` applies with
+``os.sched_setaffinity`` to trainer and rollout ranks (vLLM's processes inherit theirs)."""
+
+
+def pin_env(cpus: Sequence[int]) -> dict[str, str]:
+    """Trainer ranks on the first half of ``cpus``, rollout ranks on the rest."""
+    cpus = sorted(cpus)
+    if len(cpus) < 2:
+        return {}
+    half = len(cpus) // 2
+    return {PIN_ENV[0]: ",".join(map(str, cpus[:half])),
+            PIN_ENV[1]: ",".join(map(str, cpus[half:]))}  # fmt: skip
 
 
 def train_argv(
@@ -153,9 +177,10 @@ def train_argv(
     return cmd + [*BENCH_OVERRIDES, *overrides]
 
 
-def run_logged(cmd: list[str], log_path: Path, timeout_s: float, threads: int) -> float:
+def run_logged(cmd: list[str], log_path: Path, timeout_s: float, threads: int,
+               extra_env: Mapping[str, str] | None = None) -> float:  # fmt: skip
     """Run ``cmd`` in its own process group, output to ``log_path``; returns wall seconds."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(extra_env or {}))
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -195,7 +220,7 @@ def analyze_run(rows: Sequence[Mapping[str, Any]], v: int, warmup: int) -> dict[
 
 
 def analyze_rounds(
-    rounds: Sequence[Sequence[Mapping[str, Any]]], v: int, warmup: int
+    rounds: Sequence[Sequence[Mapping[str, Any]]], v: int, warmup: int, ahead: int = 0
 ) -> dict[str, Any]:
     """Like :func:`analyze_run` over several runs of the same v (rounds), their measured
     steps pooled; ``steps_per_s_by_round`` keeps each round's own rate."""
@@ -216,6 +241,7 @@ def analyze_rounds(
     by_round = [len(rr) / sum(_f(r, "time_step") for r in rr) for rr in per_round]
     return {
         "v": v,
+        "ahead": ahead,
         "rounds": len(rounds),
         "steps_logged": len(rows),
         "measured_steps": n,
@@ -238,12 +264,41 @@ def analyze_rounds(
     }
 
 
+def _key(r: Mapping[str, Any]) -> tuple[int, int]:
+    return r["v"], r.get("ahead", 0)
+
+
+def predicted_ahead_speedup(serial: Mapping[str, Any], run: Mapping[str, Any]) -> float | None:
+    """What ``bench.projection.window_time`` predicts for ``run``'s rollout.ahead from the
+    serial run's phases: R = rollout + reward, T = logprobs + train + other, S = seconds per
+    sync (colocated: no batching gain assumed, f = 0, as on a saturated CPU)."""
+    from megatron_grpo.bench.projection import schedule_step_time
+
+    p, v = serial["phase_mean_s"], serial["v"]
+    r, t = p["rollout"] + p["reward"], p["logprobs"] + p["train"] + p["other"]
+    s = serial["sync_time_mean_s"] or 0.0
+    placement = run.get("placement", "colocated")
+    ahead = run.get("ahead", 0)
+    return schedule_step_time(r, t, s, v, 0, placement) / schedule_step_time(
+        r, t, s, v, ahead, placement
+    )
+
+
 def compare(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Ratios of every run to the run with the smallest v."""
-    ref = min(runs, key=lambda r: r["v"])
+    """Ratios of every run to the run with the smallest v (and smallest ahead), and of every
+    run to the serial run (ahead 0) of its own v (``ahead_speedup``)."""
+    ref = min(runs, key=_key)
+    serial = {r["v"]: r for r in runs if r.get("ahead", 0) == 0}
     out = []
-    for r in sorted(runs, key=lambda r: r["v"]):
+    for r in sorted(runs, key=_key):
         r = dict(r)
+        base = serial.get(r["v"])
+        r["ahead_speedup"] = (
+            r["steps_per_s"] / base["steps_per_s"]
+            if base and r["steps_per_s"] and base["steps_per_s"]
+            else None
+        )
+        r["ahead_speedup_predicted"] = predicted_ahead_speedup(base, r) if base else None
         r["steps_per_s_ratio"] = (
             r["steps_per_s"] / ref["steps_per_s"]
             if r["steps_per_s"] and ref["steps_per_s"]
@@ -267,39 +322,44 @@ def compare(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             (per[(len(per) - 1) // 2] + per[len(per) // 2]) / 2 if per else None
         )
         out.append(r)
-    return {"reference_v": ref["v"], "runs": out}
+    return {"reference_v": ref["v"], "reference_ahead": ref.get("ahead", 0), "runs": out}
 
 
 # ------------------------------------------------------------------------------ driver
 
 
 def run_bench_throughput(a: ThroughputArgs, report: bool = True) -> dict[str, Any]:
+    from megatron_grpo.config import load_config
     from megatron_grpo.metrics.logger import read_metrics
 
     if a.nproc == 0:
         a.nproc = config_nproc(a.config, a.overrides)
+    placement = load_config(a.config, list(a.overrides)).rollout.placement
+    env = pin_env(os.sched_getaffinity(0)) if a.pin and placement == "disaggregated" else {}
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    commands: dict[int, str] = {}
-    rows_of: dict[int, list] = {v: [] for v in a.vs}
-    walls: dict[int, list[float]] = {v: [] for v in a.vs}
-    loads: dict[int, list] = {v: [] for v in a.vs}
+    pairs = [(v, x) for v in sorted(a.vs) for x in sorted(a.aheads)]
+    commands: dict[tuple[int, int], str] = {}
+    rows_of: dict[tuple[int, int], list] = {k: [] for k in pairs}
+    walls: dict[tuple[int, int], list[float]] = {k: [] for k in pairs}
+    loads: dict[tuple[int, int], list] = {k: [] for k in pairs}
     t_all = time.perf_counter()
-    for rnd in range(a.rounds):  # round-robin: every v sees the same drift of background load
-        for v in sorted(a.vs):
-            name = f"v{v}" if a.rounds == 1 else f"v{v}_r{rnd}"
+    for rnd in range(a.rounds):  # round-robin: every pair sees the same drift of background load
+        for v, x in pairs:
+            name = f"v{v}" if a.aheads == [0] else f"v{v}_a{x}"
+            name += "" if a.rounds == 1 else f"_r{rnd}"
             run_dir = out / name
-            cmd = train_command(a, v, run_dir)
-            commands.setdefault(v, " ".join(cmd))
+            cmd = train_command(a, v, run_dir, x)
+            commands.setdefault((v, x), " ".join(cmd))
             print(f"[bench throughput] {name}: {' '.join(cmd)}", flush=True)
             run_dir.mkdir(parents=True, exist_ok=True)
             load_before = loadavg()
-            wall = run_logged(cmd, out / f"{name}.log", a.timeout_s, a.threads)
+            wall = run_logged(cmd, out / f"{name}.log", a.timeout_s, a.threads, env)
             rows = read_metrics(run_dir / "metrics.jsonl")
-            rows_of[v].append(rows)
-            walls[v].append(wall)
+            rows_of[(v, x)].append(rows)
+            walls[(v, x)].append(wall)
             # On a shared machine other jobs' load moves every rate: keep it with the figures.
-            loads[v].append([load_before, loadavg()])
+            loads[(v, x)].append([load_before, loadavg()])
             one = analyze_run(rows, v, a.warmup)
             print(
                 f"[bench throughput] {name}: {one['steps_per_s']:.4f} steps/s, "
@@ -307,13 +367,15 @@ def run_bench_throughput(a: ThroughputArgs, report: bool = True) -> dict[str, An
                 flush=True,
             )
     runs = []
-    for v in sorted(a.vs):
-        res = analyze_rounds(rows_of[v], v, a.warmup)
-        res.update(wall_s=walls[v], loadavg_1m=loads[v][0], loadavg_1m_by_round=loads[v])
+    for v, x in pairs:
+        res = analyze_rounds(rows_of[(v, x)], v, a.warmup, ahead=x)
+        res.update(placement=placement, wall_s=walls[(v, x)], loadavg_1m=loads[(v, x)][0],
+                   loadavg_1m_by_round=loads[(v, x)])  # fmt: skip
         runs.append(res)
     result = compare(runs)
     result.update(
-        args=asdict(a), commands=commands, wall_s=time.perf_counter() - t_all,
+        args=asdict(a), commands={f"v{v}_a{x}": c for (v, x), c in commands.items()},
+        wall_s=time.perf_counter() - t_all, pinning=env or None,
         warmup_note=f"the first {a.warmup} step(s) of every run are excluded from rates/means",
         machine=machine_info(),
     )  # fmt: skip
@@ -355,7 +417,7 @@ def format_table(res: Mapping[str, Any]) -> str:
     lines = [
         f"bench throughput: {res['args']['steps']} steps per run, first "
         f"{res['args']['warmup']} excluded; ratios to v={ref}",
-        f"{'v':>3}{'steps/s':>9}{'ratio':>7}{'tok/s':>8}{'ratio':>7}{'syncs':>6}"
+        f"{'v':>3}{'ahead':>6}{'steps/s':>9}{'ratio':>7}{'tok/s':>8}{'ratio':>7}{'syncs':>6}"
         f"{'s/sync':>8}{'sync/step':>10}{'rollout':>8}{'reward':>7}{'logp':>6}{'train':>7}"
         f"{'other':>7}{'step':>7}",
     ]
@@ -363,7 +425,7 @@ def format_table(res: Mapping[str, Any]) -> str:
         p = r["phase_mean_s"]
         sps = r["sync_time_mean_s"]
         lines.append(
-            f"{r['v']:>3}{r['steps_per_s']:>9.4f}{r['steps_per_s_ratio']:>7.3f}"
+            f"{r['v']:>3}{r.get('ahead', 0):>6}{r['steps_per_s']:>9.4f}{r['steps_per_s_ratio']:>7.3f}"
             f"{r['tokens_per_s']:>8.1f}{r['tokens_per_s_ratio']:>7.3f}{r['num_syncs']:>6}"
             f"{(f'{sps:.3f}' if sps is not None else '-'):>8}{r['sync_amortized_s']:>10.3f}"
             f"{p['rollout']:>8.3f}{p['reward']:>7.3f}{p['logprobs']:>6.3f}{p['train']:>7.3f}"

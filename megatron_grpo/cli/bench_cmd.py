@@ -2,7 +2,7 @@
 
 megatron-grpo bench sync --model HF_DIR|PRESET --train-tp A --train-pp B --rollout-tp C
     [--bucket-mb X[,Y,...]] [--repeats N] [--sink vllm|vllm-fresh|null] --json OUT.json
-megatron-grpo bench throughput [--config FILE] --v 1,2,5,10 --steps N [--warmup W]
+megatron-grpo bench throughput [--config FILE] --v 1,2,5,10 [--ahead 0,3] --steps N [--warmup W]
     [--nproc P] [--out-dir DIR] --json OUT.json [key=value ...]
 megatron-grpo bench project [--json OUT.json] [--plot OUT.png]
 megatron-grpo bench reproduce [--claims 1,2,3,4] [--seeds N] [--steps S] [--out-dir DIR]
@@ -91,6 +91,11 @@ def _add_throughput(bsub: argparse._SubParsersAction) -> None:
     t.add_argument("--nproc", type=int, default=0,
                    help="ranks per run (torchrun when > 1); 0: tp*pp*max(dp,1) of the config "
                    "(pass it when parallel.dp is automatic)")  # fmt: skip
+    t.add_argument("--ahead", dest="aheads", type=_ints, default=[0],
+                   help="rollout.ahead values, e.g. 0,3: every (v, ahead) pair runs")  # fmt: skip
+    t.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="disaggregated runs: do not pin trainer and rollout ranks to different "
+                   "cores (default: pinned, half of the cores each)")  # fmt: skip
     t.add_argument("--rounds", type=int, default=1,
                    help="run every v this many times, round-robin, steps pooled")  # fmt: skip
     t.add_argument("--out-dir", default="runs/bench_throughput", help="run dirs and report")
@@ -211,7 +216,7 @@ def run_throughput(args: argparse.Namespace) -> int:
             vs=args.vs, steps=args.steps, warmup=args.warmup,
             config=config, overrides=list(args.overrides),
             nproc=nproc, out_dir=args.out_dir, timeout_s=args.timeout_s,
-            rounds=args.rounds,
+            rounds=args.rounds, aheads=args.aheads, pin=args.pin,
         )  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

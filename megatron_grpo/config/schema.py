@@ -152,6 +152,14 @@ class RolloutConfig:
     again before the weight sync); ``all``: also the weights (off after the sync);
     ``none``: everything stays on the GPU."""
     seed: int = 0
+    ahead: int = 0
+    """How many future steps' batches of the current sync window may be generated before the
+    trainer asks for them (rollout/ahead.py). 0: today's serial schedule (generate step k,
+    train step k, generate step k+1, ...). a > 0: when step k needs its batch and none is
+    buffered, steps k..min(k+a, next sync step, steps) are generated together (colocated: one
+    vLLM call; disaggregated: queued back to back on the engines, streamed to the trainer).
+    Never past the next sync, so every batch comes from the weights Algorithm 1 prescribes
+    (same policy_version and lag); values above sync.interval-1 act as sync.interval-1."""
 
     def __post_init__(self) -> None:
         _check_choice("rollout.placement", self.placement, ("colocated", "disaggregated"))
@@ -177,6 +185,11 @@ class RolloutConfig:
             )
         _check_choice("rollout.sleep_level", self.sleep_level, (1, 2))
         _check_choice("rollout.trainer_offload", self.trainer_offload, ("none", "optimizer", "all"))
+        if isinstance(self.ahead, bool) or not isinstance(self.ahead, int) or self.ahead < 0:
+            raise ConfigError(
+                f"rollout.ahead={self.ahead!r} must be an integer >= 0 (0 = serial; a = steps "
+                "of the sync window generated ahead of the trainer, e.g. rollout.ahead=3)."
+            )
 
 
 @dataclass

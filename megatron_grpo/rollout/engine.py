@@ -218,17 +218,27 @@ class RolloutEngine:
         max_new_tokens: int = 16,
         seed: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[Sample]:
         """``n`` samples per prompt, prompt-major (samples of prompt i at ``[i*n, (i+1)*n)``).
 
         Determinism: request i gets seed ``seed + i*n`` (its n children ``+0..n-1``,
         ``vllm/v1/engine/parallel_sampling.py``), offset per rollout replica, so the same
-        seed and prompts give the same samples and no two samples share a seed.
+        seed and prompts give the same samples and no two samples share a seed. ``seeds``
+        (one per prompt) replaces ``seed + i*n``: one call can then carry several steps'
+        prompts, each request with the seed its own step's call would give it
+        (rollout/ahead.py).
         """
         from vllm import SamplingParams
 
         base = self.seed if seed is None else seed
-        base += self.replica_index * 1_000_003
+        replica = self.replica_index * 1_000_003
+        base += replica
+        if seeds is not None and len(seeds) != len(prompt_token_ids):
+            raise ValueError(
+                f"generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts; pass one "
+                "seed per prompt."
+            )
         requests, params = [], []
         for i, ids in enumerate(prompt_token_ids):
             requests.append({"prompt_token_ids": list(ids)})
@@ -239,7 +249,7 @@ class RolloutEngine:
                     top_p=top_p,
                     top_k=top_k if top_k and top_k > 0 else 0,
                     max_tokens=max_new_tokens,
-                    seed=base + i * n,
+                    seed=base + i * n if seeds is None else seeds[i] + replica,
                     logprobs=0,  # the sampled token's logprob only
                     stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
                 )

@@ -94,7 +94,35 @@ def join_world(cfg: Config) -> DisaggregatedWorld:
     placement = place_ranks(cfg.rollout, world)
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
     store, rank, _ = next(dist.rendezvous("env://", timeout=timeout))
-    return DisaggregatedWorld(rank, placement, store, cfg.parallel.timeout_s)
+    out = DisaggregatedWorld(rank, placement, store, cfg.parallel.timeout_s)
+    pin_role(out.is_trainer, cfg.rollout.tp)
+    return out
+
+
+def pin_role(is_trainer: bool, rollout_tp: int) -> None:
+    """Pin this rank to the CPUs of its role when ``MEGATRON_GRPO_TRAINER_CPUS`` /
+    ``MEGATRON_GRPO_ROLLOUT_CPUS`` name them (``0``, ``0-3``, ``1,3``; ``bench throughput``
+    sets them so rollout.ahead's overlap is real on a small machine). vLLM's processes
+    inherit the rollout rank's affinity; with rollout.tp=1 its OpenMP threads are bound to
+    the same CPUs (VLLM_CPU_OMP_THREADS_BIND, vllm/utils/ompmultiprocessing.py), with tp > 1
+    ``RolloutEngine`` gives each worker one of them."""
+    key = "MEGATRON_GRPO_TRAINER_CPUS" if is_trainer else "MEGATRON_GRPO_ROLLOUT_CPUS"
+    spec = os.environ.get(key, "").strip()
+    if not spec:
+        return
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        os.sched_setaffinity(0, cpus)
+    except (ValueError, OSError) as e:
+        raise RuntimeError(
+            f"{key}={spec!r}: {e}; give CPU ids this process may use "
+            f"({sorted(os.sched_getaffinity(0))}), e.g. {key}=0 or 0-3."
+        ) from e
+    if not is_trainer and rollout_tp == 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", spec)
 
 
 # ------------------------------------------------------------------------------ channel
@@ -355,6 +383,19 @@ class RolloutClient:
             return [s for part in self._collect(seq, "generate") for s in part]
 
         return self._shared(run)
+
+    def submit(self, prompt_ids: list, **sampling: Any) -> int | None:
+        """Queue a ``generate`` without waiting (rollout.ahead): the engines run queued
+        commands back to back, in order; ``collect(ticket)`` returns the samples. The ticket
+        is meaningful on trainer rank 0 only (other ranks get theirs from rank 0)."""
+        if self.ctx.rank != 0:
+            return None
+        return self._post("generate", prompts=[list(p) for p in prompt_ids],
+                          engines=self.engines, sampling=sampling)  # fmt: skip
+
+    def collect(self, ticket: int | None) -> list:
+        """The samples of a ``submit``ted generate, on every trainer rank (blocks until done)."""
+        return self._shared(lambda: [s for part in self._collect(ticket, "generate") for s in part])
 
     def init_transfer(self, inputs: Any, backend: str, timeout_s: float) -> Any:
         """Build the transfer group (trainer ranks + every engine worker); returns it."""

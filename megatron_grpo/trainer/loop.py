@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.config import Config, ConfigError, format_config, save_config
+from megatron_grpo.rollout.ahead import step_seed
 from megatron_grpo.trainer.batch import collate, dp_shard, mini_batches
 
 log = logging.getLogger("megatron_grpo.trainer")
@@ -187,6 +188,7 @@ class GRPOTrainer:
         # vLLM sleeps / the trainer offloads in turns on a colocated GPU (inactive on CPU).
         self.memory = ColocatedMemory.from_config(cfg, self.engine, self.policy, ctx.device)
         self.prompts = build_prompt_source(cfg.data, self.tokenizer)
+        self.ahead = self._build_ahead() if cfg.rollout.ahead else None  # rollout/ahead.py
         self.reward_fn = build_reward(cfg.reward, cfg.data)
         self.advantage_fn = build_advantage_fn(g)
         self.loss_fn = make_loss_fn(g, cfg.rollout.max_new_tokens)
@@ -269,17 +271,34 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------ phases
     def rollout(self, step: int):
-        """This engine's share of the step's prompts, G samples each; gathered on all ranks."""
+        """This engine's share of the step's prompts, G samples each; gathered on all ranks.
+        With rollout.ahead > 0 the batch comes from the window's prefetch buffer."""
+        if self.ahead is not None:
+            return self.ahead.take(step)
         cfg = self.cfg
         prompts = self.prompts.next_batch(cfg.grpo.prompts_per_step)  # same on every rank
-        r = cfg.rollout
         samples = self._generate(
-            [p.prompt_ids for p in prompts],
-            n=cfg.grpo.group_size, temperature=r.temperature,
-            top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-            seed=r.seed + 7919 * step, stop_token_ids=[self.tokenizer.eos_token_id],
+            [p.prompt_ids for p in prompts], seed=step_seed(cfg.rollout.seed, step),
+            **self._sampling(),
         )  # fmt: skip
         return prompts, samples
+
+    def _sampling(self) -> dict[str, Any]:
+        r = self.cfg.rollout
+        return dict(n=self.cfg.grpo.group_size, temperature=r.temperature, top_p=r.top_p,
+                    top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                    stop_token_ids=[self.tokenizer.eos_token_id])  # fmt: skip
+
+    def _build_ahead(self):
+        from megatron_grpo.rollout.ahead import AheadRollout, colocated_launch, queued_launch
+
+        cfg = self.cfg
+        if self.world is not None:
+            launch = queued_launch(self.engine, self._sampling())
+        else:
+            launch = colocated_launch(self.engine, self.ctx, cfg.rollout.tp, self._sampling())
+        return AheadRollout(self.prompts, cfg.grpo.prompts_per_step, cfg.rollout.ahead,
+                            cfg.sync.interval, cfg.steps, cfg.rollout.seed, launch)  # fmt: skip
 
     def _generate(self, prompt_ids: list, **sampling) -> list:
         """Samples of every prompt from the engines (all ranks get all, prompt-major)."""
@@ -415,8 +434,10 @@ class GRPOTrainer:
         from megatron_grpo.checkpoint import LoopState, save_checkpoint
 
         state = LoopState(
-            step=step, data_state=self.prompts.state_dict(), policy_version=self.policy_version,
+            step=step, policy_version=self.policy_version,
             sync_phase=step - self.policy_version,
+            # the consumed steps' data position, not the prefetched ones' (rollout.ahead)
+            data_state=self.ahead.data_state() if self.ahead else self.prompts.state_dict(),
             extra={"layout": {"tp": self.ctx.tp, "pp": self.ctx.pp, "dp": self.ctx.dp},
                    "weight_syncs": self.weight_sync.syncs},
         )  # fmt: skip

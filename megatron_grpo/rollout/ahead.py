@@ -1,0 +1,166 @@
+"""Generate a sync window's batches ahead of the trainer (``rollout.ahead``, DESIGN.md §8).
+
+In Algorithm 1 (Mroueh et al., arXiv 2505.22257) vLLM serves alpha = pi_k for the whole
+window k+1..k+v: no batch of the window depends on the training inside it. So when step s
+needs its batch and none is buffered, the batches of steps ``window_steps(s, a, v, steps)``
+(s, s+1, ... up to s+a, never past the next sync step) can be produced at once:
+
+- prompts are drawn from the data stream in step order, exactly as the serial loop draws
+  them, and each step keeps its own sampling seed ``rollout.seed + 7919 * step``;
+- **colocated**: one vLLM ``generate`` call carries all those steps' prompts, each request
+  with the seed its own step's call would give it (``RolloutEngine.generate(seeds=...)``);
+  vLLM then runs one large batch instead of a+1 small ones. On CPU vLLM is not
+  batch-invariant, so a response can differ from the serial schedule's (docs/rollout.md);
+- **disaggregated**: the steps' generate commands are queued back to back on the engines
+  (``RolloutClient.submit``) and the trainer collects step s+j's samples when it asks for
+  them, so the engines generate while the trainer trains. Each step is its own vLLM call
+  with its own seed: the samples are those of the serial schedule, bit for bit.
+
+Checkpoints save the data position of the *consumed* steps (``data_state``): a resume in
+the middle of a window draws and regenerates what had been buffered.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+def step_seed(rollout_seed: int, step: int) -> int:
+    """Sampling seed of trainer step ``step``'s batch (the serial loop's, trainer/loop.py)."""
+    return rollout_seed + 7919 * step
+
+
+def window_steps(step: int, ahead: int, interval: int, total_steps: int) -> list[int]:
+    """Steps whose batches are generated together when step ``step`` needs its batch and none
+    is buffered: ``step .. min(step + ahead, next sync step, total_steps)``.
+
+    The sync after step k happens when ``k % interval == 0`` (after training step k), so the
+    batches of steps ``(j-1)*v+1 .. j*v`` all come from the same served weights; the next
+    sync step of ``step`` is ``ceil(step / interval) * interval``."""
+    if ahead < 0 or interval < 1 or not 1 <= step <= total_steps:
+        raise ValueError(
+            f"window_steps(step={step}, ahead={ahead}, interval={interval}, total_steps="
+            f"{total_steps}): need ahead >= 0, interval >= 1 and 1 <= step <= total_steps."
+        )
+    next_sync = -(-step // interval) * interval
+    return list(range(step, min(step + ahead, next_sync, total_steps) + 1))
+
+
+def engine_slice(num_prompts: int, engines: int, e: int) -> slice:
+    """Engine ``e``'s share of a step's prompts (``trainer.loop.generate_on_engines``)."""
+    return slice(e * num_prompts // engines, (e + 1) * num_prompts // engines)
+
+
+@dataclass
+class _Buffered:
+    step: int
+    prompts: list
+    data_state_before: dict
+    samples: Callable[[], list]
+    """Returns the step's samples (all engines', prompt-major); may block (disaggregated)."""
+
+
+Launch = Callable[[list[tuple[list, int]]], list[Callable[[], list]]]
+"""``launch([(prompt_ids, seed) per step])`` starts the steps' generation and returns one
+thunk per step that yields its samples."""
+
+
+class AheadRollout:
+    """The prefetch buffer of one sync window; the loop's ``rollout(step)`` calls ``take``."""
+
+    def __init__(self, prompts: Any, prompts_per_step: int, ahead: int, interval: int,
+                 total_steps: int, rollout_seed: int, launch: Launch) -> None:  # fmt: skip
+        self.prompts, self.launch = prompts, launch
+        self.prompts_per_step, self.ahead = prompts_per_step, ahead
+        self.interval, self.total_steps, self.rollout_seed = interval, total_steps, rollout_seed
+        self._buffer: deque[_Buffered] = deque()
+
+    def take(self, step: int) -> tuple[list, list]:
+        """Step ``step``'s ``(prompts, samples)``; generates the window ahead when empty."""
+        if not self._buffer:
+            self._fill(step)
+        head = self._buffer[0]
+        if head.step != step:
+            raise RuntimeError(
+                f"rollout.ahead: the trainer asked for step {step}'s batch but step "
+                f"{head.step}'s is next in the buffer; steps must be consumed in order."
+            )
+        samples = head.samples()
+        self._buffer.popleft()
+        return head.prompts, samples
+
+    def data_state(self) -> dict:
+        """The data position after the consumed steps (what a checkpoint must save)."""
+        if self._buffer:
+            return self._buffer[0].data_state_before
+        return self.prompts.state_dict()
+
+    def _fill(self, step: int) -> None:
+        steps = window_steps(step, self.ahead, self.interval, self.total_steps)
+        drawn = []
+        for s in steps:  # data stream in step order, as the serial loop draws it
+            before = self.prompts.state_dict()
+            drawn.append((s, self.prompts.next_batch(self.prompts_per_step), before))
+        thunks = self.launch(
+            [([p.prompt_ids for p in ps], step_seed(self.rollout_seed, s)) for s, ps, _ in drawn]
+        )
+        for (s, ps, before), thunk in zip(drawn, thunks, strict=True):
+            self._buffer.append(_Buffered(s, ps, before, thunk))
+
+
+def colocated_launch(engine: Any, ctx: Any, rollout_tp: int, sampling: dict) -> Launch:
+    """One ``generate`` call for all steps on every colocated engine: engine ``e`` samples its
+    share of each step's prompts, each request seeded as the step's own call would seed it
+    (``seed + i*n`` for its i-th prompt); the shares are gathered on every rank."""
+    import torch.distributed as dist
+
+    n = sampling["n"]
+
+    def launch(steps: list[tuple[list, int]]) -> list[Callable[[], list]]:
+        engines = ctx.world_size // rollout_tp
+        e = ctx.rank // rollout_tp
+        ids: list = []
+        seeds: list[int] = []
+        for prompt_ids, seed in steps:
+            mine = prompt_ids[engine_slice(len(prompt_ids), engines, e)]
+            ids += mine
+            seeds += [seed + i * n for i in range(len(mine))]
+        samples = engine.generate(ids, seeds=seeds, **sampling)
+        everyone: list = [samples]
+        if ctx.world_size > 1:
+            everyone = [None] * ctx.world_size
+            dist.all_gather_object(everyone, samples)
+        per_step: list[list] = [[] for _ in steps]
+        for k in range(engines):
+            theirs, at = everyone[k * rollout_tp], 0
+            for j, (prompt_ids, _) in enumerate(steps):
+                sl = engine_slice(len(prompt_ids), engines, k)
+                count = (sl.stop - sl.start) * n
+                per_step[j].append(theirs[at : at + count])
+                at += count
+        # prompt-major over the whole step: engine 0's share, then engine 1's, ...
+        return [_ready([s for part in parts for s in part]) for parts in per_step]
+
+    return launch
+
+
+def queued_launch(client: Any, sampling: dict) -> Launch:
+    """Disaggregated: queue one generate command per step on the engines (they run them back
+    to back, rollout/server.py) and collect each step's samples when the trainer asks."""
+
+    def launch(steps: list[tuple[list, int]]) -> list[Callable[[], list]]:
+        tickets = [client.submit(ids, seed=seed, **sampling) for ids, seed in steps]
+        return [_collector(client, t) for t in tickets]
+
+    return launch
+
+
+def _ready(samples: Sequence) -> Callable[[], list]:
+    return lambda: list(samples)
+
+
+def _collector(client: Any, ticket: Any) -> Callable[[], list]:
+    return lambda: client.collect(ticket)
