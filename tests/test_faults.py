@@ -104,6 +104,12 @@ def torchrun(script: Path, args: list[str], marker: str, timeout: int, **env) ->
     return proc.returncode, log.read_text(errors="replace")
 
 
+def _train_log_tail(run_dir: Path, chars: int = 3000) -> str:
+    """The end of the run's library log (the console shows only the project's lines)."""
+    log = run_dir / "train.log"
+    return "train.log: " + (log.read_text(errors="replace")[-chars:] if log.exists() else "none")
+
+
 def steps(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(x)["step"] for x in path.read_text().splitlines()] if path.exists() else []
@@ -118,7 +124,9 @@ def test_kill_after_checkpoint_loses_no_row_leaves_no_orphan_and_resume_skips_da
     rc, out = torchrun(script, args, marker, 280, KILL_AFTER="2")
     try:
         assert rc != 0, out[-3000:]
-        assert (run / "checkpoints" / "latest").read_text().strip() == "step_000002", out[-3000:]
+        latest = run / "checkpoints" / "latest"
+        assert latest.exists(), f"no checkpoint: {out[-2000:]}\n{_train_log_tail(run)}"
+        assert latest.read_text().strip() == "step_000002", out[-3000:]
         # The checkpoint of step 2 exists, so step 2's row must too (logged before saving).
         assert steps(run) == [1, 2], out[-3000:]
     finally:
