@@ -56,7 +56,7 @@ def _trainer(cfg: Config, memory: ColocatedMemory, calls: list, monkeypatch) -> 
     t.start_step, t.policy_version, t.stop_requested = 0, 0, False
     t.ctx = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1)
     t.run_dir, t.served, t.ref = "unused", None, None
-    t.validator, t._eval_metrics = None, {}
+    t.validator, t._eval_metrics, t.ahead = None, {}, None
     t.prompts = SimpleNamespace(state_dict=lambda: {})
     t.weight_sync = SimpleNamespace(syncs=0)
     t.policy = SimpleNamespace(sharded_state_dict=lambda *a: {})
