@@ -37,6 +37,16 @@ RESUME_KEYS = [
 ]  # fmt: skip
 
 
+def assert_same_rows(a: list[dict], b: list[dict]) -> None:
+    """metrics.jsonl rows ``b`` equal ``a`` step by step on every RESUME_KEYS value."""
+    for x, y in zip(a, b):
+        for key in RESUME_KEYS:
+            if isinstance(x[key], float):
+                assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-6), (x["step"], key)
+            else:
+                assert y[key] == x[key], (x["step"], key)
+
+
 def train(run_dir: Path, *args: str, timeout: int = 400) -> tuple[int, str]:
     return cli("train", "--run-dir", str(run_dir), *args, timeout=timeout)
 
@@ -93,12 +103,7 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
     assert "resumed from" in out and "vLLM serves step 2" in out
     a, b = rows(full), rows(part)
     assert [x["step"] for x in b] == [1, 2, 3, 4, 5, 6]
-    for x, y in zip(a, b):
-        for key in RESUME_KEYS:
-            if isinstance(x[key], float):
-                assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-6), (x["step"], key)
-            else:
-                assert y[key] == x[key], (x["step"], key)
+    assert_same_rows(a, b)
 
 
 @pytest.mark.timeout(300)
