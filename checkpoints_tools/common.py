@@ -24,7 +24,11 @@ from pathlib import Path
 
 import torch
 
+from megatron_grpo.checkpoint import damage
+from megatron_grpo.config.schema import ModelConfig, ParallelConfig
+from megatron_grpo.distributed.setup import destroy_distributed, init_distributed
 from megatron_grpo.models.spec import ModelSpec
+from megatron_grpo.policy.model_builder import build_model
 
 INFO_FILE = "megatron_grpo_checkpoint.json"
 HF_SUBDIR = "hf"
@@ -170,9 +174,6 @@ def megatron_runtime(spec: ModelSpec) -> Iterator[object]:
             f"convert runs as one process, but WORLD_SIZE={os.environ['WORLD_SIZE']}: "
             "run it without torchrun."
         )
-    from megatron_grpo.config.schema import ParallelConfig
-    from megatron_grpo.distributed.setup import destroy_distributed, init_distributed
-
     ctx = init_distributed(ParallelConfig(tp=1, pp=1, backend="gloo"), spec)
     try:
         yield ctx
@@ -181,11 +182,8 @@ def megatron_runtime(spec: ModelSpec) -> Iterator[object]:
 
 
 def build_chunks(spec: ModelSpec, ctx, dtype: str) -> list[torch.nn.Module]:
-    """The model chunks at ``dtype``. The provider builds CPU models in float32 only (its
+    """The model chunks at ``dtype``. ``build_model`` makes CPU models in float32 only (its
     training rule), so other dtypes are cast after construction."""
-    from megatron_grpo.config.schema import ModelConfig
-    from megatron_grpo.models.provider import build_model
-
     chunks = build_model(spec, ctx, ModelConfig(dtype="float32", transformer_impl="local"))
     if dtype != "float32":
         chunks = [c.to(DTYPES[dtype]) for c in chunks]
@@ -217,8 +215,6 @@ def find_dist_checkpoint(ckpt: Path) -> tuple[Path, int | None]:
             step = None
             state = ckpt / "state.json"
             if state.is_file():
-                from megatron_grpo.checkpoint import damage
-
                 problem = damage(ckpt)  # sizes and checksums recorded at save
                 if problem:
                     raise ConvertError(f"{ckpt} is damaged: {problem}; use another checkpoint.")

@@ -137,8 +137,8 @@ def _load_at_layout(rank, world_size, tp, pp, ckpt, hf_dir):
     from megatron_grpo.config.schema import ModelConfig, ParallelConfig
     from megatron_grpo.distributed import destroy_distributed, init_distributed
     from megatron_grpo.layouts import gather_hf_state_dict
-    from megatron_grpo.models.provider import build_model
     from megatron_grpo.models.spec import load_spec
+    from megatron_grpo.policy.model_builder import build_model
 
     spec = load_spec(hf_dir)
     ctx = init_distributed(ParallelConfig(tp=tp, pp=pp), spec)

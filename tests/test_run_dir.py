@@ -1,5 +1,5 @@
 """The run directory before a run starts (trainer/run_dir.py) and the prepared model's
-recipe (trainer/model_dir.py): nothing a failed or earlier run left is trusted blindly."""
+recipe (models/prepare.py): nothing a failed or earlier run left is trusted blindly."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from megatron_grpo.checkpoint import LoopState, save_checkpoint
 from megatron_grpo.config import ConfigError, load_config
-from megatron_grpo.trainer.model_dir import COMPLETE, prepare_model_dir
+from megatron_grpo.models.prepare import COMPLETE, prepare_model_dir
 from megatron_grpo.trainer.run_dir import prepare_run_dir
 from tests._eval_helpers import cli
 

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.checkpoint.rng import get_rng_state, set_rng_state
+from megatron_grpo.platform.lifetime import start_checkpoint_manager
 
 log = logging.getLogger(__name__)
 
@@ -383,8 +384,6 @@ def save_checkpoint(
 
     if state_dicts:
         from megatron.core import dist_checkpointing
-
-        from megatron_grpo.platform.lifetime import start_checkpoint_manager
 
         start_checkpoint_manager()  # dies with this rank, survives group-wide pre-emption signals
         for name, source in state_dicts.items():

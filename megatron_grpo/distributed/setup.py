@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_grpo.config.schema import ConfigError, ParallelConfig
 from megatron_grpo.models.spec import ModelSpec
+from megatron_grpo.platform.cpu import apply_cpu_platform
 
 
 @dataclass(frozen=True)
@@ -215,8 +216,6 @@ def init_distributed(
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     if not torch.cuda.is_available():
-        from megatron_grpo.platform.cpu import apply_cpu_platform
-
         apply_cpu_platform()
 
     if world_size is None:

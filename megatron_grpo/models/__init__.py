@@ -1,1 +1,1 @@
-"""HF config -> ModelSpec -> megatron-core GPTModel; tiny model and tokenizer builders."""
+"""HF config -> ModelSpec; the tiny model and tokenizer builders; the run's HF model directory."""

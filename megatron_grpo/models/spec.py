@@ -1,6 +1,6 @@
 """A normalized description of a dense decoder model, read from a Hugging Face config.json.
 
-``ModelSpec`` is what every other part reads (model provider, layouts, bridge, plan); none
+``ModelSpec`` is what every other part reads (model builder, layouts, bridge, plan); none
 of them look at HF config keys directly. Supported families: Llama, Qwen2 (QKV bias),
 Qwen3 (QK-norm), each with GQA and tied or untied embeddings.
 """

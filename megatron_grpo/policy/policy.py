@@ -60,9 +60,9 @@ import torch.distributed as dist
 
 from megatron_grpo.config.schema import ConfigError, ModelConfig, OptimConfig
 from megatron_grpo.distributed.setup import ParallelContext
-from megatron_grpo.models.provider import build_model, padded_vocab_size
 from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.policy.logprob import token_logprobs
+from megatron_grpo.policy.model_builder import build_model, padded_vocab_size
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]

@@ -18,12 +18,15 @@ import importlib
 import importlib.util
 import logging
 import multiprocessing as mp
+import signal
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+
+from megatron_grpo.platform.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +87,6 @@ def _worker_main(conn: Connection, target: str) -> None:
     # Launchers deliver pre-emption warnings (SIGUSR1/SIGTERM) to the trainer's whole process
     # group; the trainer checkpoints and stops its workers itself (SIGKILL, by pid), so a
     # worker must not die mid-step on that signal.
-    import signal
-
-    from megatron_grpo.platform.lifetime import die_with_parent
-
     die_with_parent()  # a SIGKILLed trainer runs no cleanup: its workers must not outlive it
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)

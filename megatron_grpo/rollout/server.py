@@ -191,7 +191,7 @@ def _engine_beat(e: int) -> str:
 # ------------------------------------------------------------------------------ server
 def serve(cfg: Config, world: DisaggregatedWorld) -> dict[str, Any]:
     """A rollout rank's whole life: host (driver) or idle beside an engine until ``stop``."""
-    from megatron_grpo.trainer.model_dir import prepare_model_dir
+    from megatron_grpo.models.prepare import prepare_model_dir
 
     pl = world.placement
     e = next(i for i, ranks in enumerate(pl.engines) if world.rank in ranks)

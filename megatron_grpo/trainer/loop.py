@@ -129,10 +129,10 @@ class GRPOTrainer:
         from megatron_grpo.data import build_prompt_source
         from megatron_grpo.distributed import init_distributed
         from megatron_grpo.layouts.io import load_hf_into_megatron
+        from megatron_grpo.models.prepare import prepare_model_dir
         from megatron_grpo.models.spec import load_spec
         from megatron_grpo.policy.policy import build_policy
         from megatron_grpo.rewards import build_reward
-        from megatron_grpo.trainer.model_dir import prepare_model_dir
         from megatron_grpo.trainer.preflight import check_run
 
         self.cfg = cfg

@@ -19,7 +19,7 @@ from pathlib import Path
 from megatron_grpo.config.schema import ConfigError
 
 # Left by a start that failed before training, and reused only when still valid:
-# the prepared model (trainer/model_dir.py checks its recipe) and the log file.
+# the prepared model (models/prepare.py checks its recipe) and the log file.
 _NOT_A_RUN = {"hf_model", "train.log"}
 
 

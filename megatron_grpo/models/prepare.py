@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from megatron_grpo.config.schema import Config
+from megatron_grpo.data import build_prompt_source
 from megatron_grpo.models.tiny import PRESETS, build_hf_model
 
 log = logging.getLogger(__name__)
@@ -99,8 +100,6 @@ def warm_start(model_dir: Path, cfg: Config) -> dict:
     import torch
     import transformers
     from safetensors.torch import save_file
-
-    from megatron_grpo.data import build_prompt_source
 
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
