@@ -2,34 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron_grpo.config.schema import ConfigError, ParallelConfig
 from megatron_grpo.distributed import validate_parallel
-from megatron_grpo.models.spec import ModelSpec
+from megatron_grpo.models.spec import ModelSpec, spec_from_hf_config
+from megatron_grpo.models.tiny import hf_config_dict
 from tests.dist_utils import run_distributed
 
 
 def make_spec(**kw) -> ModelSpec:
-    base = dict(
-        family="qwen2",
-        architecture="Qwen2ForCausalLM",
-        hidden_size=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        ffn_hidden_size=256,
-        vocab_size=100,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=64,
-        qkv_bias=True,
-        qk_norm=False,
-    )
-    base.update(kw)
-    return ModelSpec(**base)
+    """The tiny preset at 4 layers and 100 tokens (heads 4, KV heads 2, ffn 256), with the
+    ModelSpec fields ``kw`` replaced."""
+    tiny = spec_from_hf_config(hf_config_dict("tiny", vocab_size=100, num_hidden_layers=4))
+    return dataclasses.replace(tiny, **kw)
 
 
 def test_dp_derived_and_explicit():

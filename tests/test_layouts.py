@@ -19,30 +19,18 @@ from megatron_grpo.layouts import hf, intersect, scatter
 from megatron_grpo.layouts import megatron as mg
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.layouts.pieces import Piece, assemble, cut, reader_from_dict
-from megatron_grpo.models.spec import ModelSpec
+from megatron_grpo.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec, spec_from_hf_config
+from megatron_grpo.models.tiny import hf_config_dict, shape_config
 
 F64 = torch.float64
-FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 
 
 def make_spec(family="qwen2", kv=2, tied=False, vocab=77, layers=4, heads=4, hn=4, ffn=24):
-    return ModelSpec(
-        family=family,
-        architecture=FAMILIES[family],
-        hidden_size=heads * hn,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=hn,
-        ffn_hidden_size=ffn,
-        vocab_size=vocab,
-        tie_word_embeddings=tied,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=64,
-        qkv_bias=family == "qwen2",
-        qk_norm=family == "qwen3",
-    )
+    """A small model of ``family``, read from its HF config as a real one is (the family's
+    QKV bias and QK-norm follow from the architecture)."""
+    shape = shape_config((heads * hn, layers, heads, kv, hn, ffn, tied), ARCHITECTURES[family])
+    return spec_from_hf_config(hf_config_dict(shape, vocab, max_position_embeddings=64))
 
 
 def arange_hf(spec: ModelSpec) -> dict[str, torch.Tensor]:

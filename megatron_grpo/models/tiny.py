@@ -29,54 +29,32 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
-# Named shapes. ``tiny`` is the demo/test model; the others are real shapes (random
-# weights) for benchmarks. Vocab sizes of the real shapes are their HF values.
+
+SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "intermediate_size", "tie_word_embeddings")  # fmt: skip
+
+
+def shape_config(shape: tuple, architecture: str = "Qwen2ForCausalLM", **more) -> dict:
+    """The HF config keys of a decoder of ``shape`` = (hidden, layers, heads, KV heads,
+    head_dim, ffn, tied embeddings), plus ``more``: a ``PRESETS`` entry, or a preset of one's
+    own for ``hf_config_dict``."""
+    return {"architecture": architecture, **dict(zip(SHAPE_KEYS, shape, strict=True)), **more}
+
+
+# Named shapes (hidden, layers, heads, KV heads, head_dim, ffn, tied embeddings), all
+# Qwen2ForCausalLM. ``tiny`` is the demo/test model (its vocabulary is the character
+# tokenizer's); the others are real Qwen2.5 shapes (random weights) for benchmarks, with their
+# HF vocabulary sizes and RoPE base.
 PRESETS: dict[str, dict] = {
-    "tiny": dict(
-        architecture="Qwen2ForCausalLM",
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=256,
-        tie_word_embeddings=True,
+    "tiny": shape_config((128, 2, 4, 2, 32, 256, True)),
+    "Qwen2.5-0.5B": shape_config(
+        (896, 24, 14, 2, 64, 4864, True), vocab_size=151936, rope_theta=1e6
     ),
-    "Qwen2.5-0.5B": dict(
-        architecture="Qwen2ForCausalLM",
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=4864,
-        tie_word_embeddings=True,
-        vocab_size=151936,
-        rope_theta=1000000.0,
+    "Qwen2.5-1.5B": shape_config(
+        (1536, 28, 12, 2, 128, 8960, True), vocab_size=151936, rope_theta=1e6
     ),
-    "Qwen2.5-1.5B": dict(
-        architecture="Qwen2ForCausalLM",
-        hidden_size=1536,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        head_dim=128,
-        intermediate_size=8960,
-        tie_word_embeddings=True,
-        vocab_size=151936,
-        rope_theta=1000000.0,
-    ),
-    "Qwen2.5-7B": dict(
-        architecture="Qwen2ForCausalLM",
-        hidden_size=3584,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        head_dim=128,
-        intermediate_size=18944,
-        tie_word_embeddings=False,
-        vocab_size=152064,
-        rope_theta=1000000.0,
+    "Qwen2.5-7B": shape_config(
+        (3584, 28, 28, 4, 128, 18944, False), vocab_size=152064, rope_theta=1e6
     ),
 }
 
@@ -197,19 +175,3 @@ def build_hf_model(
             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
         ).save_pretrained(str(out))
     return out
-
-
-def resolve_model_path(hf_path: str, run_dir: str | Path) -> Path:
-    """``model.hf_path`` as a directory: presets are built once under ``run_dir/model``."""
-    if hf_path in PRESETS:
-        target = Path(run_dir) / "hf_model" / hf_path
-        if not (target / "config.json").is_file():
-            build_hf_model(target, hf_path, with_tokenizer=True)
-        return target
-    path = Path(hf_path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model.hf_path={hf_path!r} is neither a preset {sorted(PRESETS)} nor a directory "
-            "with a config.json."
-        )
-    return path
