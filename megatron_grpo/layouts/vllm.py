@@ -24,6 +24,8 @@ Verified against vLLM 0.32 (paths under vllm/model_executor/):
 
 from __future__ import annotations
 
+import re
+
 from megatron_grpo.layouts import hf
 from megatron_grpo.layouts.megatron import UnknownParameterError
 from megatron_grpo.layouts.pieces import Piece, ShardLayout, vocab_rows
@@ -59,26 +61,24 @@ def validate(spec: ModelSpec, tp: int) -> None:
         )
 
 
+# vLLM loads HF's q/k/v projections into one ``qkv_proj`` and gate/up into one
+# ``gate_up_proj`` (``packed_modules_mapping`` and ``hf_to_vllm_mapper``'s
+# ``orig_to_new_stacked`` in vllm/model_executor/models/llama.py, qwen2.py, qwen3.py); every
+# other HF tensor is a vLLM parameter of the same name.
+_STACKED = (
+    (re.compile(r"\.[qkv]_proj\."), ".qkv_proj."),
+    (re.compile(r"\.(gate|up)_proj\."), ".gate_up_proj."),
+)
+
+
 def param_names(spec: ModelSpec) -> list[str]:
-    """vLLM parameter names (global layer index, PP=1 on the rollout side)."""
-    out = [hf.EMBED]
-    for i in range(spec.num_layers):
-        p = hf.layer_prefix(i)
-        out.append(p + "input_layernorm.weight")
-        out.append(p + "self_attn.qkv_proj.weight")
-        if spec.qkv_bias:
-            out.append(p + "self_attn.qkv_proj.bias")
-        if spec.qk_norm:
-            out.append(p + "self_attn.q_norm.weight")
-            out.append(p + "self_attn.k_norm.weight")
-        out.append(p + "self_attn.o_proj.weight")
-        out.append(p + "post_attention_layernorm.weight")
-        out.append(p + "mlp.gate_up_proj.weight")
-        out.append(p + "mlp.down_proj.weight")
-    out.append(hf.FINAL_NORM)
-    if not spec.tie_word_embeddings:
-        out.append(LM_HEAD)
-    return out
+    """vLLM parameter names (global layer index, PP=1 on the rollout side), in HF order."""
+    names = []
+    for name in hf.hf_shapes(spec):
+        for hf_part, fused in _STACKED:
+            name = hf_part.sub(fused, name)
+        names.append(name)
+    return list(dict.fromkeys(names))
 
 
 def _qkv_rank(spec: ModelSpec, tp: int, r: int, pre: str, kind: str) -> tuple[Piece, ...]:
