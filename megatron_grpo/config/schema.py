@@ -31,6 +31,18 @@ def _check_positive(key: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key}={value!r} must be {bound}.")
 
 
+def _positive(section: str, cfg: object, *fields: str) -> None:
+    """ConfigError naming ``section.field`` for the first of ``fields`` of ``cfg`` not > 0."""
+    for name in fields:
+        _check_positive(f"{section}.{name}", getattr(cfg, name))
+
+
+def _non_negative(section: str, cfg: object, *fields: str) -> None:
+    """ConfigError naming ``section.field`` for the first of ``fields`` of ``cfg`` below 0."""
+    for name in fields:
+        _check_positive(f"{section}.{name}", getattr(cfg, name), allow_zero=True)
+
+
 @dataclass
 class ModelConfig:
     hf_path: str = "tiny"
@@ -58,10 +70,9 @@ class ModelConfig:
         _check_choice(
             "model.transformer_impl", self.transformer_impl, ("auto", "local", "transformer_engine")
         )
-        _check_positive("model.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
-        _check_positive("model.warm_start_steps", self.warm_start_steps, allow_zero=True)
-        _check_positive("model.warm_start_lr", self.warm_start_lr)
-        _check_positive("model.warm_start_batch_size", self.warm_start_batch_size)
+        _positive("model", self, "make_vocab_size_divisible_by")
+        _non_negative("model", self, "warm_start_steps")
+        _positive("model", self, "warm_start_lr", "warm_start_batch_size")
 
 
 @dataclass
@@ -86,9 +97,8 @@ class ParallelConfig:
     """Timeout of every collective, after which the run fails with an error instead of hanging."""
 
     def __post_init__(self) -> None:
-        for key in ("tp", "pp", "cp"):
-            _check_positive(f"parallel.{key}", getattr(self, key))
-        _check_positive("parallel.dp", self.dp, allow_zero=True)
+        _positive("parallel", self, "tp", "pp", "cp")
+        _non_negative("parallel", self, "dp")
         if self.cp > 1:
             raise ConfigError(
                 f"parallel.cp={self.cp} is not supported: the trainer does not split sequences "
@@ -96,7 +106,7 @@ class ParallelConfig:
                 "set parallel.cp=1 and use parallel.tp/pp for long contexts."
             )
         if self.vpp is not None:
-            _check_positive("parallel.vpp", self.vpp)
+            _positive("parallel", self, "vpp")
             if self.pp < 2:
                 raise ConfigError(
                     f"parallel.vpp={self.vpp} needs parallel.pp >= 2 (got {self.pp}): "
@@ -108,7 +118,7 @@ class ParallelConfig:
                 "set parallel.sequence_parallel=false or raise parallel.tp."
             )
         _check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
-        _check_positive("parallel.timeout_s", self.timeout_s)
+        _positive("parallel", self, "timeout_s")
 
 
 @dataclass
@@ -163,9 +173,9 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _check_choice("rollout.placement", self.placement, ("colocated", "disaggregated"))
-        _check_positive("rollout.tp", self.tp)
-        _check_positive("rollout.num_engines", self.num_engines, allow_zero=True)
-        _check_positive("rollout.max_new_tokens", self.max_new_tokens)
+        _positive("rollout", self, "tp")
+        _non_negative("rollout", self, "num_engines")
+        _positive("rollout", self, "max_new_tokens")
         if self.temperature <= 0:
             raise ConfigError(
                 f"rollout.temperature={self.temperature} must be > 0: greedy sampling gives G "
@@ -178,7 +188,7 @@ class RolloutConfig:
                 "refused because the trainer's ratio and KL use the untruncated softmax(logits/T) "
                 "(no top-k/top-p mask on the trainer); set rollout.top_p=1 rollout.top_k=-1."
             )
-        _check_positive("rollout.max_model_len", self.max_model_len)
+        _positive("rollout", self, "max_model_len")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]."
@@ -261,16 +271,15 @@ class GRPOConfig:
     """DAPO overlong filtering: truncated responses get no gradient."""
 
     def __post_init__(self) -> None:
-        _check_positive("grpo.group_size", self.group_size)
+        _positive("grpo", self, "group_size")
         if self.group_size < 2:
             raise ConfigError(
                 f"grpo.group_size={self.group_size}: group advantages need at least 2 "
                 "responses per prompt; set grpo.group_size >= 2."
             )
-        _check_positive("grpo.prompts_per_step", self.prompts_per_step)
-        _check_positive("grpo.sgd_iterations", self.sgd_iterations)
-        _check_positive("grpo.mini_batch_size", self.mini_batch_size, allow_zero=True)
-        _check_positive("grpo.micro_batch_size", self.micro_batch_size)
+        _positive("grpo", self, "prompts_per_step", "sgd_iterations")
+        _non_negative("grpo", self, "mini_batch_size")
+        _positive("grpo", self, "micro_batch_size")
         _check_choice("grpo.advantage", self.advantage, ("grpo", "drgrpo", "red_weight"))
         _check_choice("grpo.policy_loss", self.policy_loss, ("off_policy_clip", "rec", "gspo"))
         _check_choice("grpo.ratio_mode", self.ratio_mode, ("one", "exact"))
@@ -295,15 +304,12 @@ class GRPOConfig:
                 "is a mean over sequences of the sequence ratio; set "
                 "grpo.loss_agg=seq_mean_token_mean."
             )
-        _check_positive("grpo.clip_eps_low", self.clip_eps_low, allow_zero=True)
-        _check_positive("grpo.clip_eps_high", self.clip_eps_high, allow_zero=True)
+        _non_negative("grpo", self, "clip_eps_low", "clip_eps_high")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1:
             raise ConfigError(
                 f"grpo.dual_clip_c={self.dual_clip_c} must be > 1 (3 is usual) or null to disable."
             )
-        _check_positive("grpo.kl_coef", self.kl_coef, allow_zero=True)
-        _check_positive("grpo.overlong_buffer", self.overlong_buffer, allow_zero=True)
-        _check_positive("grpo.ref_update_interval", self.ref_update_interval, allow_zero=True)
+        _non_negative("grpo", self, "kl_coef", "overlong_buffer", "ref_update_interval")
         if self.tis != "none" and self.ratio_mode != "exact":
             raise ConfigError(
                 f"grpo.tis={self.tis!r} compares the trainer's log-probs of alpha with the "
@@ -332,17 +338,16 @@ class OptimConfig:
     """Skip a step whose loss or grad norm is not finite; abort after this many in a row."""
 
     def __post_init__(self) -> None:
-        _check_positive("optim.lr", self.lr)
-        _check_positive("optim.min_lr", self.min_lr, allow_zero=True)
+        _positive("optim", self, "lr")
+        _non_negative("optim", self, "min_lr")
         if self.min_lr > self.lr:
             raise ConfigError(f"optim.min_lr={self.min_lr} exceeds optim.lr={self.lr}.")
         _check_choice("optim.lr_schedule", self.lr_schedule, ("constant", "cosine"))
-        _check_positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
-        _check_positive("optim.clip_grad", self.clip_grad, allow_zero=True)
+        _non_negative("optim", self, "warmup_steps", "clip_grad")
         _check_choice(
             "optim.distributed_optimizer", self.distributed_optimizer, ("auto", "on", "off")
         )
-        _check_positive("optim.max_nan_steps_in_row", self.max_nan_steps_in_row)
+        _positive("optim", self, "max_nan_steps_in_row")
 
 
 @dataclass
@@ -360,10 +365,9 @@ class SyncConfig:
     """Every wait of a sync ends in an error naming the peer after this long."""
 
     def __post_init__(self) -> None:
-        _check_positive("sync.interval", self.interval)
+        _positive("sync", self, "interval")
         _check_choice("sync.method", self.method, ("direct", "baseline"))
-        _check_positive("sync.bucket_mb", self.bucket_mb)
-        _check_positive("sync.timeout_s", self.timeout_s)
+        _positive("sync", self, "bucket_mb", "timeout_s")
 
 
 @dataclass
@@ -387,9 +391,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not self.source:
             raise ConfigError("data.source is empty: set it to synthetic:<task> or a data file.")
-        _check_positive("data.synthetic_size", self.synthetic_size)
-        _check_positive("data.synthetic_difficulty", self.synthetic_difficulty)
-        _check_positive("data.max_prompt_tokens", self.max_prompt_tokens)
+        _positive("data", self, "synthetic_size", "synthetic_difficulty", "max_prompt_tokens")
 
 
 @dataclass
@@ -408,9 +410,8 @@ class RewardConfig:
     def __post_init__(self) -> None:
         if not self.name:
             raise ConfigError("reward.name is empty: set it to gsm8k, math, synthetic or a:path.")
-        _check_positive("reward.timeout_s", self.timeout_s)
-        _check_positive("reward.num_workers", self.num_workers)
-        _check_positive("reward.format_weight", self.format_weight, allow_zero=True)
+        _positive("reward", self, "timeout_s", "num_workers")
+        _non_negative("reward", self, "format_weight")
 
 
 @dataclass
@@ -426,8 +427,8 @@ class CheckpointConfig:
     an uninterrupted one. Without it, a resumed run pushes its current weights at start."""
 
     def __post_init__(self) -> None:
-        _check_positive("checkpoint.interval", self.interval, allow_zero=True)
-        _check_positive("checkpoint.keep_last", self.keep_last)
+        _non_negative("checkpoint", self, "interval")
+        _positive("checkpoint", self, "keep_last")
 
 
 @dataclass
@@ -458,10 +459,9 @@ class EvalConfig:
     temperature: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_positive("eval.interval", self.interval, allow_zero=True)
-        _check_positive("eval.num_prompts", self.num_prompts)
-        _check_positive("eval.samples", self.samples)
-        _check_positive("eval.temperature", self.temperature, allow_zero=True)
+        _non_negative("eval", self, "interval")
+        _positive("eval", self, "num_prompts", "samples")
+        _non_negative("eval", self, "temperature")
 
 
 @dataclass
@@ -527,15 +527,14 @@ def _check_ranges(cfg: Config) -> None:
     """Ranges of the numeric keys the section checks leave open (a value out of range was
     accepted and only failed, or silently misbehaved, deep in a run)."""
     r, g, o = cfg.rollout, cfg.grpo, cfg.optim
-    _check_positive("rollout.cpu_kv_cache_gb", r.cpu_kv_cache_gb)
-    _check_positive("grpo.advantage_eps", g.advantage_eps, allow_zero=True)
-    _check_positive("grpo.red_weight_tau", g.red_weight_tau)
-    for key in ("rec_ring_eps_low", "rec_ring_eps_high", "regularizer_coef", "loss_agg_constant",
-                "overlong_penalty"):  # fmt: skip
-        _check_positive(f"grpo.{key}", getattr(g, key), allow_zero=True)
-    _check_positive("grpo.tis_cap", g.tis_cap)
-    _check_positive("optim.weight_decay", o.weight_decay, allow_zero=True)
-    _check_positive("optim.adam_eps", o.adam_eps)
+    _positive("rollout", r, "cpu_kv_cache_gb")
+    _non_negative("grpo", g, "advantage_eps")
+    _positive("grpo", g, "red_weight_tau")
+    _non_negative("grpo", g, "rec_ring_eps_low", "rec_ring_eps_high", "regularizer_coef",
+                  "loss_agg_constant", "overlong_penalty")  # fmt: skip
+    _positive("grpo", g, "tis_cap")
+    _non_negative("optim", o, "weight_decay")
+    _positive("optim", o, "adam_eps")
     for key in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(o, key) < 1:
             raise ConfigError(f"optim.{key}={getattr(o, key)} must be in [0, 1).")
