@@ -26,7 +26,7 @@ import torch
 
 from megatron_grpo.checkpoint import damage
 from megatron_grpo.config.schema import ModelConfig, ParallelConfig
-from megatron_grpo.distributed.setup import destroy_distributed, init_distributed
+from megatron_grpo.distributed.setup import ParallelContext, destroy_distributed, init_distributed
 from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.policy.model_builder import build_model
 
@@ -165,10 +165,14 @@ def copy_side_files(src: Path, dst: Path, dtype: str | None = None) -> list[str]
 
 
 @contextlib.contextmanager
-def megatron_runtime(spec: ModelSpec) -> Iterator[object]:
-    """A one-process megatron-core runtime (gloo, TP=PP=1) from megatron_grpo.distributed;
-    torn down on exit. Conversion is a single process: the checkpoint it writes reshards on
-    load, so the writer's layout does not matter."""
+def one_process_model(
+    spec: ModelSpec, dtype: str
+) -> Iterator[tuple[ParallelContext, list[torch.nn.Module]]]:
+    """(ctx, model chunks at ``dtype``) in a one-process megatron-core runtime (gloo,
+    TP=PP=1) from megatron_grpo.distributed, torn down on exit. Conversion is a single
+    process: the checkpoint it writes reshards on load, so the writer's layout does not
+    matter. ``build_model`` makes CPU models in float32 only (its training rule), so other
+    dtypes are cast after construction."""
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise ConvertError(
             f"convert runs as one process, but WORLD_SIZE={os.environ['WORLD_SIZE']}: "
@@ -176,18 +180,12 @@ def megatron_runtime(spec: ModelSpec) -> Iterator[object]:
         )
     ctx = init_distributed(ParallelConfig(tp=1, pp=1, backend="gloo"), spec)
     try:
-        yield ctx
+        chunks = build_model(spec, ctx, ModelConfig(dtype="float32", transformer_impl="local"))
+        if dtype != "float32":
+            chunks = [c.to(DTYPES[dtype]) for c in chunks]
+        yield ctx, chunks
     finally:
         destroy_distributed()
-
-
-def build_chunks(spec: ModelSpec, ctx, dtype: str) -> list[torch.nn.Module]:
-    """The model chunks at ``dtype``. ``build_model`` makes CPU models in float32 only (its
-    training rule), so other dtypes are cast after construction."""
-    chunks = build_model(spec, ctx, ModelConfig(dtype="float32", transformer_impl="local"))
-    if dtype != "float32":
-        chunks = [c.to(DTYPES[dtype]) for c in chunks]
-    return chunks
 
 
 def sharded_state(chunks: list[torch.nn.Module]) -> dict:

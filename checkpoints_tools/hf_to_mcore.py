@@ -13,9 +13,8 @@ from checkpoints_tools.common import (
     CheckpointInfo,
     ConvertError,
     atomic_output_dir,
-    build_chunks,
     copy_side_files,
-    megatron_runtime,
+    one_process_model,
     resolve_dtype,
     sharded_state,
     widest,
@@ -54,11 +53,9 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, dtype: str | None = None) -
         source=str(hf_dir.resolve()),
         parallel={"tp": 1, "pp": 1, "vpp": None},
     )
-    with atomic_output_dir(out) as tmp, megatron_runtime(spec) as ctx:
-        chunks = build_chunks(spec, ctx, out_dtype)
+    with atomic_output_dir(out) as tmp, one_process_model(spec, out_dtype) as (ctx, chunks):
         load_hf_into_megatron(chunks, hf_dir, spec, ctx)
         dist_checkpointing.save(sharded_state(chunks), str(tmp))
-        del chunks
         copy_side_files(hf_dir, tmp / HF_SUBDIR)
         info.write(tmp)
     return info

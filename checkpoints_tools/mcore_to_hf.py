@@ -19,10 +19,9 @@ from checkpoints_tools.common import (
     CheckpointInfo,
     ConvertError,
     atomic_output_dir,
-    build_chunks,
     copy_side_files,
     find_dist_checkpoint,
-    megatron_runtime,
+    one_process_model,
     resolve_dtype,
     sharded_state,
 )
@@ -152,8 +151,7 @@ def mcore_to_hf(
         )
     ckpt_dtype = info.dtype if info is not None else _checkpoint_dtype(dist_dir)
     out_dtype = resolve_dtype(ckpt_dtype, dtype)
-    with atomic_output_dir(out) as tmp, megatron_runtime(spec) as ctx:
-        chunks = build_chunks(spec, ctx, ckpt_dtype)
+    with atomic_output_dir(out) as tmp, one_process_model(spec, ckpt_dtype) as (ctx, chunks):
         state = sharded_state(chunks)
         _check_against_checkpoint(state["model"], dist_dir, spec)
         loaded = dist_checkpointing.load(state, str(dist_dir))
