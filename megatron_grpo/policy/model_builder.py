@@ -27,6 +27,13 @@ from megatron_grpo.models.spec import ModelSpec, megatron_padded_vocab
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# TransformerConfig's fused-kernel switches, all off: the fused kernels need apex/TE/CUDA, and
+# the unfused paths are exact in fp32.
+FUSIONS_OFF = dict.fromkeys(
+    ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
+     "persist_layer_norm", "apply_rope_fusion", "gradient_accumulation_fusion",
+     "cross_entropy_loss_fusion"), False)  # fmt: skip
+
 
 def resolve_dtype(model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
     """``model.dtype``, with ``auto`` = float32 on CPU and bfloat16 on GPU."""
@@ -103,14 +110,7 @@ def transformer_config(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelCo
         # dispatcher even for dense models; the dispatcher is unused here.
         moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=on_cpu,
-        # Fused kernels need apex/TE/CUDA; the unfused paths are exact in fp32.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
+        **FUSIONS_OFF,
     )
 
 
