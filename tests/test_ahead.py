@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 
 from megatron_grpo.config import ConfigError
 from megatron_grpo.config.schema import RolloutConfig
-from megatron_grpo.rollout.ahead import (
-    AheadRollout,
-    colocated_launch,
-    engine_slice,
-    step_seed,
-    window_steps,
-)
+from megatron_grpo.rollout.ahead import AheadRollout, step_seed, window_steps
+from megatron_grpo.rollout.colocated import ColocatedRollout, engine_slice
 
 
 @pytest.mark.parametrize(
@@ -141,7 +137,7 @@ def test_colocated_launch_seeds_each_request_as_its_steps_own_call():
     n, p = 2, 3
     engine = FakeEngine()
     ctx = SimpleNamespace(world_size=1, rank=0)
-    launch = colocated_launch(engine, ctx, 1, {"n": n})
+    launch = partial(ColocatedRollout(engine, ctx, 1).launch, n=n)
     steps = [([[10 * s + i] for i in range(p)], step_seed(0, s)) for s in (5, 6, 7)]
     got = [thunk() for thunk in launch(steps)]
     want = [FakeEngine().generate(ids, n, seed=seed) for ids, seed in steps]
@@ -149,7 +145,7 @@ def test_colocated_launch_seeds_each_request_as_its_steps_own_call():
     assert engine.calls == [3 * p]  # one vLLM call for the three steps
 
 
-def test_engine_slice_matches_generate_on_engines():
+def test_engine_slice_splits_prompts_in_contiguous_shares():
     assert [engine_slice(8, 3, e) for e in range(3)] == [slice(0, 2), slice(2, 5), slice(5, 8)]
 
 
@@ -169,7 +165,8 @@ def test_colocated_launch_reassembles_two_engines_shares_prompt_major(monkeypatc
         pass
 
     def launch_on(rank):
-        return colocated_launch(FakeEngine(), SimpleNamespace(world_size=2, rank=rank), 1, {"n": n})
+        rollout = ColocatedRollout(FakeEngine(), SimpleNamespace(world_size=2, rank=rank), 1)
+        return partial(rollout.launch, n=n)
 
     def capture(everyone, mine):
         shares[len(shares)] = mine

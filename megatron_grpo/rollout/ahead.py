@@ -7,12 +7,13 @@ needs its batch and none is buffered, the batches of steps ``window_steps(s, a, 
 
 - prompts are drawn from the data stream in step order, exactly as the serial loop draws
   them, and each step keeps its own sampling seed ``rollout.seed + 7919 * step``;
-- **colocated**: one vLLM ``generate`` call carries all those steps' prompts, each request
-  with the seed its own step's call would give it (``RolloutEngine.generate(seeds=...)``);
+- **colocated** (``rollout.colocated.ColocatedRollout.launch``): one vLLM ``generate`` call
+  carries all those steps' prompts, each request with the seed its own step's call would
+  give it (``RolloutEngine.generate(seeds=...)``);
   vLLM then runs one large batch instead of a+1 small ones. On CPU vLLM is not
   batch-invariant, so a response can differ from the serial schedule's (docs/rollout.md);
-- **disaggregated**: the steps' generate commands are queued back to back on the engines
-  (``RolloutClient.submit``) and the trainer collects step s+j's samples when it asks for
+- **disaggregated** (``rollout.server.RolloutClient.launch``): the steps' generate commands
+  are queued back to back on the engines and the trainer collects step s+j's samples when it asks for
   them, so the engines generate while the trainer trains. Each step is its own vLLM call
   with its own seed: the samples are those of the serial schedule, bit for bit.
 
@@ -23,13 +24,13 @@ the middle of a window draws and regenerates what had been buffered.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 
 def step_seed(rollout_seed: int, step: int) -> int:
-    """Sampling seed of trainer step ``step``'s batch (the serial loop's, trainer/loop.py)."""
+    """Sampling seed of trainer step ``step``'s batch."""
     return rollout_seed + 7919 * step
 
 
@@ -49,11 +50,6 @@ def window_steps(step: int, ahead: int, interval: int, total_steps: int) -> list
     return list(range(step, min(step + ahead, next_sync, total_steps) + 1))
 
 
-def engine_slice(num_prompts: int, engines: int, e: int) -> slice:
-    """Engine ``e``'s share of a step's prompts (``trainer.loop.generate_on_engines``)."""
-    return slice(e * num_prompts // engines, (e + 1) * num_prompts // engines)
-
-
 @dataclass
 class _Buffered:
     step: int
@@ -69,7 +65,10 @@ thunk per step that yields its samples."""
 
 
 class AheadRollout:
-    """The prefetch buffer of one sync window; the loop's ``rollout(step)`` calls ``take``."""
+    """The loop's source of each step's batch (``take``): the prefetch buffer of one sync
+    window. ``ahead=0`` generates one step at a time, Algorithm 1's serial schedule.
+    ``launch`` is the rollout interface's (``rollout.interface.Rollout.launch``) with the
+    run's sampling settings bound."""
 
     def __init__(self, prompts: Any, prompts_per_step: int, ahead: int, interval: int,
                  total_steps: int, rollout_seed: int, launch: Launch) -> None:  # fmt: skip
@@ -109,58 +108,3 @@ class AheadRollout:
         )
         for (s, ps, before), thunk in zip(drawn, thunks, strict=True):
             self._buffer.append(_Buffered(s, ps, before, thunk))
-
-
-def colocated_launch(engine: Any, ctx: Any, rollout_tp: int, sampling: dict) -> Launch:
-    """One ``generate`` call for all steps on every colocated engine: engine ``e`` samples its
-    share of each step's prompts, each request seeded as the step's own call would seed it
-    (``seed + i*n`` for its i-th prompt); the shares are gathered on every rank."""
-    import torch.distributed as dist
-
-    n = sampling["n"]
-
-    def launch(steps: list[tuple[list, int]]) -> list[Callable[[], list]]:
-        engines = ctx.world_size // rollout_tp
-        e = ctx.rank // rollout_tp
-        ids: list = []
-        seeds: list[int] = []
-        for prompt_ids, seed in steps:
-            mine = prompt_ids[engine_slice(len(prompt_ids), engines, e)]
-            ids += mine
-            seeds += [seed + i * n for i in range(len(mine))]
-        samples = engine.generate(ids, seeds=seeds, **sampling)
-        everyone: list = [samples]
-        if ctx.world_size > 1:
-            everyone = [None] * ctx.world_size
-            dist.all_gather_object(everyone, samples)
-        per_step: list[list] = [[] for _ in steps]
-        for k in range(engines):
-            theirs, at = everyone[k * rollout_tp], 0
-            for j, (prompt_ids, _) in enumerate(steps):
-                sl = engine_slice(len(prompt_ids), engines, k)
-                count = (sl.stop - sl.start) * n
-                per_step[j].append(theirs[at : at + count])
-                at += count
-        # prompt-major over the whole step: engine 0's share, then engine 1's, ...
-        return [_ready([s for part in parts for s in part]) for parts in per_step]
-
-    return launch
-
-
-def queued_launch(client: Any, sampling: dict) -> Launch:
-    """Disaggregated: queue one generate command per step on the engines (they run them back
-    to back, rollout/server.py) and collect each step's samples when the trainer asks."""
-
-    def launch(steps: list[tuple[list, int]]) -> list[Callable[[], list]]:
-        tickets = [client.submit(ids, seed=seed, **sampling) for ids, seed in steps]
-        return [_collector(client, t) for t in tickets]
-
-    return launch
-
-
-def _ready(samples: Sequence) -> Callable[[], list]:
-    return lambda: list(samples)
-
-
-def _collector(client: Any, ticket: Any) -> Callable[[], list]:
-    return lambda: client.collect(ticket)

@@ -18,8 +18,8 @@ from megatron_grpo.config import Config, ConfigError
 def check_run(cfg: Config, world_size: int) -> int:
     """Raise ConfigError for a run that cannot start; return the number of vLLM engines."""
     from megatron_grpo.data import build_prompt_source
+    from megatron_grpo.plan.placement import validate_world
     from megatron_grpo.rewards import check_reward
-    from megatron_grpo.trainer.loop import validate_world
     from megatron_grpo.trainer.model_dir import check_model_path
 
     engines = validate_world(cfg, world_size)
