@@ -120,6 +120,54 @@ def test_ahead_refuses_out_of_order_steps():
         ahead.take(3)
 
 
+def test_rewards_are_scored_as_batches_arrive():
+    """The arrivals thread scores step 2's batch as soon as it arrives, while the trainer is
+    still on step 1 (it has not asked for step 2), and take_scores hands each step its own."""
+    import threading
+
+    release = {s: threading.Event() for s in (1, 2)}
+    scored: list = []
+    step2_scored = threading.Event()
+
+    def launch(steps):
+        def wait_then(ids, seed, s):
+            release[s].wait(10)
+            return fake_generate(ids, seed)
+
+        return [lambda ids=ids, seed=seed, s=s: wait_then(ids, seed, s)
+                for s, (ids, seed) in zip((1, 2), steps)]  # fmt: skip
+
+    def score(prompts, samples):
+        scored.append(samples[0])
+        if len(scored) == 2:
+            step2_scored.set()
+        return ("rewards of", samples[0])
+
+    ahead = AheadRollout(Source(), 2, 1, 2, 2, 0, launch, score)
+    release[1].set()
+    _, samples1 = ahead.take(1)
+    assert ahead.take_scores() == ("rewards of", samples1[0])
+    release[2].set()  # step 2's samples arrive while the trainer trains step 1
+    assert step2_scored.wait(10), "step 2 was not scored before the trainer asked for it"
+    _, samples2 = ahead.take(2)
+    assert ahead.take_scores() == ("rewards of", samples2[0])
+    assert scored == [samples1[0], samples2[0]]
+
+
+def test_a_failed_generation_fails_its_take_and_the_rest_of_the_window():
+    def launch(steps):
+        def boom():
+            raise RuntimeError("engine died")
+
+        return [lambda: fake_generate(steps[0][0], steps[0][1]), boom, boom][: len(steps)]
+
+    ahead = AheadRollout(Source(), 2, 2, 3, 3, 0, launch, lambda p, s: 0)
+    ahead.take(1)
+    assert ahead.take_scores() == 0
+    with pytest.raises(RuntimeError, match="engine died"):
+        ahead.take(2)
+
+
 class FakeEngine:
     """RolloutEngine.generate's contract: n samples per prompt, request i seeded seeds[i]."""
 

@@ -74,6 +74,9 @@ def _trainer(cfg: Config, memory: ColocatedMemory, calls: list, monkeypatch) -> 
             calls.append("generate")
             return [lambda: [] for _ in steps]
 
+        def share(self, fn):
+            return fn()
+
     ctx = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1)
     policy = SimpleNamespace(sharded_state_dict=lambda *a: {})
     checkpointer = Checkpointer("unused", cfg.checkpoint, cfg.steps, ctx, policy, None, None,
@@ -81,8 +84,9 @@ def _trainer(cfg: Config, memory: ColocatedMemory, calls: list, monkeypatch) -> 
     t = loop.GRPOTrainer(
         cfg=cfg, ctx=ctx, tokenizer=SimpleNamespace(pad_token_id=0), policy=policy, ref=None,
         rollout=Rollout(), sender=SimpleNamespace(syncs=0, sync=rec("sync")),
-        batches=batch_source(cfg, Prompts(), Rollout(), memory, eos_token_id=0),
-        scorer=lambda prompts, samples: (torch.zeros(1, 2), {}), advantage_fn=None,
+        batches=batch_source(cfg, Prompts(), Rollout(), memory, eos_token_id=0,
+                             score=lambda prompts, samples: (torch.zeros(1, 2), {})),
+        advantage_fn=None,
         loss_fn=None, memory=memory, checkpointer=checkpointer,
         logger=SimpleNamespace(log=lambda step: calls.append(f"log {step}")), timer=StepTimer(),
     )  # fmt: skip

@@ -23,9 +23,12 @@ the middle of a window draws and regenerates what had been buffered.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -55,27 +58,44 @@ class _Buffered:
     step: int
     prompts: list
     data_state_before: dict
-    samples: Callable[[], list]
-    """Returns the step's samples (all engines', prompt-major); may block (disaggregated)."""
+    samples: Future = field(default_factory=Future)
+    """The step's samples where this rank receives them (all engines', prompt-major)."""
+    scores: Future = field(default_factory=Future)
+    """``score(prompts, samples)`` of them, computed as soon as they arrive."""
 
 
-Launch = Callable[[list[tuple[list, int]]], list[Callable[[], list]]]
+Launch = Callable[[list[tuple[list, int]]], list[Callable[[], list | None]]]
 """``launch([(prompt_ids, seed) per step])`` starts the steps' generation and returns one
-thunk per step that yields its samples."""
+thunk per step that yields its samples (``Rollout.launch``): local, no collective, so a
+background thread may call it; None on a rank that does not receive them."""
+
+
+def _call(fn: Callable[[], Any]) -> Any:
+    return fn()
 
 
 class AheadRollout:
-    """The loop's source of each step's batch (``take``): the prefetch buffer of one sync
-    window. ``ahead=0`` generates one step at a time, Algorithm 1's serial schedule.
-    ``launch`` is the rollout interface's (``rollout.interface.Rollout.launch``) with the
-    run's sampling settings bound."""
+    """The loop's source of each step's batch (``take``) and its rewards (``take_scores``):
+    the prefetch buffer of one sync window. ``ahead=0`` generates one step at a time,
+    Algorithm 1's serial schedule.
+
+    ``launch``: the rollout interface's ``launch`` with the run's sampling settings bound;
+    ``score(prompts, samples) -> (rewards, info)`` (``rewards.scoring.GroupScorer``); a
+    background thread collects each step's samples in order as they arrive and scores them
+    at once, so a step's rewards are usually ready before the trainer asks (off its
+    critical path). ``share(fn)``: ``fn()``'s result on every trainer rank, evaluated where
+    the samples arrive (``Rollout.share``; collective, so called on the loop's thread only)."""
 
     def __init__(self, prompts: Any, prompts_per_step: int, ahead: int, interval: int,
-                 total_steps: int, rollout_seed: int, launch: Launch) -> None:  # fmt: skip
-        self.prompts, self.launch = prompts, launch
+                 total_steps: int, rollout_seed: int, launch: Launch,
+                 score: Callable[[list, list], Any] | None = None,
+                 share: Callable[[Callable[[], Any]], Any] = _call) -> None:  # fmt: skip
+        self.prompts, self.launch, self.score, self.share = prompts, launch, score, share
         self.prompts_per_step, self.ahead = prompts_per_step, ahead
         self.interval, self.total_steps, self.rollout_seed = interval, total_steps, rollout_seed
         self._buffer: deque[_Buffered] = deque()
+        self._taken: _Buffered | None = None
+        self._arrivals: queue.SimpleQueue | None = None
 
     def take(self, step: int) -> tuple[list, list]:
         """Step ``step``'s ``(prompts, samples)``; generates the window ahead when empty."""
@@ -87,9 +107,15 @@ class AheadRollout:
                 f"rollout.ahead: the trainer asked for step {step}'s batch but step "
                 f"{head.step}'s is next in the buffer; steps must be consumed in order."
             )
-        samples = head.samples()
+        samples = self.share(head.samples.result)
         self._buffer.popleft()
+        self._taken = head
         return head.prompts, samples
+
+    def take_scores(self) -> Any:
+        """The rewards ``score`` gave the batch ``take`` returned last (waits for them)."""
+        assert self._taken is not None, "take_scores before take"
+        return self.share(self._taken.scores.result)
 
     def data_state(self) -> dict:
         """The data position after the consumed steps (what a checkpoint must save)."""
@@ -106,5 +132,34 @@ class AheadRollout:
         thunks = self.launch(
             [([p.prompt_ids for p in ps], step_seed(self.rollout_seed, s)) for s, ps, _ in drawn]
         )
-        for (s, ps, before), thunk in zip(drawn, thunks, strict=True):
-            self._buffer.append(_Buffered(s, ps, before, thunk))
+        window = [_Buffered(s, ps, before) for s, ps, before in drawn]
+        self._buffer.extend(window)
+        if self._arrivals is None:
+            # One thread for the run, not one per window: a reward worker it replaces has a
+            # parent-death signal tied to the thread that started it (platform/lifetime.py).
+            self._arrivals = queue.SimpleQueue()
+            threading.Thread(target=self._arrivals_thread, name="rollout-arrivals",
+                             daemon=True).start()  # fmt: skip
+        self._arrivals.put((window, thunks))
+
+    def _arrivals_thread(self) -> None:
+        while True:
+            self._arrive(*self._arrivals.get())
+
+    def _arrive(self, window: list[_Buffered], thunks: list[Callable[[], Any]]) -> None:
+        """In step order: wait for a step's samples, publish them, score them."""
+        for entry, thunk in zip(window, thunks, strict=True):
+            try:
+                samples = thunk()
+            except BaseException as e:  # noqa: BLE001 - raised in the loop by take()
+                for rest in window[window.index(entry) :]:
+                    rest.samples.set_exception(e)
+                    rest.scores.set_exception(e)
+                return
+            entry.samples.set_result(samples)
+            try:
+                scored = None if samples is None or self.score is None else (
+                    self.score(entry.prompts, samples))  # fmt: skip
+                entry.scores.set_result(scored)
+            except BaseException as e:  # noqa: BLE001 - raised in the loop by take_scores()
+                entry.scores.set_exception(e)

@@ -57,6 +57,11 @@ class ColocatedRollout:
         # prompt-major over the whole step: engine 0's share, then engine 1's, ...
         return [(lambda s=s: list(s)) for s in per_step]
 
+    @staticmethod
+    def share(fn: Callable[[], Any]) -> Any:
+        """Every rank holds every sample (gathered in ``launch``): ``fn()`` here."""
+        return fn()
+
     def generate(self, prompt_ids: list, seed: int, **sampling: Any) -> list:
         """All prompts' samples, prompt-major, on every rank (one step's ``launch``)."""
         return self.launch([(prompt_ids, seed)], **sampling)[0]()

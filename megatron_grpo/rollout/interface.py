@@ -24,9 +24,14 @@ from megatron_grpo.rollout.server import connect_rollout
 
 
 class Rollout(Protocol):
-    def launch(self, steps: list[tuple[list, int]], **sampling: Any) -> list[Callable[[], list]]:
+    def launch(self, steps: list[tuple[list, int]], **sampling: Any) -> list[Callable[[], list | None]]:  # fmt: skip
         """Start generating ``[(prompt_ids, seed)]`` per step; one thunk per step returns
-        that step's samples (blocking until they are there)."""
+        that step's samples, blocking until they are there, on the ranks where they arrive
+        (None elsewhere). Thunks run no collective: a background thread may call them."""
+
+    def share(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` evaluated where ``launch``'s samples arrive, its result (or its error) on
+        every trainer rank (collective)."""
 
     def generate(self, prompt_ids: list, seed: int, **sampling: Any) -> list:
         """One batch's samples, prompt-major, on every trainer rank."""

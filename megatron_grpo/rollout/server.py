@@ -404,7 +404,18 @@ class RolloutClient:
         its samples (rollout.ahead). Each step is its own vLLM call with its own seed, so
         the samples are the serial schedule's, bit for bit."""
         tickets = [self.submit(ids, seed=seed, **sampling) for ids, seed in steps]
-        return [(lambda t=t: self.collect(t)) for t in tickets]
+        return [(lambda t=t: self._receive(t)) for t in tickets]
+
+    def _receive(self, ticket: int | None) -> list | None:
+        """A launched step's samples on trainer rank 0 (None elsewhere): the control channel
+        only, no collective, so the arrivals thread may wait here (rollout/ahead.py)."""
+        if self.ch is None:
+            return None
+        return [s for part in self._collect(ticket, "generate") for s in part]
+
+    def share(self, fn: Any) -> Any:
+        """``fn()`` on trainer rank 0, its result (or its error) on every trainer rank."""
+        return self._shared(fn)
 
     def init_transfer(self, inputs: Any, backend: str, timeout_s: float) -> Any:
         """Build the transfer group (trainer ranks + every engine worker); returns it."""

@@ -76,12 +76,12 @@ def build_trainer(cfg: Config, resume: bool = False, world: Any = None) -> GRPOT
     checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint, cfg.steps, ctx, policy, ref,
                                 served, memory, cfg.parallel.timeout_s, preemption)  # fmt: skip
     reward_fn = build_reward(cfg.reward, cfg.data)
+    prompts = build_prompt_source(cfg.data, tokenizer)
+    scorer = GroupScorer.from_config(cfg, reward_fn, tokenizer)
     trainer = GRPOTrainer(
         cfg=cfg, ctx=ctx, tokenizer=tokenizer, policy=policy, ref=ref, rollout=rollout,
         sender=sender,
-        batches=batch_source(cfg, build_prompt_source(cfg.data, tokenizer), rollout, memory,
-                             tokenizer.eos_token_id),
-        scorer=GroupScorer.from_config(cfg, reward_fn, tokenizer),
+        batches=batch_source(cfg, prompts, rollout, memory, tokenizer.eos_token_id, scorer),
         advantage_fn=build_advantage_fn(g), loss_fn=make_loss_fn(g, cfg.rollout.max_new_tokens),
         memory=memory, checkpointer=checkpointer, logger=None, timer=PhaseTimer(),
         validator=Validator(cfg, tokenizer, reward_fn) if cfg.eval.interval else None,
@@ -108,11 +108,12 @@ def build_trainer(cfg: Config, resume: bool = False, world: Any = None) -> GRPOT
     return trainer
 
 
-def batch_source(cfg: Config, prompts: Any, rollout: Any, memory: Any, eos_token_id: int) -> AheadRollout:  # fmt: skip
-    """Each step's prompts (from ``prompts``, a data source) and samples: with rollout.ahead
-    = a, up to a + 1 steps of the sync window are generated at once (0: one step at a time,
-    Algorithm 1's serial order); vLLM wakes for each generation, not for each step
-    (``memory``: ``trainer.memory.ColocatedMemory``)."""
+def batch_source(cfg: Config, prompts: Any, rollout: Any, memory: Any, eos_token_id: int,
+                 score: Any = None) -> AheadRollout:  # fmt: skip
+    """Each step's prompts (from ``prompts``, a data source), samples and rewards (``score``):
+    with rollout.ahead = a, up to a + 1 steps of the sync window are generated at once (0:
+    one step at a time, Algorithm 1's serial order) and scored as they arrive; vLLM wakes
+    for each generation, not for each step (``memory``: ``trainer.memory.ColocatedMemory``)."""
     r = cfg.rollout
     sampling = dict(n=cfg.grpo.group_size, temperature=r.temperature, top_p=r.top_p,
                     top_k=r.top_k, max_new_tokens=r.max_new_tokens,
@@ -126,7 +127,7 @@ def batch_source(cfg: Config, prompts: Any, rollout: Any, memory: Any, eos_token
             memory.after_generate()
 
     return AheadRollout(prompts, cfg.grpo.prompts_per_step, r.ahead, cfg.sync.interval,
-                        cfg.steps, r.seed, launch)  # fmt: skip
+                        cfg.steps, r.seed, launch, score, rollout.share)  # fmt: skip
 
 
 def train(cfg: Config, resume: bool = False) -> dict[str, Any]:

@@ -48,8 +48,7 @@ class GRPOTrainer:
     ref: Any
     rollout: Any  # rollout.interface.Rollout
     sender: Any  # the bridge's weight sender
-    batches: Any  # rollout.ahead.AheadRollout: each step's (prompts, samples)
-    scorer: Any  # rewards.scoring.GroupScorer
+    batches: Any  # rollout.ahead.AheadRollout: each step's prompts, samples and rewards
     advantage_fn: Any
     loss_fn: Any
     memory: Any  # trainer.memory.ColocatedMemory
@@ -74,7 +73,7 @@ class GRPOTrainer:
             with timer.phase("rollout"), self._bounded(f"the rollout of step {step}"):
                 prompts, samples = self.take_batch(step)
             with timer.phase("reward"), self._bounded(f"the rewards of step {step}"):
-                rewards, reward_info = self.scorer(prompts, samples)
+                rewards, reward_info = self.batches.take_scores()  # scored as they arrived
             batch = collate(samples, self.tokenizer.pad_token_id)
             with timer.phase("logprobs"):
                 batch, kl_seq = self.reference_logprobs(batch)
