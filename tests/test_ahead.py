@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 
 from megatron_grpo.config import ConfigError
 from megatron_grpo.config.schema import RolloutConfig
-from megatron_grpo.rollout.ahead import (
-    AheadRollout,
-    colocated_launch,
-    engine_slice,
-    step_seed,
-    window_steps,
-)
+from megatron_grpo.rollout.ahead import AheadRollout, step_seed, window_steps
+from megatron_grpo.rollout.colocated import ColocatedRollout, engine_slice
 
 
 @pytest.mark.parametrize(
@@ -124,6 +120,54 @@ def test_ahead_refuses_out_of_order_steps():
         ahead.take(3)
 
 
+def test_rewards_are_scored_as_batches_arrive():
+    """The arrivals thread scores step 2's batch as soon as it arrives, while the trainer is
+    still on step 1 (it has not asked for step 2), and take_scores hands each step its own."""
+    import threading
+
+    release = {s: threading.Event() for s in (1, 2)}
+    scored: list = []
+    step2_scored = threading.Event()
+
+    def launch(steps):
+        def wait_then(ids, seed, s):
+            release[s].wait(10)
+            return fake_generate(ids, seed)
+
+        return [lambda ids=ids, seed=seed, s=s: wait_then(ids, seed, s)
+                for s, (ids, seed) in zip((1, 2), steps)]  # fmt: skip
+
+    def score(prompts, samples):
+        scored.append(samples[0])
+        if len(scored) == 2:
+            step2_scored.set()
+        return ("rewards of", samples[0])
+
+    ahead = AheadRollout(Source(), 2, 1, 2, 2, 0, launch, score)
+    release[1].set()
+    _, samples1 = ahead.take(1)
+    assert ahead.take_scores() == ("rewards of", samples1[0])
+    release[2].set()  # step 2's samples arrive while the trainer trains step 1
+    assert step2_scored.wait(10), "step 2 was not scored before the trainer asked for it"
+    _, samples2 = ahead.take(2)
+    assert ahead.take_scores() == ("rewards of", samples2[0])
+    assert scored == [samples1[0], samples2[0]]
+
+
+def test_a_failed_generation_fails_its_take_and_the_rest_of_the_window():
+    def launch(steps):
+        def boom():
+            raise RuntimeError("engine died")
+
+        return [lambda: fake_generate(steps[0][0], steps[0][1]), boom, boom][: len(steps)]
+
+    ahead = AheadRollout(Source(), 2, 2, 3, 3, 0, launch, lambda p, s: 0)
+    ahead.take(1)
+    assert ahead.take_scores() == 0
+    with pytest.raises(RuntimeError, match="engine died"):
+        ahead.take(2)
+
+
 class FakeEngine:
     """RolloutEngine.generate's contract: n samples per prompt, request i seeded seeds[i]."""
 
@@ -141,7 +185,7 @@ def test_colocated_launch_seeds_each_request_as_its_steps_own_call():
     n, p = 2, 3
     engine = FakeEngine()
     ctx = SimpleNamespace(world_size=1, rank=0)
-    launch = colocated_launch(engine, ctx, 1, {"n": n})
+    launch = partial(ColocatedRollout(engine, ctx, 1).launch, n=n)
     steps = [([[10 * s + i] for i in range(p)], step_seed(0, s)) for s in (5, 6, 7)]
     got = [thunk() for thunk in launch(steps)]
     want = [FakeEngine().generate(ids, n, seed=seed) for ids, seed in steps]
@@ -149,7 +193,7 @@ def test_colocated_launch_seeds_each_request_as_its_steps_own_call():
     assert engine.calls == [3 * p]  # one vLLM call for the three steps
 
 
-def test_engine_slice_matches_generate_on_engines():
+def test_engine_slice_splits_prompts_in_contiguous_shares():
     assert [engine_slice(8, 3, e) for e in range(3)] == [slice(0, 2), slice(2, 5), slice(5, 8)]
 
 
@@ -169,7 +213,8 @@ def test_colocated_launch_reassembles_two_engines_shares_prompt_major(monkeypatc
         pass
 
     def launch_on(rank):
-        return colocated_launch(FakeEngine(), SimpleNamespace(world_size=2, rank=rank), 1, {"n": n})
+        rollout = ColocatedRollout(FakeEngine(), SimpleNamespace(world_size=2, rank=rank), 1)
+        return partial(rollout.launch, n=n)
 
     def capture(everyone, mine):
         shares[len(shares)] = mine

@@ -13,7 +13,10 @@ import torch
 from megatron_grpo.config import Config, ConfigError
 from megatron_grpo.config.loader import load_config
 from megatron_grpo.metrics import PhaseTimer
+from megatron_grpo.trainer import checkpointer as checkpointer_module
 from megatron_grpo.trainer import loop
+from megatron_grpo.trainer.build import batch_source
+from megatron_grpo.trainer.checkpointer import Checkpointer
 from megatron_grpo.trainer.memory import ColocatedMemory
 
 
@@ -44,23 +47,13 @@ class FakeOffload:
 
 
 def _trainer(cfg: Config, memory: ColocatedMemory, calls: list, monkeypatch) -> loop.GRPOTrainer:
-    """A GRPOTrainer whose phases record themselves; ``run`` and ``save`` are the real ones."""
-    t = loop.GRPOTrainer.__new__(loop.GRPOTrainer)
+    """A GRPOTrainer built from fakes that record themselves; ``run``, ``sync``, the batch
+    source (``build.batch_source``) and the checkpointer are the real ones."""
 
     class StepTimer(PhaseTimer):
         def reset(self):  # run() resets the timer as each step begins
             calls.append("begin")
             super().reset()
-
-    t.cfg, t.memory, t.timer = cfg, memory, StepTimer()
-    t.start_step, t.policy_version, t.stop_requested = 0, 0, False
-    t.ctx = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1)
-    t.run_dir, t.served, t.ref = "unused", None, None
-    t.validator, t._eval_metrics, t.ahead = None, {}, None
-    t.prompts = SimpleNamespace(state_dict=lambda: {})
-    t.weight_sync = SimpleNamespace(syncs=0)
-    t.policy = SimpleNamespace(sharded_state_dict=lambda *a: {})
-    t.tokenizer = SimpleNamespace(pad_token_id=0)
 
     def rec(name, ret=None):
         def f(*args, **kwargs):
@@ -69,30 +62,56 @@ def _trainer(cfg: Config, memory: ColocatedMemory, calls: list, monkeypatch) -> 
 
         return f
 
-    t._rollout_or_fail = rec("generate", ([], []))
-    t.score = lambda *a: (torch.zeros(1, 2), {})
+    class Prompts:
+        def next_batch(self, n):
+            return [SimpleNamespace(prompt_ids=[1])] * n
+
+        def state_dict(self):
+            return {}
+
+    class Rollout:
+        def launch(self, steps, **sampling):
+            calls.append("generate")
+            return [lambda: [] for _ in steps]
+
+        def share(self, fn):
+            return fn()
+
+    ctx = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1)
+    policy = SimpleNamespace(sharded_state_dict=lambda *a: {})
+    checkpointer = Checkpointer("unused", cfg.checkpoint, cfg.steps, ctx, policy, None, None,
+                                memory, 60.0, SimpleNamespace(agreed=lambda ctx: False))  # fmt: skip
+    t = loop.GRPOTrainer(
+        cfg=cfg, ctx=ctx, tokenizer=SimpleNamespace(pad_token_id=0), policy=policy, ref=None,
+        rollout=Rollout(), sender=SimpleNamespace(syncs=0, sync=rec("sync")),
+        batches=batch_source(cfg, Prompts(), Rollout(), memory, eos_token_id=0,
+                             score=lambda prompts, samples: (torch.zeros(1, 2), {})),
+        advantage_fn=None,
+        loss_fn=None, memory=memory, checkpointer=checkpointer,
+        logger=SimpleNamespace(log=lambda step: calls.append(f"log {step}")), timer=StepTimer(),
+    )  # fmt: skip
     t.reference_logprobs = rec("logprobs", ({}, None))
     t.group_advantages = lambda *a: None
     t.train_on = rec("train", [])
-    t.sync = rec("sync")
-    t.log = lambda step, *a: calls.append(f"log {step}")
     t.finish = lambda: {"preempted": False}
-    t._stop_agreed = lambda: False
     monkeypatch.setattr(loop, "collate", lambda samples, pad: {})
+    monkeypatch.setattr(loop, "step_row", lambda step, *a, **k: step)
 
     def fake_save(run_dir, state, parts, keep_last):
         resident = [o.name for o in (memory.state, memory.weights) if o and not o.offloaded]
         calls.append(f"save {state.step} resident={'+'.join(resident)}")
         return "ckpt"
 
-    monkeypatch.setattr("megatron_grpo.checkpoint.save_checkpoint", fake_save)
+    monkeypatch.setattr(checkpointer_module, "save_checkpoint", fake_save)
     return t
 
 
-def _dance(monkeypatch, sleep_level=1, offload_weights=True):
+def _dance(monkeypatch, sleep_level=1, offload_weights=True, overrides=()):
     cfg = load_config(
-        None, ["steps=4", "sync.interval=2", "checkpoint.interval=3", "checkpoint.keep_last=1"]
-    )
+        None,
+        ["steps=4", "sync.interval=2", "checkpoint.interval=3", "checkpoint.keep_last=1",
+         *overrides],
+    )  # fmt: skip
     calls: list[str] = []
     memory = ColocatedMemory(
         FakeEngine(calls),
@@ -119,32 +138,46 @@ def test_loop_order_sleep_and_offload(monkeypatch):
         "state.offload", "weights.offload", "empty_cache", "generate",
         "vllm.sleep(1)", "empty_cache", "weights.reload", "state.reload",
         "logprobs", "train",
-        "state.offload", "empty_cache", "vllm.wake(weights)",  # no sync at step 1 (v=2)
-        "log 1",
+        "log 1",  # no sync at step 1 (v=2): vLLM sleeps on until the next generate
     ]  # fmt: skip
-    # Step 2: weights woke before the sync; the KV cache wakes before the next generate.
+    # Step 2: vLLM's weights and KV cache wake for the generate; its weights wake again
+    # for the sync (the optimizer state leaves first).
     assert s2 == [
-        "weights.offload", "empty_cache", "vllm.wake(kv_cache)", "generate",
+        "state.offload", "weights.offload", "empty_cache", "vllm.wake(weights)",
+        "vllm.wake(kv_cache)", "generate",
         "vllm.sleep(1)", "empty_cache", "weights.reload", "state.reload",
         "logprobs", "train",
         "state.offload", "empty_cache", "vllm.wake(weights)", "sync",
         "log 2",
     ]  # fmt: skip
-    # Step 3 saves a checkpoint after logging it (a checkpoint is never newer than the log):
-    # the optimizer state comes back for the save, then leaves.
-    assert s3[s3.index("vllm.wake(weights)") + 1 :] == [
-        "log 3", "state.reload", "save 3 resident=state+weights", "state.offload",
-    ]  # fmt: skip
+    # Step 3 saves a checkpoint after logging it (a checkpoint is never newer than the log),
+    # the trainer's state resident since the generate.
+    assert s3[s3.index("train") + 1 :] == ["log 3", "save 3 resident=state+weights"]
+    # Step 4 syncs, so the optimizer state comes back for the save, then leaves.
     assert s4[-6:] == [
         "vllm.wake(weights)", "sync", "log 4", "state.reload", "save 4 resident=state+weights",
         "state.offload",
     ]  # fmt: skip
 
 
+def test_colocated_window_wakes_vllm_once(monkeypatch):
+    """rollout.ahead = v-1: one generate per sync window, so vLLM wakes once per window."""
+    s1, s2, s3, s4 = _dance(monkeypatch, overrides=["rollout.ahead=1"])
+    assert s1.count("generate") == 1 and "generate" not in s2
+    assert not any(c.startswith("vllm.wake") for c in s1)  # a new engine is awake
+    assert s2[s2.index("train") + 1 :] == [
+        "state.offload", "empty_cache", "vllm.wake(weights)", "sync", "log 2",
+    ]  # fmt: skip
+    assert s3.count("generate") == 1 and "generate" not in s4
+    assert s3[:4] == ["weights.offload", "empty_cache", "vllm.wake(kv_cache)", "generate"]
+
+
 def test_loop_order_level2_without_weight_offload(monkeypatch):
     s1, s2, _, _ = _dance(monkeypatch, sleep_level=2, offload_weights=False)
     assert "vllm.sleep(2)" in s1 and not any(c.startswith("weights.") for c in s1 + s2)
-    assert s2[:3] == ["empty_cache", "vllm.wake(kv_cache)", "generate"]
+    assert s2[:5] == [
+        "state.offload", "empty_cache", "vllm.wake(weights)", "vllm.wake(kv_cache)", "generate",
+    ]  # fmt: skip
 
 
 def test_nothing_is_called_on_cpu_or_disaggregated(monkeypatch):

@@ -43,16 +43,16 @@ KILL_AFTER_SAVE = """
 import os, signal, sys
 
 if __name__ == "__main__":
-    from megatron_grpo.trainer import loop
+    from megatron_grpo.trainer.checkpointer import Checkpointer
 
-    real = loop.GRPOTrainer.save
+    real = Checkpointer.save
 
-    def save(self, step):
-        real(self, step)
-        if step == int(os.environ["KILL_AFTER"]) and self.ctx.rank == 0:
+    def save(self, state):
+        real(self, state)
+        if state.step == int(os.environ["KILL_AFTER"]) and self.ctx.rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    loop.GRPOTrainer.save = save
+    Checkpointer.save = save
     from megatron_grpo.cli.main import main
 
     sys.exit(main(sys.argv[1:]))

@@ -8,7 +8,7 @@ trainer's collective call sites and the raw yardstick obey it.
   completes under it. The bridge transport's own tests run under it too
   (``tests/test_transport.py``, ``p2p_rules`` fixture).
 - Devices: with the groups created as the GPU run creates them, every collective the
-  trainer issues on CPU tensors (``_stop_agreed``, ``compute_global_normalizers``,
+  trainer issues on CPU tensors (``Preemption.agreed``, ``compute_global_normalizers``,
   ``_dp_logprobs``) must be served. Under the old rule (every group ``nccl``) each of them
   raises, which is what a first multi-rank GPU run hit.
 """
@@ -108,18 +108,19 @@ def _call_sites(rank: int, world: int) -> dict:
     from megatron_grpo.algorithms.aggregation import compute_global_normalizers
     from megatron_grpo.config.schema import ParallelConfig
     from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.trainer.checkpointer import Preemption
     from megatron_grpo.trainer.loop import GRPOTrainer
     from tests.nccl_rules import NcclRuleError
 
     ctx = init_distributed(ParallelConfig(tp=1, pp=1, backend="gloo"))
     trainer = SimpleNamespace(
-        ctx=ctx,
-        stop_requested=rank == 1,
-        cfg=SimpleNamespace(grpo=SimpleNamespace(micro_batch_size=2)),
+        ctx=ctx, cfg=SimpleNamespace(grpo=SimpleNamespace(micro_batch_size=2))
     )
+    preemption = Preemption()  # this rank process's own signal handlers
+    preemption.requested = rank == 1
     batch = {"input_ids": torch.arange(12).view(4, 3), "loss_mask": torch.ones(4, 3)}
     sites = {
-        "_stop_agreed": lambda: GRPOTrainer._stop_agreed(trainer),
+        "Preemption.agreed": lambda: preemption.agreed(ctx),
         "compute_global_normalizers": lambda: compute_global_normalizers(
             torch.ones(2, 3), group=ctx.dp_group
         ),
@@ -149,7 +150,7 @@ def test_trainer_collectives_are_served_by_their_groups(rule, monkeypatch):
                 assert status == "refused" and "cpu tensor" in msg, (name, msg)
             continue
         assert all(status == "ok" for status, _ in r.values()), r
-        assert r["_stop_agreed"][1] is True  # rank 1 asked to stop: both agree
+        assert r["Preemption.agreed"][1] is True  # rank 1 asked to stop: both agree
         norm = r["compute_global_normalizers"][1]
         assert float(norm["global_num_tokens"]) == 12 and float(norm["global_num_seqs"]) == 4
         full = torch.arange(12).view(4, 3).float() * 0.5  # each DP rank's rows, gathered

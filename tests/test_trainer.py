@@ -114,7 +114,7 @@ def test_world_that_does_not_fit_is_one_clear_line_before_the_warm_start(tmp_pat
                     timeout=200)  # fmt: skip
     assert rc == 2
     assert out.strip().splitlines()[-1].startswith("error: rollout.tp(4) does not divide "
-                                                   "WORLD_SIZE(2)")  # fmt: skip
+                                                   "the world size 2")  # fmt: skip
     assert "Traceback" not in out and not (tmp_path / "r" / "hf_model").exists()
 
 

@@ -13,7 +13,7 @@ from megatron_grpo.config import ConfigError
 def exit_on_user_error():
     """Turn configuration and input errors into ``error: <message>`` and exit code 2."""
     from megatron_grpo.models.spec import UnsupportedModelError
-    from megatron_grpo.trainer.loop import RolloutFailure
+    from megatron_grpo.rollout.interface import RolloutFailure
 
     try:
         yield

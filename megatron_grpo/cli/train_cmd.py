@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             capture(Path(cfg.run_dir) / LOG_FILE, int(os.environ.get("RANK", "0")))
             if int(os.environ.get("RANK", "0")) == 0:
                 say(f"library output goes to {Path(cfg.run_dir) / LOG_FILE} (--verbose shows it)")
-        from megatron_grpo.trainer.loop import train
+        from megatron_grpo.trainer.build import train
 
         train(cfg, resume=args.resume)
     return 0

@@ -50,6 +50,12 @@ def say(msg: str) -> None:
         print(f"[megatron-grpo] {msg}", flush=True)
 
 
+def say_rank0(ctx, msg: str) -> None:
+    """``say`` on rank 0 of ``ctx`` (a ``ParallelContext``) only."""
+    if ctx.rank == 0:
+        say(msg)
+
+
 def capture(path: str | os.PathLike, rank: int) -> None:
     """Send fd 1/2 of this process and its future children to ``path``, rank-prefixed."""
     global _out, _err, _pump, _log_path

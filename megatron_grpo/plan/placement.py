@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_grpo.config import Config
 from megatron_grpo.config.schema import ConfigError, RolloutConfig
+from megatron_grpo.distributed.setup import validate_parallel
 
 
 @dataclass(frozen=True)
@@ -55,3 +57,37 @@ def place_ranks(rollout: RolloutConfig, world_size: int) -> RankPlacement:
     rollout_ranks = list(range(first, world_size))
     engines = [rollout_ranks[e * tp : (e + 1) * tp] for e in range(rollout.num_engines)]
     return RankPlacement("disaggregated", world_size, list(range(first)), rollout_ranks, engines)
+
+
+def validate_world(cfg: Config, world_size: int) -> int:
+    """The run's layout against the world size, before anything is built; returns the
+    number of vLLM engines. The one place the world is checked: the trainer's parallel
+    layout (colocated: every rank trains), the engines' placement (``place_ranks``), what
+    a placement cannot do, and the prompts' split over the engines."""
+    if cfg.rollout.placement == "colocated":
+        validate_parallel(cfg.parallel, world_size)  # now, not after the warm start
+    engines = len(place_ranks(cfg.rollout, world_size).engines)
+    if cfg.rollout.placement == "disaggregated":
+        if cfg.sync.method != "direct":
+            raise ConfigError(
+                f"sync.method={cfg.sync.method!r} gathers full tensors into in-process vLLM "
+                "ranks (colocated only): set sync.method=direct with rollout.placement="
+                "disaggregated."
+            )
+        if cfg.sync.verify:
+            raise ConfigError(
+                "sync.verify=true reads vLLM's checksums and prompt log-probs in process "
+                "(colocated only): set sync.verify=false with rollout.placement=disaggregated."
+            )
+        source = f"rollout.num_engines({engines})"
+    else:
+        source = (
+            f"the {engines} colocated vLLM engines (WORLD_SIZE {world_size} / rollout.tp "
+            f"{cfg.rollout.tp})"
+        )
+    if cfg.grpo.prompts_per_step % engines:
+        raise ConfigError(
+            f"grpo.prompts_per_step({cfg.grpo.prompts_per_step}) is not a multiple of {source}: "
+            f"make it a multiple of {engines}."
+        )
+    return engines

@@ -21,6 +21,7 @@ Where calls run:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -68,6 +69,9 @@ class RewardFn:
         self.total_errors = 0
         self.total_timeouts = 0
         self._logged: set[str] = set()
+        # The loop scores batches from its arrivals thread while validation may score on the
+        # main thread: one call at a time (the pool and the counters are shared).
+        self._lock = threading.Lock()
 
     def _run_inprocess(self, args: list[tuple[str, str, str]]) -> list[Outcome]:
         out = []
@@ -94,6 +98,10 @@ class RewardFn:
                 f"responses, {len(answers)} answers; pass one answer per response."
             )
         args = [(str(p), str(r), str(a)) for p, r, a in zip(prompts, responses, answers)]
+        with self._lock:
+            return self._score(args)
+
+    def _score(self, args: list[tuple[str, str, str]]) -> tuple[list[float], dict[str, float]]:
         if self._pool is not None:
             outcomes = self._pool.map(args)
         else:

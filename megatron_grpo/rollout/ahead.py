@@ -7,12 +7,13 @@ needs its batch and none is buffered, the batches of steps ``window_steps(s, a, 
 
 - prompts are drawn from the data stream in step order, exactly as the serial loop draws
   them, and each step keeps its own sampling seed ``rollout.seed + 7919 * step``;
-- **colocated**: one vLLM ``generate`` call carries all those steps' prompts, each request
-  with the seed its own step's call would give it (``RolloutEngine.generate(seeds=...)``);
+- **colocated** (``rollout.colocated.ColocatedRollout.launch``): one vLLM ``generate`` call
+  carries all those steps' prompts, each request with the seed its own step's call would
+  give it (``RolloutEngine.generate(seeds=...)``);
   vLLM then runs one large batch instead of a+1 small ones. On CPU vLLM is not
   batch-invariant, so a response can differ from the serial schedule's (docs/rollout.md);
-- **disaggregated**: the steps' generate commands are queued back to back on the engines
-  (``RolloutClient.submit``) and the trainer collects step s+j's samples when it asks for
+- **disaggregated** (``rollout.server.RolloutClient.launch``): the steps' generate commands
+  are queued back to back on the engines and the trainer collects step s+j's samples when it asks for
   them, so the engines generate while the trainer trains. Each step is its own vLLM call
   with its own seed: the samples are those of the serial schedule, bit for bit.
 
@@ -22,14 +23,17 @@ the middle of a window draws and regenerates what had been buffered.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 
 def step_seed(rollout_seed: int, step: int) -> int:
-    """Sampling seed of trainer step ``step``'s batch (the serial loop's, trainer/loop.py)."""
+    """Sampling seed of trainer step ``step``'s batch."""
     return rollout_seed + 7919 * step
 
 
@@ -49,34 +53,49 @@ def window_steps(step: int, ahead: int, interval: int, total_steps: int) -> list
     return list(range(step, min(step + ahead, next_sync, total_steps) + 1))
 
 
-def engine_slice(num_prompts: int, engines: int, e: int) -> slice:
-    """Engine ``e``'s share of a step's prompts (``trainer.loop.generate_on_engines``)."""
-    return slice(e * num_prompts // engines, (e + 1) * num_prompts // engines)
-
-
 @dataclass
 class _Buffered:
     step: int
     prompts: list
     data_state_before: dict
-    samples: Callable[[], list]
-    """Returns the step's samples (all engines', prompt-major); may block (disaggregated)."""
+    samples: Future = field(default_factory=Future)
+    """The step's samples where this rank receives them (all engines', prompt-major)."""
+    scores: Future = field(default_factory=Future)
+    """``score(prompts, samples)`` of them, computed as soon as they arrive."""
 
 
-Launch = Callable[[list[tuple[list, int]]], list[Callable[[], list]]]
+Launch = Callable[[list[tuple[list, int]]], list[Callable[[], list | None]]]
 """``launch([(prompt_ids, seed) per step])`` starts the steps' generation and returns one
-thunk per step that yields its samples."""
+thunk per step that yields its samples (``Rollout.launch``): local, no collective, so a
+background thread may call it; None on a rank that does not receive them."""
+
+
+def _call(fn: Callable[[], Any]) -> Any:
+    return fn()
 
 
 class AheadRollout:
-    """The prefetch buffer of one sync window; the loop's ``rollout(step)`` calls ``take``."""
+    """The loop's source of each step's batch (``take``) and its rewards (``take_scores``):
+    the prefetch buffer of one sync window. ``ahead=0`` generates one step at a time,
+    Algorithm 1's serial schedule.
+
+    ``launch``: the rollout interface's ``launch`` with the run's sampling settings bound;
+    ``score(prompts, samples) -> (rewards, info)`` (``rewards.scoring.GroupScorer``); a
+    background thread collects each step's samples in order as they arrive and scores them
+    at once, so a step's rewards are usually ready before the trainer asks (off its
+    critical path). ``share(fn)``: ``fn()``'s result on every trainer rank, evaluated where
+    the samples arrive (``Rollout.share``; collective, so called on the loop's thread only)."""
 
     def __init__(self, prompts: Any, prompts_per_step: int, ahead: int, interval: int,
-                 total_steps: int, rollout_seed: int, launch: Launch) -> None:  # fmt: skip
-        self.prompts, self.launch = prompts, launch
+                 total_steps: int, rollout_seed: int, launch: Launch,
+                 score: Callable[[list, list], Any] | None = None,
+                 share: Callable[[Callable[[], Any]], Any] = _call) -> None:  # fmt: skip
+        self.prompts, self.launch, self.score, self.share = prompts, launch, score, share
         self.prompts_per_step, self.ahead = prompts_per_step, ahead
         self.interval, self.total_steps, self.rollout_seed = interval, total_steps, rollout_seed
         self._buffer: deque[_Buffered] = deque()
+        self._taken: _Buffered | None = None
+        self._arrivals: queue.SimpleQueue | None = None
 
     def take(self, step: int) -> tuple[list, list]:
         """Step ``step``'s ``(prompts, samples)``; generates the window ahead when empty."""
@@ -88,9 +107,15 @@ class AheadRollout:
                 f"rollout.ahead: the trainer asked for step {step}'s batch but step "
                 f"{head.step}'s is next in the buffer; steps must be consumed in order."
             )
-        samples = head.samples()
+        samples = self.share(head.samples.result)
         self._buffer.popleft()
+        self._taken = head
         return head.prompts, samples
+
+    def take_scores(self) -> Any:
+        """The rewards ``score`` gave the batch ``take`` returned last (waits for them)."""
+        assert self._taken is not None, "take_scores before take"
+        return self.share(self._taken.scores.result)
 
     def data_state(self) -> dict:
         """The data position after the consumed steps (what a checkpoint must save)."""
@@ -107,60 +132,34 @@ class AheadRollout:
         thunks = self.launch(
             [([p.prompt_ids for p in ps], step_seed(self.rollout_seed, s)) for s, ps, _ in drawn]
         )
-        for (s, ps, before), thunk in zip(drawn, thunks, strict=True):
-            self._buffer.append(_Buffered(s, ps, before, thunk))
+        window = [_Buffered(s, ps, before) for s, ps, before in drawn]
+        self._buffer.extend(window)
+        if self._arrivals is None:
+            # One thread for the run, not one per window: a reward worker it replaces has a
+            # parent-death signal tied to the thread that started it (platform/lifetime.py).
+            self._arrivals = queue.SimpleQueue()
+            threading.Thread(target=self._arrivals_thread, name="rollout-arrivals",
+                             daemon=True).start()  # fmt: skip
+        self._arrivals.put((window, thunks))
 
+    def _arrivals_thread(self) -> None:
+        while True:
+            self._arrive(*self._arrivals.get())
 
-def colocated_launch(engine: Any, ctx: Any, rollout_tp: int, sampling: dict) -> Launch:
-    """One ``generate`` call for all steps on every colocated engine: engine ``e`` samples its
-    share of each step's prompts, each request seeded as the step's own call would seed it
-    (``seed + i*n`` for its i-th prompt); the shares are gathered on every rank."""
-    import torch.distributed as dist
-
-    n = sampling["n"]
-
-    def launch(steps: list[tuple[list, int]]) -> list[Callable[[], list]]:
-        engines = ctx.world_size // rollout_tp
-        e = ctx.rank // rollout_tp
-        ids: list = []
-        seeds: list[int] = []
-        for prompt_ids, seed in steps:
-            mine = prompt_ids[engine_slice(len(prompt_ids), engines, e)]
-            ids += mine
-            seeds += [seed + i * n for i in range(len(mine))]
-        samples = engine.generate(ids, seeds=seeds, **sampling)
-        everyone: list = [samples]
-        if ctx.world_size > 1:
-            everyone = [None] * ctx.world_size
-            dist.all_gather_object(everyone, samples)
-        per_step: list[list] = [[] for _ in steps]
-        for k in range(engines):
-            theirs, at = everyone[k * rollout_tp], 0
-            for j, (prompt_ids, _) in enumerate(steps):
-                sl = engine_slice(len(prompt_ids), engines, k)
-                count = (sl.stop - sl.start) * n
-                per_step[j].append(theirs[at : at + count])
-                at += count
-        # prompt-major over the whole step: engine 0's share, then engine 1's, ...
-        return [_ready([s for part in parts for s in part]) for parts in per_step]
-
-    return launch
-
-
-def queued_launch(client: Any, sampling: dict) -> Launch:
-    """Disaggregated: queue one generate command per step on the engines (they run them back
-    to back, rollout/server.py) and collect each step's samples when the trainer asks."""
-
-    def launch(steps: list[tuple[list, int]]) -> list[Callable[[], list]]:
-        tickets = [client.submit(ids, seed=seed, **sampling) for ids, seed in steps]
-        return [_collector(client, t) for t in tickets]
-
-    return launch
-
-
-def _ready(samples: Sequence) -> Callable[[], list]:
-    return lambda: list(samples)
-
-
-def _collector(client: Any, ticket: Any) -> Callable[[], list]:
-    return lambda: client.collect(ticket)
+    def _arrive(self, window: list[_Buffered], thunks: list[Callable[[], Any]]) -> None:
+        """In step order: wait for a step's samples, publish them, score them."""
+        for entry, thunk in zip(window, thunks, strict=True):
+            try:
+                samples = thunk()
+            except BaseException as e:  # noqa: BLE001 - raised in the loop by take()
+                for rest in window[window.index(entry) :]:
+                    rest.samples.set_exception(e)
+                    rest.scores.set_exception(e)
+                return
+            entry.samples.set_result(samples)
+            try:
+                scored = None if samples is None or self.score is None else (
+                    self.score(entry.prompts, samples))  # fmt: skip
+                entry.scores.set_result(scored)
+            except BaseException as e:  # noqa: BLE001 - raised in the loop by take_scores()
+                entry.scores.set_exception(e)

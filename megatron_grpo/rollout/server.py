@@ -306,7 +306,8 @@ def _run(engine: Any, cmd: dict[str, Any], e: int) -> Any:
 
 # ------------------------------------------------------------------------------ client
 class RolloutClient:
-    """The trainer ranks' handle on the disaggregated engines (``generate``, ``shutdown``).
+    """The trainer ranks' handle on the disaggregated engines, behind the rollout interface
+    (``rollout.interface.Rollout``: ``launch``, ``generate``, ``shutdown``).
 
     Trainer rank 0 talks to the drivers; every trainer rank gets the same results.
     """
@@ -375,7 +376,7 @@ class RolloutClient:
 
     def generate(self, prompt_ids: list, **sampling: Any) -> list:
         """All prompts' samples, prompt-major: engine e samples prompts
-        ``[e*P//E, (e+1)*P//E)``, as colocated engines do (``generate_on_engines``)."""
+        ``[e*P//E, (e+1)*P//E)``, as colocated engines do (``rollout.colocated``)."""
 
         def run() -> list:
             seq = self._post("generate", prompts=[list(p) for p in prompt_ids],
@@ -396,6 +397,25 @@ class RolloutClient:
     def collect(self, ticket: int | None) -> list:
         """The samples of a ``submit``ted generate, on every trainer rank (blocks until done)."""
         return self._shared(lambda: [s for part in self._collect(ticket, "generate") for s in part])
+
+    def launch(self, steps: list[tuple[list, int]], **sampling: Any) -> list:
+        """Queue one generate per step (``[(prompt_ids, seed)]``) on the engines, which run
+        them back to back while the trainer trains; returns one thunk per step that collects
+        its samples (rollout.ahead). Each step is its own vLLM call with its own seed, so
+        the samples are the serial schedule's, bit for bit."""
+        tickets = [self.submit(ids, seed=seed, **sampling) for ids, seed in steps]
+        return [(lambda t=t: self._receive(t)) for t in tickets]
+
+    def _receive(self, ticket: int | None) -> list | None:
+        """A launched step's samples on trainer rank 0 (None elsewhere): the control channel
+        only, no collective, so the arrivals thread may wait here (rollout/ahead.py)."""
+        if self.ch is None:
+            return None
+        return [s for part in self._collect(ticket, "generate") for s in part]
+
+    def share(self, fn: Any) -> Any:
+        """``fn()`` on trainer rank 0, its result (or its error) on every trainer rank."""
+        return self._shared(fn)
 
     def init_transfer(self, inputs: Any, backend: str, timeout_s: float) -> Any:
         """Build the transfer group (trainer ranks + every engine worker); returns it."""

@@ -18,11 +18,11 @@ Model sources (:func:`resolve_model`):
 For Megatron checkpoints vLLM starts from dummy weights (``load_format="dummy"``): every
 value it generates with came through the bridge.
 
-Placement: colocated, as in training (``trainer.loop.build_rollout``): every rank is a
+Placement: colocated, as in training (``rollout.colocated.build_colocated``): every rank is a
 Megatron rank hosting one vLLM TP rank; ``world = lcm(tp*pp, rollout_tp)`` spawned ranks
 (Megatron DP fills the world), one process when that is 1, or the torchrun world when
 ``WORLD_SIZE`` is set. Engine ``e`` samples its contiguous share of the prompts
-(``trainer.loop.generate_on_engines``).
+(``rollout.colocated``).
 
 Dump (``--dump F``, a public contract): per response ``prompt``, ``prompt_token_ids``,
 ``response_token_ids``, ``logprobs`` (vLLM's processed log-probs of the sampled tokens: the
@@ -308,14 +308,14 @@ def eval_rank(rank: int, world: int, s: EvalSettings) -> dict[str, Any] | None:
     from megatron_grpo.layouts.io import load_hf_into_megatron
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.policy.policy import build_policy
-    from megatron_grpo.trainer.loop import build_rollout, generate_on_engines
+    from megatron_grpo.rollout.colocated import build_colocated
 
     if s.threads:
         torch.set_num_threads(s.threads)
     cfg, src = s.cfg, s.source
     spec = load_spec(src.hf_dir)
     ctx = init_distributed(cfg.parallel, spec, seed=cfg.seed)
-    engine = None
+    rollout = None
     try:
         init = None
         if src.kind == "hf":
@@ -328,11 +328,11 @@ def eval_rank(rank: int, world: int, s: EvalSettings) -> dict[str, Any] | None:
         if src.kind != "hf":
             load_megatron_weights(policy, src)
             engine_kwargs["load_format"] = "dummy"  # every weight arrives through the bridge
-        engine, weight_sync = build_rollout(src.hf_dir, spec, ctx, cfg, policy, **engine_kwargs)
+        rollout, weight_sync = build_colocated(src.hf_dir, spec, ctx, cfg, policy, **engine_kwargs)
         report = weight_sync.sync(policy)
         r = cfg.rollout
-        samples = generate_on_engines(
-            engine, ctx, r.tp, s.prompt_ids, n=s.samples,
+        samples = rollout.generate(
+            s.prompt_ids, n=s.samples,
             temperature=0.0 if s.greedy else r.temperature, top_p=1.0 if s.greedy else r.top_p,
             top_k=-1 if s.greedy else r.top_k, max_new_tokens=r.max_new_tokens, seed=r.seed,
             stop_token_ids=[s.eos_token_id] if s.eos_token_id is not None else None,
@@ -341,8 +341,8 @@ def eval_rank(rank: int, world: int, s: EvalSettings) -> dict[str, Any] | None:
         policy_lp = _policy_logprobs(policy, samples, cfg.grpo.micro_batch_size) if (
             s.policy_logprobs) else None  # fmt: skip
     finally:
-        if engine is not None:
-            engine.shutdown()
+        if rollout is not None:
+            rollout.shutdown()
         destroy_distributed()
     if rank != 0:
         return None

@@ -1,19 +1,22 @@
 """The colocated memory dance: one GPU shared by the trainer and its vLLM rank, in turns.
 
-Per step, in the loop's order (``GRPOTrainer.run``; the field's recipe, DESIGN.md §6):
+In the loop's order (``GRPOTrainer.run``; the field's recipe, DESIGN.md §6):
 
     before_generate  trainer weights leave (rollout.trainer_offload=all), empty_cache,
-                     vLLM's KV cache comes back        (wake_up(tags=["kv_cache"]))
-    -- vLLM generates --
+                     vLLM's weights and KV cache come back (wake_up(tags=[...]))
+    -- vLLM generates: one step's batch, or the sync window's with rollout.ahead --
     after_generate   vLLM sleeps (rollout.sleep_level: 1 offloads its weights to CPU and
                      drops the KV cache, 2 drops both), empty_cache, the trainer's weights,
                      optimizer state and gradient buffers come back
-    -- reward, log-probs, the i SGD iterations --
-    before_sync      optimizer state + gradient buffers leave (rollout.trainer_offload),
-                     empty_cache, vLLM's weights come back (wake_up(tags=["weights"])), so
-                     the sync (when k % v == 0) writes into live weights
-    -- sync, reference reset, checkpoint (``trainer_resident`` brings the state back for
-       the save), log --
+    -- reward, log-probs, the i SGD iterations (of each step of the window) --
+    before_sync      (when k % v == 0) optimizer state + gradient buffers leave
+                     (rollout.trainer_offload), empty_cache, vLLM's weights come back
+                     (wake_up(tags=["weights"])), so the sync writes into live weights
+    -- sync, reference reset, log, checkpoint (``trainer_resident`` brings the state back
+       for the save) --
+
+So vLLM wakes once per generate call (``trainer.build.batch_source``): with
+``rollout.ahead = v-1`` once per sync window.
 
 vLLM's sleep mode is CUDA-only (vllm/device_allocator/cumem.py): on CPU, and for
 disaggregated engines (their own GPUs), every vLLM call and every offload is skipped, and

@@ -19,8 +19,8 @@ def check_run(cfg: Config, world_size: int) -> int:
     """Raise ConfigError for a run that cannot start; return the number of vLLM engines."""
     from megatron_grpo.data import build_prompt_source
     from megatron_grpo.models.prepare import check_model_path
+    from megatron_grpo.plan.placement import validate_world
     from megatron_grpo.rewards import check_reward
-    from megatron_grpo.trainer.loop import validate_world
 
     engines = validate_world(cfg, world_size)
     check_model_path(cfg)

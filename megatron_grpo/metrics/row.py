@@ -1,0 +1,77 @@
+"""One step's ``StepMetrics`` row, built from what the loop's phases returned.
+
+The loop hands over plain results (rewards, the advantage result, the train steps'
+metric dicts, the sync report, the phase times) and this module decides what each
+metrics.jsonl field means: means over the optimizer steps, the sync's breakdown and
+verification fields, the pass rate from the task scores (docs/metrics.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from megatron_grpo.metrics.schema import StepMetrics
+
+_TRAIN_EXTRAS = ("ratio_mean", "ratio_min", "ratio_max", "pg_loss", "approx_kl")
+
+
+def step_row(
+    step: int,
+    version: int,
+    rewards: torch.Tensor,
+    reward_info: Mapping[str, Any],
+    samples: Sequence[Any],
+    adv: Any,
+    train: Sequence[Mapping[str, Any]],
+    sync_report: Any,
+    times: Mapping[str, float],
+    t_step: float,
+    *,
+    sync_verify: Mapping[str, Any] | None = None,
+    eval_metrics: Mapping[str, Any] | None = None,
+    gpu_memory: Any = None,
+) -> StepMetrics:
+    """Step ``step``'s row. ``version``: the policy version that sampled its batch; ``adv``:
+    ``algorithms.advantages``' result (``keep``, ``metrics``); ``train``: one dict per
+    optimizer step (``policy.train_step``); ``sync_report``: the bridge's ``SyncReport``
+    when the step synced, else None; ``times``: ``PhaseTimer.times()``."""
+
+    def mean(key: str) -> float | None:
+        vals = [m[key] for m in train if key in m]
+        return sum(vals) / len(vals) if vals else None
+
+    lengths = [len(s.response_ids) for s in samples]
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    task_scores = reward_info["task_scores"]
+    extra = {k: v for k, v in reward_info.items() if k not in ("reward_mean", "task_scores")}
+    extra.update({f"adv_{k}": v for k, v in adv.metrics.items()})
+    extra.update(eval_metrics or {})  # validation of this step (eval.interval), if any
+    if "time_eval" in times:
+        extra["time_eval"] = times["time_eval"]
+    extra.update({k: mean(k) for k in _TRAIN_EXTRAS if mean(k) is not None})
+    if sync_report is not None:
+        extra.update(sync_seconds=sync_report.seconds, sync_minimal_bytes=sync_report.minimal_bytes,
+                     sync_wire_bytes=sync_report.wire_bytes)  # fmt: skip
+        extra.update({f"sync_{k}_s": v for k, v in sync_report.breakdown.items()})
+        extra.update(sync_verify or {})  # sync.verify
+    return StepMetrics(
+        step=step,
+        reward_mean=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
+        pass_rate=sum(t >= 1.0 for t in task_scores) / len(task_scores),
+        synced=sync_report is not None, policy_version=version, lag=step - 1 - version,
+        sync_bytes=sync_report.bytes if sync_report is not None else 0,
+        time_rollout=times.get("time_rollout"), time_reward=times.get("time_reward"),
+        time_logprobs=times.get("time_logprobs"), time_train=times.get("time_train"),
+        time_sync=times.get("time_sync", 0.0), time_step=t_step,
+        response_len_mean=sum(lengths) / len(lengths), response_len_max=max(lengths),
+        clip_frac_low=mean("clip_frac_low"), clip_frac_high=mean("clip_frac_high"),
+        kl=mean("kl_ref"), entropy=mean("entropy"),
+        masked_frac=float((~adv.keep).float().mean()), tokens_per_s=tokens / t_step,
+        loss=mean("loss"), grad_norm=train[-1]["grad_norm"] if train else None,
+        lr=train[-1]["lr"] if train else None,
+        skipped_nan=any(m.get("skipped") for m in train),
+        gpu_memory=gpu_memory, extra=extra,
+    )  # fmt: skip

@@ -1,0 +1,82 @@
+"""Colocated placement: every trainer rank hosts one TP rank of a vLLM engine in-process.
+
+Engine ``e`` is global ranks ``[e*t, (e+1)*t)`` for rollout TP ``t`` (vLLM's
+``external_launcher``). A step's P prompts are split in contiguous shares, engine ``e``
+sampling prompts ``[e*P//E, (e+1)*P//E)`` (``engine_slice``), and the shares are gathered
+on every rank, prompt-major, so every rank holds the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_grpo.bridge.weight_sync import WeightSync
+from megatron_grpo.rollout.engine import RolloutEngine
+
+
+def engine_slice(num_prompts: int, engines: int, e: int) -> slice:
+    """Engine ``e``'s share of a step's prompts."""
+    return slice(e * num_prompts // engines, (e + 1) * num_prompts // engines)
+
+
+class ColocatedRollout:
+    """The in-process engines behind the rollout interface (``rollout.interface.Rollout``)."""
+
+    def __init__(self, engine: Any, ctx: Any, rollout_tp: int) -> None:
+        self.engine, self.ctx, self.rollout_tp = engine, ctx, rollout_tp
+
+    def launch(self, steps: list[tuple[list, int]], **sampling: Any) -> list[Callable[[], list]]:
+        """One ``generate`` call for all ``steps`` (``[(prompt_ids, seed)]``) on every
+        engine: engine ``e`` samples its share of each step's prompts, each request seeded
+        as the step's own call would seed it (``seed + i*n`` for its i-th prompt); the shares
+        are gathered on every rank. Returns one thunk per step yielding its samples."""
+        ctx, tp, n = self.ctx, self.rollout_tp, sampling["n"]
+        engines, e = ctx.world_size // tp, ctx.rank // tp
+        ids: list = []
+        seeds: list[int] = []
+        for prompt_ids, seed in steps:
+            mine = prompt_ids[engine_slice(len(prompt_ids), engines, e)]
+            ids += mine
+            seeds += [seed + i * n for i in range(len(mine))]
+        samples = self.engine.generate(ids, seeds=seeds, **sampling)
+        everyone: list = [samples]
+        if ctx.world_size > 1:
+            everyone = [None] * ctx.world_size
+            dist.all_gather_object(everyone, samples)
+        per_step: list[list] = [[] for _ in steps]
+        for k in range(engines):
+            theirs, at = everyone[k * tp], 0
+            for j, (prompt_ids, _) in enumerate(steps):
+                sl = engine_slice(len(prompt_ids), engines, k)
+                count = (sl.stop - sl.start) * n
+                per_step[j] += theirs[at : at + count]
+                at += count
+        # prompt-major over the whole step: engine 0's share, then engine 1's, ...
+        return [(lambda s=s: list(s)) for s in per_step]
+
+    @staticmethod
+    def share(fn: Callable[[], Any]) -> Any:
+        """Every rank holds every sample (gathered in ``launch``): ``fn()`` here."""
+        return fn()
+
+    def generate(self, prompt_ids: list, seed: int, **sampling: Any) -> list:
+        """All prompts' samples, prompt-major, on every rank (one step's ``launch``)."""
+        return self.launch([(prompt_ids, seed)], **sampling)[0]()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def build_colocated(hf_dir, spec, ctx, cfg, policy, **engine_kwargs) -> tuple[ColocatedRollout, WeightSync]:  # fmt: skip
+    """This rank's vLLM engine (serving ``hf_dir``; ``engine_kwargs`` go to
+    ``RolloutEngine``) and the resharding bridge that feeds it ``policy``'s shards. Shared
+    by training and ``megatron-grpo eval`` (trainer/evaluate.py)."""
+    engine = RolloutEngine.from_config(hf_dir, cfg.rollout, **engine_kwargs)
+    sender = WeightSync(
+        spec, ctx, dict(policy.named_shards()), engine, cfg.sync, cfg.rollout.tp,
+        policy.vocab_per_rank * ctx.tp,
+    )  # fmt: skip
+    return ColocatedRollout(engine, ctx, cfg.rollout.tp), sender

@@ -1,0 +1,53 @@
+"""One rollout interface for both placements, chosen once when the run is built.
+
+The trainer sees ``Rollout`` and a weight sender, never the placement:
+
+- ``colocated`` (``rollout.colocated.ColocatedRollout``): each trainer rank hosts a TP rank
+  of an in-process vLLM engine; the sender writes into it (``bridge.weight_sync``);
+- ``disaggregated`` (``rollout.server.RolloutClient``): the last ranks of the world serve
+  standalone engines; the sender runs the same plan over a transfer group
+  (``bridge.remote_sync``) and the control messages start and end each update.
+
+Both split a step's prompts over the engines the same way and return every sample on every
+trainer rank, prompt-major. ``launch`` starts several steps' generation at once (the sync
+window's, ``rollout.ahead``); ``generate`` is one step's, waited for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from megatron_grpo.config import Config
+from megatron_grpo.rollout.colocated import build_colocated
+from megatron_grpo.rollout.server import connect_rollout
+
+
+class Rollout(Protocol):
+    def launch(self, steps: list[tuple[list, int]], **sampling: Any) -> list[Callable[[], list | None]]:  # fmt: skip
+        """Start generating ``[(prompt_ids, seed)]`` per step; one thunk per step returns
+        that step's samples, blocking until they are there, on the ranks where they arrive
+        (None elsewhere). Thunks run no collective: a background thread may call them."""
+
+    def share(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` evaluated where ``launch``'s samples arrive, its result (or its error) on
+        every trainer rank (collective)."""
+
+    def generate(self, prompt_ids: list, seed: int, **sampling: Any) -> list:
+        """One batch's samples, prompt-major, on every trainer rank."""
+
+    def shutdown(self) -> None:
+        """Stop the engines (idempotent)."""
+
+
+class RolloutFailure(RuntimeError):
+    """The vLLM engine failed during a rollout; the message names the last checkpoint."""
+
+
+def build_rollout(cfg: Config, world: Any, ctx: Any, hf_dir: Any, policy: Any) -> tuple[Rollout, Any]:  # fmt: skip
+    """The run's engines and the weight sender that feeds them ``policy``'s shards:
+    colocated when ``world`` is None, else this trainer rank's handle on the disaggregated
+    world (``rollout.server.DisaggregatedWorld``)."""
+    if world is None:
+        return build_colocated(hf_dir, policy.spec, ctx, cfg, policy)
+    return connect_rollout(cfg, world, ctx, hf_dir, policy)

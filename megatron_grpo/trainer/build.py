@@ -1,0 +1,155 @@
+"""Build a run's parts once, in the order that fails cheapest first, and run it.
+
+``build_trainer``: checks (``trainer.preflight``) -> model directory -> process groups ->
+policy (+ pi_ref, + the served copy for exact resume) -> engines and weight sender
+(``rollout.interface``) -> data, rewards, losses -> resume or the initial sync -> metrics.
+``train``: build, ``GRPOTrainer.run``, tear down (every process started here is stopped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from functools import partial
+from typing import Any
+
+from megatron_grpo.algorithms.advantages import build_advantage_fn
+from megatron_grpo.algorithms.aggregation import make_loss_fn
+from megatron_grpo.config import Config, format_config, save_config
+from megatron_grpo.data import build_prompt_source
+from megatron_grpo.distributed import destroy_distributed, init_distributed
+from megatron_grpo.layouts.io import load_hf_into_megatron
+from megatron_grpo.metrics import MetricsLogger, PhaseTimer
+from megatron_grpo.metrics.console import console_err, say_rank0
+from megatron_grpo.models.prepare import prepare_model_dir
+from megatron_grpo.models.spec import load_spec
+from megatron_grpo.plan.placement import validate_world
+from megatron_grpo.policy.policy import build_policy
+from megatron_grpo.rewards import build_reward
+from megatron_grpo.rewards.scoring import GroupScorer
+from megatron_grpo.rollout.ahead import AheadRollout
+from megatron_grpo.rollout.interface import build_rollout
+from megatron_grpo.trainer.checkpointer import Checkpointer, Preemption
+from megatron_grpo.trainer.loop import GRPOTrainer
+from megatron_grpo.trainer.memory import ColocatedMemory
+from megatron_grpo.trainer.preflight import check_run
+from megatron_grpo.trainer.validation import Validator
+
+
+def build_trainer(cfg: Config, resume: bool = False, world: Any = None) -> GRPOTrainer:
+    """``world``: this trainer rank's ``rollout.server.DisaggregatedWorld`` when
+    ``rollout.placement=disaggregated`` (None: colocated)."""
+    preemption = Preemption()  # first: a signal during start-up must not kill the process
+    from transformers import AutoTokenizer  # heavy
+
+    rank = int(os.environ.get("RANK", "0"))
+    # Layout, reward and data checks: one line now, not after the warm start or vLLM.
+    num_engines = check_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    hf_dir = prepare_model_dir(cfg, rank, cfg.parallel.timeout_s)
+    spec = load_spec(hf_dir)
+    sub_world = world.trainer_world() if world is not None else {}  # the trainer ranks only
+    ctx = init_distributed(cfg.parallel, spec, seed=cfg.seed, **sub_world)
+    if ctx.rank == 0:
+        print(format_config(cfg), flush=True)
+    say_rank0(ctx, f"model {hf_dir} ({spec.family}, {spec.num_parameters:,} params); "
+              f"world {ctx.world_size}: tp={ctx.tp} pp={ctx.pp} dp={ctx.dp}, {num_engines} "
+              f"vLLM engine(s) of tp={cfg.rollout.tp}, v={cfg.sync.interval}")  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    g = cfg.grpo
+    batch = g.prompts_per_step * g.group_size
+    optimizer_steps = cfg.steps * g.sgd_iterations * (batch // (g.mini_batch_size or batch))
+    policy = build_policy(
+        spec, ctx, cfg.model, cfg.optim,
+        init_weights=partial(load_hf_into_megatron, hf_dir=hf_dir, spec=spec, ctx=ctx),
+        total_steps=optimizer_steps,
+        temperature=cfg.rollout.temperature,  # log-probs of softmax(logits / T), as sampled
+    )  # fmt: skip
+    ref = policy.make_reference() if g.kl_coef > 0 else None
+    keep_served = cfg.checkpoint.exact_resume and cfg.sync.interval > 1
+    served = policy.make_reference() if keep_served else None
+    t0 = time.perf_counter()
+    rollout, sender = build_rollout(cfg, world, ctx, hf_dir, policy)
+    say_rank0(ctx, f"vLLM engine up in {time.perf_counter() - t0:.1f}s")
+    # vLLM sleeps / the trainer offloads in turns on a colocated GPU (inactive on CPU).
+    memory = ColocatedMemory.from_config(cfg, getattr(rollout, "engine", None), policy, ctx.device)
+    checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint, cfg.steps, ctx, policy, ref,
+                                served, memory, cfg.parallel.timeout_s, preemption)  # fmt: skip
+    reward_fn = build_reward(cfg.reward, cfg.data)
+    prompts = build_prompt_source(cfg.data, tokenizer)
+    scorer = GroupScorer.from_config(cfg, reward_fn, tokenizer)
+    trainer = GRPOTrainer(
+        cfg=cfg, ctx=ctx, tokenizer=tokenizer, policy=policy, ref=ref, rollout=rollout,
+        sender=sender,
+        batches=batch_source(cfg, prompts, rollout, memory, tokenizer.eos_token_id, scorer),
+        advantage_fn=build_advantage_fn(g), loss_fn=make_loss_fn(g, cfg.rollout.max_new_tokens),
+        memory=memory, checkpointer=checkpointer, logger=None, timer=PhaseTimer(),
+        validator=Validator(cfg, tokenizer, reward_fn) if cfg.eval.interval else None,
+        closers=[reward_fn.close, rollout.shutdown, destroy_distributed],
+    )  # fmt: skip
+    if resume:
+        state, served_now = checkpointer.resume()
+        trainer.batches.prompts.load_state_dict(state.data_state)
+        trainer.start_step, trainer.policy_version = state.step, state.policy_version
+        sender.sync(served_now)
+    else:
+        report = sender.sync(policy)
+        checkpointer.snapshot_served()
+        say_rank0(ctx, f"initial sync: {report.bytes / 2**20:.2f} MiB in {report.seconds:.2f}s "
+                  f"(minimal {report.minimal_bytes / 2**20:.2f} MiB)")  # fmt: skip
+    if ctx.rank == 0:  # only once the run really starts (a failed start leaves none)
+        save_config(cfg, cfg.run_dir)
+    trainer.logger = MetricsLogger(
+        cfg.run_dir, cfg.logging, cfg.steps, ctx.rank,
+        resume_step=trainer.start_step if resume else None, run_config=dataclasses.asdict(cfg),
+        stream=console_err(),
+    )  # fmt: skip
+    trainer.closers.insert(0, trainer.logger.close)
+    return trainer
+
+
+def batch_source(cfg: Config, prompts: Any, rollout: Any, memory: Any, eos_token_id: int,
+                 score: Any = None) -> AheadRollout:  # fmt: skip
+    """Each step's prompts (from ``prompts``, a data source), samples and rewards (``score``):
+    with rollout.ahead = a, up to a + 1 steps of the sync window are generated at once (0:
+    one step at a time, Algorithm 1's serial order) and scored as they arrive; vLLM wakes
+    for each generation, not for each step (``memory``: ``trainer.memory.ColocatedMemory``)."""
+    r = cfg.rollout
+    sampling = dict(n=cfg.grpo.group_size, temperature=r.temperature, top_p=r.top_p,
+                    top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                    stop_token_ids=[eos_token_id])  # fmt: skip
+
+    def launch(steps: list[tuple[list, int]]) -> list:
+        memory.before_generate()
+        try:
+            return rollout.launch(steps, **sampling)
+        finally:
+            memory.after_generate()
+
+    return AheadRollout(prompts, cfg.grpo.prompts_per_step, r.ahead, cfg.sync.interval,
+                        cfg.steps, r.seed, launch, score, rollout.share)  # fmt: skip
+
+
+def train(cfg: Config, resume: bool = False) -> dict[str, Any]:
+    """Build the run, train, and tear down (every process started here is stopped).
+
+    ``rollout.placement=disaggregated``: the last ranks serve vLLM (``rollout.server.serve``,
+    until trainer rank 0 says stop) and the others train."""
+    world = None
+    if cfg.rollout.placement == "disaggregated":
+        from megatron_grpo.rollout.server import join_world, serve
+
+        validate_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        world = join_world(cfg)
+        if not world.is_trainer:
+            return serve(cfg, world)
+    try:
+        trainer = build_trainer(cfg, resume=resume, world=world)
+    except BaseException as e:
+        if world is not None:
+            world.abort(f"trainer rank {world.rank} failed to start: {type(e).__name__}: {e}")
+        raise
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
