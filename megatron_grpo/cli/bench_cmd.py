@@ -156,13 +156,13 @@ def _add_reproduce(bsub: argparse._SubParsersAction) -> None:
 
 
 def run_reproduce(args: argparse.Namespace) -> int:
+    from megatron_grpo.bench.common import BenchRunFailed
     from megatron_grpo.bench.reproduce import (
         ReproduceArgs,
         check_configs,
         report_from_json,
         run_bench_reproduce,
     )
-    from megatron_grpo.bench.throughput import BenchRunFailed
 
     if args.from_json:
         try:
@@ -199,12 +199,11 @@ def _print_reproduce(res: dict) -> int:
 
 
 def run_throughput(args: argparse.Namespace) -> int:
+    from megatron_grpo.bench.common import BenchRunFailed, config_nproc
+    from megatron_grpo.bench.report import format_table
     from megatron_grpo.bench.throughput import (
-        BenchRunFailed,
         ThroughputArgs,
-        config_nproc,
         default_config,
-        format_table,
         run_bench_throughput,
         write_json,
     )
