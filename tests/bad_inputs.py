@@ -178,14 +178,13 @@ def _refuse(*a, **k):
 def run_case(argv: list[str], tmp: Path) -> tuple[int, list[str]]:
     """(exit code, output lines) of ``megatron-grpo *argv`` with $TMP set to ``tmp``."""
     from megatron_grpo.cli import main as cli_main
-    from megatron_grpo.trainer import loop, spawn
+    from megatron_grpo.distributed import spawn
+    from megatron_grpo.trainer import loop
 
     argv = [a.replace("$TMP", str(tmp)) for a in argv]
     out = io.StringIO()
-    from megatron_grpo.bench import spawn as bench_spawn
-
-    saved = loop.train, spawn.run_under_torchrun, bench_spawn.spawn_ranks
-    loop.train, spawn.run_under_torchrun, bench_spawn.spawn_ranks = _refuse, _refuse, _refuse
+    saved = loop.train, spawn.run_under_torchrun, spawn.spawn_ranks
+    loop.train, spawn.run_under_torchrun, spawn.spawn_ranks = _refuse, _refuse, _refuse
     cwd = os.getcwd()
     try:
         os.chdir(tmp)
@@ -200,7 +199,7 @@ def run_case(argv: list[str], tmp: Path) -> tuple[int, list[str]]:
                 rc, _ = 98, print(f"Traceback: {type(e).__name__}: {e}")
     finally:
         os.chdir(cwd)
-        loop.train, spawn.run_under_torchrun, bench_spawn.spawn_ranks = saved
+        loop.train, spawn.run_under_torchrun, spawn.spawn_ranks = saved
     lines = [x.replace(str(tmp), "$TMP") for x in out.getvalue().splitlines() if x.strip()]
     return rc, lines
 

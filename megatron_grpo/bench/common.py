@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_grpo.config import load_config
+from megatron_grpo.distributed.spawn import torchrun_argv
 
 BENCH_OVERRIDES = (
     "logging.progress=false",
@@ -45,8 +46,7 @@ def train_argv(
     """One benchmark run of ``megatron-grpo train`` (torchrun when ``nproc > 1``), with
     :data:`BENCH_OVERRIDES` and then ``overrides``."""
     if nproc > 1:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  f"--nproc-per-node={nproc}", "-m", "megatron_grpo.cli.main"]  # fmt: skip
+        launch = torchrun_argv(nproc)
     else:
         launch = [sys.executable, "-m", "megatron_grpo.cli.main"]
     # --overwrite: a re-run of the bench into the same out_dir replaces its runs.

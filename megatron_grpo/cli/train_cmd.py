@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
             from megatron_grpo.trainer.run_dir import prepare_run_dir
 
             prepare_run_dir(cfg.run_dir, resume=args.resume, overwrite=args.overwrite)
+        from megatron_grpo.distributed.spawn import ranks_needed, run_under_torchrun
         from megatron_grpo.trainer.preflight import check_run
-        from megatron_grpo.trainer.spawn import ranks_needed, run_under_torchrun
 
         spawn = "WORLD_SIZE" not in os.environ and cfg.rollout.placement == "colocated"
         nproc = ranks_needed(cfg) if spawn else int(os.environ.get("WORLD_SIZE", "1"))
