@@ -8,6 +8,7 @@ id), before the function returns.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -110,6 +111,11 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     return info
+
+
+def write_json(res: Mapping[str, Any], path: str | os.PathLike) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(res, indent=2, default=str))
 
 
 def trailing_mean(xs: Sequence[float], w: int) -> list[float]:

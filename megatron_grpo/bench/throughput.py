@@ -22,7 +22,6 @@ id), before the function returns.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -319,8 +318,3 @@ def run_bench_throughput(a: ThroughputArgs, report: bool = True) -> dict[str, An
     if report:
         result["files"] = [str(p) for p in write_throughput_report(result, out)]
     return result
-
-
-def write_json(res: Mapping[str, Any], path: str | os.PathLike) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(res, indent=2, default=str))
