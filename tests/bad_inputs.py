@@ -36,6 +36,7 @@ T = ["train", "--verbose", "--run-dir", "$TMP/run"]
 P = ["plan", "--nodes", "1", "--gpus-per-node", "1"]
 
 # (what the user did, argv)
+# fmt: off
 HAND: list[tuple[str, list[str]]] = [
     ("config file missing", ["train", "--config", "$TMP/missing.yaml"]),
     ("config file YAML syntax error", ["train", "--config", "$TMP/bad.yaml"]),
@@ -66,78 +67,40 @@ HAND: list[tuple[str, list[str]]] = [
     ("--resume with no checkpoint", ["train", "--resume", "--run-dir", "$TMP/run"]),
     ("--resume and --overwrite", ["train", "--resume", "--overwrite", "--run-dir", "$TMP/used"]),
     ("tp does not divide the world", [*T, "parallel.tp=2", "parallel.dp=1", "rollout.tp=4"]),
-    (
-        "prompts not a multiple of engines",
-        [*T, "rollout.tp=1", "parallel.dp=2", "grpo.prompts_per_step=3"],
-    ),  # fmt: skip
+    ("prompts not a multiple of engines", [*T, "rollout.tp=1", "parallel.dp=2", "grpo.prompts_per_step=3"]),
     ("unknown reward", [*T, "reward.name=nosuch"]),
     ("reward module missing", [*T, "reward.name=no_such_pkg.mod:fn"]),
     ("reward function missing", [*T, "reward.name=megatron_grpo.rewards:nope"]),
     ("reward file missing", [*T, "reward.name=$TMP/nope.py:score"]),
     ("reward file broken", [*T, "reward.name=$TMP/broken_reward.py:score"]),
     ("reward function missing in file", [*T, "reward.name=$TMP/my_reward.py:other"]),
-    (
-        "format weight with a user reward",
-        [*T, "reward.name=$TMP/my_reward.py:score", "reward.format_weight=0.5"],
-    ),  # fmt: skip
+    ("format weight with a user reward", [*T, "reward.name=$TMP/my_reward.py:score", "reward.format_weight=0.5"]),
     ("GSM8K reward on synthetic data", [*T, "reward.name=gsm8k"]),
     ("unknown synthetic task", [*T, "data.source=synthetic:nope"]),
     ("data file missing", [*T, "data.source=$TMP/nope.jsonl", "reward.name=gsm8k"]),
-    (
-        "data file with a malformed line",
-        [*T, "data.source=$TMP/bad.jsonl", "reward.name=gsm8k", "data.strict=true"],
-    ),  # fmt: skip
+    ("data file with a malformed line", [*T, "data.source=$TMP/bad.jsonl", "reward.name=gsm8k", "data.strict=true"]),
     ("data file empty", [*T, "data.source=$TMP/empty.jsonl", "reward.name=gsm8k"]),
-    (
-        "data rows without the prompt field",
-        [*T, "data.source=$TMP/nokey.jsonl", "reward.name=gsm8k"],
-    ),  # fmt: skip
-    (
-        "data rows that are not objects",
-        [*T, "data.source=$TMP/notobj.jsonl", "reward.name=gsm8k"],
-    ),  # fmt: skip
+    ("data rows without the prompt field", [*T, "data.source=$TMP/nokey.jsonl", "reward.name=gsm8k"]),
+    ("data rows that are not objects", [*T, "data.source=$TMP/notobj.jsonl", "reward.name=gsm8k"]),
     ("template without {prompt}", [*T, "data.template=Q:"]),
     ("template with another field", [*T, "data.template={prompt}{x}"]),
     ("model directory missing", [*T, "model.hf_path=$TMP/nomodel"]),
-    (
-        "eval.interval on a data file without eval.data",
-        [*T, "eval.interval=5", "data.source=$TMP/bad.jsonl"],
-    ),  # fmt: skip
-    (
-        "eval: trainer TP does not divide the heads",
-        ["eval", "--model", "$TMP/hf", "--data", "synthetic:max", "--train-tp", "3"],
-    ),  # fmt: skip
-    (
-        "eval: rollout TP does not divide the heads",
-        ["eval", "--model", "$TMP/hf", "--data", "synthetic:max", "--rollout-tp", "3"],
-    ),  # fmt: skip
+    ("eval.interval on a data file without eval.data", [*T, "eval.interval=5", "data.source=$TMP/bad.jsonl"]),
+    ("eval: trainer TP does not divide the heads", ["eval", "--model", "$TMP/hf", "--data", "synthetic:max", "--train-tp", "3"]),
+    ("eval: rollout TP does not divide the heads", ["eval", "--model", "$TMP/hf", "--data", "synthetic:max", "--rollout-tp", "3"]),
     ("eval: model missing", ["eval", "--model", "$TMP/nomodel", "--data", "synthetic:max"]),
     ("eval: data file missing", ["eval", "--model", "$TMP/hf", "--data", "$TMP/nope.jsonl"]),
-    (
-        "bench sync: rollout TP does not divide the heads",
-        ["bench", "sync", "--model", "$TMP/hf", "--rollout-tp", "3"],
-    ),  # fmt: skip
-    (
-        "train: TP does not divide the heads",
-        [*T, "model.hf_path=$TMP/hf", "parallel.tp=3", "parallel.dp=1", "rollout.tp=3"],
-    ),  # fmt: skip
+    ("bench sync: rollout TP does not divide the heads", ["bench", "sync", "--model", "$TMP/hf", "--rollout-tp", "3"]),
+    ("train: TP does not divide the heads", [*T, "model.hf_path=$TMP/hf", "parallel.tp=3", "parallel.dp=1", "rollout.tp=3"]),
     ("convert: checkpoint missing", ["convert", "inspect", "--ckpt", "$TMP/nockpt"]),
-    (
-        "convert: HF dir missing",
-        ["convert", "hf-to-mcore", "--hf", "$TMP/nohf", "--out", "$TMP/o"],
-    ),  # fmt: skip
-    (
-        "convert: checkpoint not a checkpoint",
-        ["convert", "mcore-to-hf", "--ckpt", "$TMP", "--out", "$TMP/o2"],
-    ),  # fmt: skip
+    ("convert: HF dir missing", ["convert", "hf-to-mcore", "--hf", "$TMP/nohf", "--out", "$TMP/o"]),
+    ("convert: checkpoint not a checkpoint", ["convert", "mcore-to-hf", "--ckpt", "$TMP", "--out", "$TMP/o2"]),
     ("plan: YAML syntax error", [*P, "--config", "$TMP/bad.yaml"]),
     ("plan: unknown key", [*P, "grpo.nope=1"]),
-    (
-        "plan: tp does not divide the GPUs",
-        ["plan", "--nodes", "1", "--gpus-per-node", "3", "parallel.tp=2"],
-    ),  # fmt: skip
+    ("plan: tp does not divide the GPUs", ["plan", "--nodes", "1", "--gpus-per-node", "3", "parallel.tp=2"]),
     ("plan: missing --nodes", ["plan", "--gpus-per-node", "1"]),
 ]
+# fmt: on
 
 
 def _numeric_cases() -> list[tuple[str, list[str]]]:
@@ -178,14 +141,13 @@ def _refuse(*a, **k):
 def run_case(argv: list[str], tmp: Path) -> tuple[int, list[str]]:
     """(exit code, output lines) of ``megatron-grpo *argv`` with $TMP set to ``tmp``."""
     from megatron_grpo.cli import main as cli_main
-    from megatron_grpo.trainer import loop, spawn
+    from megatron_grpo.distributed import spawn
+    from megatron_grpo.trainer import loop
 
     argv = [a.replace("$TMP", str(tmp)) for a in argv]
     out = io.StringIO()
-    from megatron_grpo.bench import spawn as bench_spawn
-
-    saved = loop.train, spawn.run_under_torchrun, bench_spawn.spawn_ranks
-    loop.train, spawn.run_under_torchrun, bench_spawn.spawn_ranks = _refuse, _refuse, _refuse
+    saved = loop.train, spawn.run_under_torchrun, spawn.spawn_ranks
+    loop.train, spawn.run_under_torchrun, spawn.spawn_ranks = _refuse, _refuse, _refuse
     cwd = os.getcwd()
     try:
         os.chdir(tmp)
@@ -200,7 +162,7 @@ def run_case(argv: list[str], tmp: Path) -> tuple[int, list[str]]:
                 rc, _ = 98, print(f"Traceback: {type(e).__name__}: {e}")
     finally:
         os.chdir(cwd)
-        loop.train, spawn.run_under_torchrun, bench_spawn.spawn_ranks = saved
+        loop.train, spawn.run_under_torchrun, spawn.spawn_ranks = saved
     lines = [x.replace(str(tmp), "$TMP") for x in out.getvalue().splitlines() if x.strip()]
     return rc, lines
 

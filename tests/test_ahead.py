@@ -26,7 +26,7 @@ from megatron_grpo.rollout.colocated import ColocatedRollout, engine_slice
         (4, 2, 4, 10, [4]),  # the sync step itself
     ],
 )
-def test_window_steps(step, ahead, v, steps, expected):
+def test_ahead_steps_end_at_the_next_sync_or_the_last_step(step, ahead, v, steps, expected):
     assert window_steps(step, ahead, v, steps) == expected
 
 

@@ -49,7 +49,7 @@ def test_drgrpo_center_only():
     close(adv_mod.group_center(t([[0, 0, 0, 3]])), [[-0.75, -0.75, -0.75, 2.25]])
 
 
-def test_red_weight():
+def test_red_weight_scales_each_centered_advantage_by_exp_of_it_over_tau():
     # centered [0, 2] -> [-1, 1]; A * exp(A / 1) = [-1/e, e] = [-0.367879, 2.718282]
     # with tau = 2: [-exp(-0.5), exp(0.5)] = [-0.606531, 1.648721].
     centered = adv_mod.group_center(t([[0, 2]]))
@@ -101,7 +101,7 @@ def test_advantage_fn_masks_zero_variance_groups():
     assert out.metrics["frac_zero_variance_groups"] == 0.5
 
 
-def test_advantage_fn_variants():
+def test_advantage_setting_selects_drgrpo_centering_or_red_weight():
     r = t([[0, 2]])
     dr = adv_mod.build_advantage_fn(GRPOConfig(group_size=2, advantage="drgrpo"))(r)
     close(dr.advantages, [[-1.0, 1.0]])

@@ -14,7 +14,13 @@ from megatron_grpo.algorithms import aggregation as agg
 from megatron_grpo.algorithms import losses as L
 from megatron_grpo.config.schema import GRPOConfig
 
-SETTINGS = settings(max_examples=60, deadline=None)
+
+def property_test(**strategies):
+    """A hypothesis test over ``strategies`` and a ``seed`` for the tensors it draws, run on
+    60 examples without a deadline."""
+    return lambda fn: settings(max_examples=60, deadline=None)(
+        given(seed=st.integers(0, 10_000), **strategies)(fn)
+    )
 
 
 def _rand(seed: int, *shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -22,9 +28,7 @@ def _rand(seed: int, *shape: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
 
 
-@SETTINGS
-@given(
-    seed=st.integers(0, 10_000),
+@property_test(
     b=st.integers(1, 6),
     tt=st.integers(1, 7),
     eps_low=st.floats(0.0, 0.9),
@@ -47,9 +51,7 @@ def test_r_prime_one_is_ppo_clipping(seed, b, tt, eps_low, eps_high):
     torch.testing.assert_close(exact, ppo, rtol=0, atol=0)
 
 
-@SETTINGS
-@given(
-    seed=st.integers(0, 10_000),
+@property_test(
     p=st.integers(1, 5),
     g=st.integers(2, 6),
     n_const=st.integers(1, 5),
@@ -95,10 +97,7 @@ def test_zero_variance_groups_get_exactly_zero_gradient(
     assert torch.isfinite(logp.grad).all()
 
 
-@SETTINGS
-@given(
-    seed=st.integers(0, 10_000), p=st.integers(1, 8), g=st.integers(2, 9), levels=st.integers(2, 5)
-)
+@property_test(p=st.integers(1, 8), g=st.integers(2, 9), levels=st.integers(2, 5))
 def test_red_drop_keeps_positives_and_balances(seed, p, g, levels):
     gen = torch.Generator().manual_seed(seed)
     rewards = torch.randint(0, levels, (p, g), generator=gen).float()
@@ -128,9 +127,7 @@ POLICY_VARIANTS = [
 ]
 
 
-@SETTINGS
-@given(
-    seed=st.integers(0, 10_000),
+@property_test(
     b=st.integers(1, 12),
     tt=st.integers(1, 6),
     dp_cuts=st.lists(st.integers(0, 12), max_size=3),

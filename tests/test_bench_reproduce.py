@@ -5,10 +5,6 @@ It is a benchmark: nothing here asserts that a claim reproduces."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -28,6 +24,7 @@ from megatron_grpo.bench.reproduce import (
     summarize_variant,
     trailing_mean,
 )
+from tests._bench_helpers import run_bench
 
 
 def test_shared_variants_run_once_and_every_run_differs_only_by_its_keys():
@@ -79,7 +76,7 @@ def test_variant_summary_over_seeds():
     assert one["final_std"] is None and one["wall_s_mean"] is None
 
 
-def test_verdict_rule():
+def test_verdict_compares_the_interval_with_zero_and_the_margin():
     hi, lo = [0.80, 0.82, 0.78], [0.50, 0.52, 0.48]  # diff 0.30, se 0.0163
     assert judge("better", hi, lo, margin=0.05, z=2.0)[0] == REPRODUCED
     assert judge("better", lo, hi, margin=0.05, z=2.0)[0] == NOT_REPRODUCED
@@ -135,30 +132,13 @@ def test_claim_table_and_figure(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-# A very short real run: 4 prompts x 4 samples, 4 new tokens (as tests/test_trainer.py).
-FAST = [
-    "grpo.group_size=4", "grpo.prompts_per_step=4", "grpo.micro_batch_size=16",
-    "rollout.max_new_tokens=4", "rollout.cpu_kv_cache_gb=0.25",
-]  # fmt: skip
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_bench_reproduce_end_to_end(tmp_path):
     out = tmp_path / "rep"
-    cmd = [sys.executable, "-m", "megatron_grpo.cli.main", "bench", "reproduce",
-           "--claims", "2", "--seeds", "2", "--steps", "2", "--window", "2",
-           "--out-dir", str(out), *FAST]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)  # fmt: skip
-    try:
-        text, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:  # its own session: the bench and the runs it started
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, text[-4000:]
+    rc, text = run_bench("reproduce", "--claims", "2", "--seeds", "2", "--steps", "2",
+                         "--window", "2", "--out-dir", str(out), timeout=400)  # fmt: skip
+    assert rc == 0, text[-4000:]
     assert "estimated wall time 4 x" in text.splitlines()[0]
     res = json.loads((out / "reproduce.json").read_text())
     c = res["claims"]["2"]

@@ -4,14 +4,11 @@ loop at v=1 and v=2 end to end (slow). No timing assertions: benchmarks print fi
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
 from megatron_grpo.bench.throughput import ThroughputArgs, analyze_run, compare, train_command
+from tests._bench_helpers import run_bench
 
 
 def _row(step: int, synced: bool, **t) -> dict:
@@ -62,31 +59,15 @@ def test_analysis_excludes_warmup_and_amortizes_the_sync():
     assert c["runs"][1]["tokens_per_s_ratio"] == pytest.approx(2.4 / 2.2)
 
 
-# A very short real run: 4 prompts x 4 samples, 4 new tokens (as tests/test_trainer.py).
-FAST = [
-    "grpo.group_size=4", "grpo.prompts_per_step=4", "grpo.micro_batch_size=16",
-    "rollout.max_new_tokens=4", "rollout.cpu_kv_cache_gb=0.25", "model.warm_start_steps=5",
-]  # fmt: skip
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bench_throughput_end_to_end(tmp_path):
     out = tmp_path / "bench"
     js = tmp_path / "res.json"
-    cmd = [sys.executable, "-m", "megatron_grpo.cli.main", "bench", "throughput",
-           "--v", "1,2", "--steps", "3", "--warmup", "1", "--out-dir", str(out),
-           "--json", str(js), *FAST]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)  # fmt: skip
-    try:
-        text, _ = proc.communicate(timeout=840)
-    finally:
-        if proc.poll() is None:  # its own session: the bench and the runs it started
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, text[-4000:]
+    rc, text = run_bench("throughput", "--v", "1,2", "--steps", "3", "--warmup", "1",
+                         "--out-dir", str(out), "--json", str(js), "model.warm_start_steps=5",
+                         timeout=840)  # fmt: skip
+    assert rc == 0, text[-4000:]
     res = json.loads(js.read_text())
     assert res["reference_v"] == 1
     runs = {r["v"]: r for r in res["runs"]}

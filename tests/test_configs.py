@@ -4,8 +4,9 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import yaml
 
-from megatron_grpo.config import load_config
+from megatron_grpo.config import load_config, save_config
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
@@ -21,9 +22,16 @@ def test_configs_are_shipped():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_config_loads_and_validates(path):
-    cfg = load_config(path)
-    assert cfg.steps > 0 and cfg.sync.interval >= 1
+def test_shipped_config_validates_and_every_value_it_sets_takes_effect(path, tmp_path):
+    cfg = load_config(path)  # raises ConfigError on an unknown key or an invalid value
+    loaded = dataclasses.asdict(cfg)
+    for key, value in yaml.safe_load(path.read_text()).items():
+        got = loaded[key]
+        if isinstance(value, dict):  # a section: only the keys the file sets
+            got = {k: got[k] for k in value}
+        assert got == value, (path.name, key)
+    # The copy written into the run directory reloads to the same config.
+    assert dataclasses.asdict(load_config(save_config(cfg, tmp_path))) == loaded
 
 
 def test_tiny_cpu_is_the_embedded_default_on_two_ranks():
@@ -35,7 +43,7 @@ def test_tiny_cpu_is_the_embedded_default_on_two_ranks():
     assert default["model"]["hf_path"] == "tiny" and default["sync"]["interval"] > 1
 
 
-def test_paper_settings():
+def test_paper_configs_carry_the_papers_hyperparameters():
     q = load_config(CONFIGS[0].parent / "qwen2.5-0.5b-gsm8k.yaml")
     assert (q.grpo.group_size, q.optim.lr, q.grpo.kl_coef, q.rollout.temperature) == (
         16, 5e-6, 0.1, 0.1)  # fmt: skip

@@ -53,37 +53,24 @@ def _battery(root: str) -> None:
     """Run in a child process: every conversion, through the CLI entry point."""
     from megatron_grpo.cli.main import main
 
+    def convert(*argv) -> int:
+        return main(["convert", *map(str, argv)])
+
     root = Path(root)
     for name, kw in MODELS.items():
-        build_hf_model(root / name / "hf", "tiny", **kw)
-        assert (
-            main(
-                [
-                    "convert",
-                    "hf-to-mcore",
-                    "--hf",
-                    str(root / name / "hf"),
-                    "--out",
-                    str(root / name / "ckpt"),
-                ]
-            )
-            == 0
-        )
+        hf, ckpt = root / name / "hf", root / name / "ckpt"
+        build_hf_model(hf, "tiny", **kw)
+        assert convert("hf-to-mcore", "--hf", hf, "--out", ckpt) == 0
         # small shards so the index path is exercised
-        argv = [
-            "convert",
-            "mcore-to-hf",
-            "--ckpt",
-            str(root / name / "ckpt"),
-            "--out",
-            str(root / name / "back"),
-        ]
-        assert main(argv + ["--max-shard-gb", str(300_000 / 1024**3)]) == 0
-        assert main(["convert", "inspect", "--ckpt", str(root / name / "ckpt")]) == 0
+        back, shard_gb = root / name / "back", 300_000 / 1024**3
+        assert (
+            convert("mcore-to-hf", "--ckpt", ckpt, "--out", back, "--max-shard-gb", shard_gb) == 0
+        )
+        assert convert("inspect", "--ckpt", ckpt) == 0
     # explicit downcast, and the external --hf-config path
     src = root / "qwen3-untied-gqa"
-    argv = ["convert", "mcore-to-hf", "--ckpt", str(src / "ckpt"), "--out", str(src / "bf16")]
-    assert main(argv + ["--dtype", "bfloat16", "--hf-config", str(src / "hf")]) == 0
+    argv = ["mcore-to-hf", "--ckpt", src / "ckpt", "--out", src / "bf16", "--dtype", "bfloat16"]
+    assert convert(*argv, "--hf-config", src / "hf") == 0
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,7 @@ def test_dp_derived_and_explicit():
         (dict(backend="nccl"), 1, {}, "parallel.backend='nccl' needs CUDA"),
     ],
 )
-def test_messages(cfg, world, spec_kw, message):
+def test_bad_layout_is_refused_naming_the_values_and_the_fix(cfg, world, spec_kw, message):
     with pytest.raises(ConfigError) as err:
         validate_parallel(ParallelConfig(**cfg), world, make_spec(**spec_kw), has_cuda=False)
     assert message in str(err.value)

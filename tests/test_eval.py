@@ -28,7 +28,7 @@ def test_pass_at_k_golden():
         pass_at_k(2, 1, 3)
 
 
-def test_eval_world():
+def test_eval_world_is_the_lcm_of_trainer_ranks_and_rollout_tp():
     assert eval_world(2, 1, 1) == 2
     assert eval_world(2, 1, 2) == 2
     assert eval_world(2, 2, 8) == 8

@@ -152,6 +152,27 @@ def test_cut_and_merge():
         cut(pieces, 6, 10)
 
 
+# One layer's fused weights in each layout: reference key -> parameter name in the layer.
+MEGATRON_LAYER = {
+    "qkv": "self_attention.linear_qkv.weight", "qkv_bias": "self_attention.linear_qkv.bias",
+    "fc1": "mlp.linear_fc1.weight", "proj": "self_attention.linear_proj.weight",
+    "fc2": "mlp.linear_fc2.weight",
+}  # fmt: skip
+VLLM_LAYER = {
+    "qkv": "self_attn.qkv_proj.weight", "qkv_bias": "self_attn.qkv_proj.bias",
+    "gate_up": "mlp.gate_up_proj.weight", "o": "self_attn.o_proj.weight",
+    "down": "mlp.down_proj.weight",
+}  # fmt: skip
+
+
+def assert_layer_equal(got, ref: dict, names: dict[str, str], qkv_bias: bool) -> None:
+    """``got(name)`` equals ``ref[key]`` for each fused weight of one layer (the qkv bias
+    only when the model has one)."""
+    for key, name in names.items():
+        if key != "qkv_bias" or qkv_bias:
+            assert torch.equal(got(name), ref[key]), name
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_megatron_shards_match_reference(spec, tp):
@@ -167,12 +188,7 @@ def test_megatron_shards_match_reference(spec, tp):
             ref = ref_megatron_rank(spec, w, layer, tp, r, vm)
             p = f"decoder.layers.{layer}."
             got = lambda n, p=p, r=r: assemble(mg.shard(spec, ml, p + n, 0, 0, r), read, F64)  # noqa: E731
-            assert torch.equal(got("self_attention.linear_qkv.weight"), ref["qkv"])
-            if spec.qkv_bias:
-                assert torch.equal(got("self_attention.linear_qkv.bias"), ref["qkv_bias"])
-            assert torch.equal(got("mlp.linear_fc1.weight"), ref["fc1"])
-            assert torch.equal(got("self_attention.linear_proj.weight"), ref["proj"])
-            assert torch.equal(got("mlp.linear_fc2.weight"), ref["fc2"])
+            assert_layer_equal(got, ref, MEGATRON_LAYER, spec.qkv_bias)
             hfp = hf.layer_prefix(layer)
             for local, te, src in [
                 (
@@ -260,12 +276,7 @@ def test_vllm_shards_match_weight_loader(spec, tp):
             ref = ref_vllm_rank(spec, w, layer, tp, r)
             p = hf.layer_prefix(layer)
             got = lambda n, p=p, r=r: assemble(vl.shard(spec, tp, r, p + n), read, F64)  # noqa: E731
-            assert torch.equal(got("self_attn.qkv_proj.weight"), ref["qkv"])
-            if spec.qkv_bias:
-                assert torch.equal(got("self_attn.qkv_proj.bias"), ref["qkv_bias"])
-            assert torch.equal(got("mlp.gate_up_proj.weight"), ref["gate_up"])
-            assert torch.equal(got("self_attn.o_proj.weight"), ref["o"])
-            assert torch.equal(got("mlp.down_proj.weight"), ref["down"])
+            assert_layer_equal(got, ref, VLLM_LAYER, spec.qkv_bias)
         assert torch.equal(assemble(vl.shard(spec, tp, r, hf.EMBED), read, F64), ref["emb"])
         names = vl.param_names(spec)
         assert ("lm_head.weight" in names) == (not spec.tie_word_embeddings)

@@ -171,7 +171,7 @@ def test_load_and_gather(hf_models, model, world, tp, pp, vpp, norm):
     _spawn(world, hf_models[model], tp, pp, vpp, norm)
 
 
-def test_reader_errors(hf_models, tmp_path):
+def test_reader_refuses_missing_truncated_and_mismatched_checkpoints(hf_models, tmp_path):
     with pytest.raises(CheckpointError, match="neither model.safetensors"):
         HFCheckpointReader(tmp_path)
     bad = tmp_path / "trunc"

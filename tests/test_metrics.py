@@ -168,7 +168,7 @@ def test_plots_tolerate_missing_values(tmp_path):
     assert all(p.stat().st_size > 0 for p in write_plots(tmp_path, rows))
 
 
-def test_phase_timer():
+def test_phase_timer_sums_repeats_syncs_at_each_edge_and_keeps_time_on_error():
     calls = []
     t = PhaseTimer(sync=lambda: calls.append(1))
     with t.phase("rollout"):

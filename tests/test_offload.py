@@ -67,15 +67,6 @@ def _worker(rank, world_size, hf_dir, dtype, params):
         destroy_distributed()
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> str:
-    from megatron_grpo.models.tiny import build_hf_model
-
-    d = tmp_path_factory.mktemp("offload") / "tiny"
-    build_hf_model(d, "tiny", seed=0)
-    return str(d)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("params", [False, True])

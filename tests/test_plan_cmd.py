@@ -62,7 +62,7 @@ def test_7b_two_node_disaggregated(tmp_path: Path) -> None:
     assert not any("colocated only" in w for w in d["warnings"])
 
 
-def test_placement_split() -> None:
+def test_disaggregated_placement_puts_the_engines_on_the_last_ranks() -> None:
     cfg = load_config(
         None, ["rollout.placement=disaggregated", "rollout.num_engines=3", "rollout.tp=2"]
     )

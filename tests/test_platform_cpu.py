@@ -3,7 +3,10 @@ and no other module of the project touches CUDA to make CPU runs work."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -107,8 +110,20 @@ def test_clip_grad_by_total_norm_fp32(platform):
         clip_grads.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
 
 
-def test_patches_are_documented(platform):
-    assert len(platform.PATCHES) >= 7
+def test_every_replaced_call_is_listed_in_patches_with_the_file_it_answers(platform):
+    """Each attribute ``apply_cpu_platform`` assigns is named by a ``PATCHES`` target, and each
+    entry names the megatron-core file (a .py) whose behaviour it answers."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(platform.apply_cpu_platform)))
+    replaced = {
+        t.attr
+        for node in ast.walk(body)
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Attribute)
+    }
+    assert "current_device" in replaced and "clip_grad_by_total_norm_fp32" in replaced
+    listed = set(re.findall(r"\w+", " ".join(p.target for p in platform.PATCHES)))
+    assert replaced - listed == set(), "patched but not listed in PATCHES"
     for patch in platform.PATCHES:
         assert patch.target and ".py" in patch.answers, patch
 

@@ -209,15 +209,6 @@ def _dp_worker(rank, world_size, hf_dir):
         destroy_distributed()
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> str:
-    from megatron_grpo.models.tiny import build_hf_model
-
-    d = tmp_path_factory.mktemp("policy") / "tiny"
-    build_hf_model(d, "tiny", seed=0)
-    return str(d)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_train_step_gradient_is_grad_of_summed_global_loss(tiny_dir):

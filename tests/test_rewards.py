@@ -37,7 +37,7 @@ def test_gsm8k_flexible_last_number():
     assert g.gsm8k_flexible("", "no numbers here", "#### 70") == 0.0
 
 
-def test_gsm8k_format():
+def test_gsm8k_format_rewards_only_a_hash_answer_line():
     assert g.gsm8k_format("blah\n#### 42") == 1.0
     assert g.gsm8k_format("blah 42") == 0.0
 

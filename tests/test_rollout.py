@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import free_port, run_distributed
+from megatron_grpo.distributed.spawn import free_port
+from tests.dist_utils import run_distributed
 from tests.test_receiver_sharding import vllm_shards_from_hf
 
 pytestmark = pytest.mark.slow

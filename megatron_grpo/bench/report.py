@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from megatron_grpo.bench.common import trailing_mean
+from megatron_grpo.bench.projection import window_events
 from megatron_grpo.metrics.plots import _save
 
 PHASE_COLORS = {
@@ -67,6 +69,44 @@ def plot_phases(res: Mapping[str, Any], path: str | os.PathLike) -> Path:
     return Path(path)
 
 
+def _figures(r: Mapping[str, Any]) -> dict[str, str]:
+    """One run's figures as both throughput tables print them (console and markdown)."""
+    p = r["phase_mean_s"]
+    sps = r["sync_time_mean_s"]
+    return {
+        "v": str(r["v"]), "ahead": str(r.get("ahead", 0)),
+        "steps/s": f"{r['steps_per_s']:.4f}", "steps ratio": f"{r['steps_per_s_ratio']:.3f}",
+        "tok/s": f"{r['tokens_per_s']:.1f}", "tok ratio": f"{r['tokens_per_s_ratio']:.3f}",
+        "syncs": str(r["num_syncs"]), "s/sync": "-" if sps is None else f"{sps:.3f}",
+        "sync/step": f"{r['sync_amortized_s']:.3f}",
+        **{phase: f"{p[phase]:.3f}" for phase in ("rollout", "reward", "logprobs", "train", "other")},
+        "step": f"{r['step_time_mean_s']:.3f}",
+    }  # fmt: skip
+
+
+CONSOLE_COLUMNS = (
+    ("v", "v", 3), ("ahead", "ahead", 6), ("steps/s", "steps/s", 9), ("ratio", "steps ratio", 7),
+    ("tok/s", "tok/s", 8), ("ratio", "tok ratio", 7), ("syncs", "syncs", 6),
+    ("s/sync", "s/sync", 8), ("sync/step", "sync/step", 10), ("rollout", "rollout", 8),
+    ("reward", "reward", 7), ("logp", "logprobs", 6), ("train", "train", 7),
+    ("other", "other", 7), ("step", "step", 7),
+)  # fmt: skip
+"""(title, key of :func:`_figures`, width) of each column of the console table."""
+
+
+def format_table(res: Mapping[str, Any]) -> str:
+    """The console table of ``bench throughput``: one right-aligned row per run."""
+    lines = [
+        f"bench throughput: {res['args']['steps']} steps per run, first "
+        f"{res['args']['warmup']} excluded; ratios to v={res['reference_v']}",
+        "".join(title.rjust(width) for title, _, width in CONSOLE_COLUMNS),
+    ]
+    for r in res["runs"]:
+        f = _figures(r)
+        lines.append("".join(f[key].rjust(width) for _, key, width in CONSOLE_COLUMNS))
+    return "\n".join(lines)
+
+
 def throughput_markdown(res: Mapping[str, Any]) -> str:
     a = res["args"]
     ref = res["reference_v"]
@@ -82,19 +122,16 @@ def throughput_markdown(res: Mapping[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["runs"]:
-        p = r["phase_mean_s"]
-        sps = r["sync_time_mean_s"]
-        lines.append(
-            f"| {r['v']} | {r.get('ahead', 0)} | {r['steps_per_s']:.4f} | "
-            f"{r['steps_per_s_ratio']:.3f} | {_opt(r.get('ahead_speedup'))} | "
-            f"{_opt(r.get('ahead_speedup_predicted'))} | "
-            f"{_opt(r.get('steps_per_s_ratio_median_of_rounds'))} | "
-            f"{r['tokens_per_s']:.1f} | {r['tokens_per_s_ratio']:.3f} | {r['num_syncs']} "
-            f"({r['measured_syncs']}) | {f'{sps:.3f}' if sps is not None else '-'} | "
-            f"{r['sync_amortized_s']:.3f} | {p['rollout']:.3f} | {p['reward']:.3f} | "
-            f"{p['logprobs']:.3f} | {p['train']:.3f} | {p['other']:.3f} | "
-            f"{r['step_time_mean_s']:.3f} | {r['sync_only_ratio']:.3f} | {_load(r)} |"
-        )
+        f = _figures(r)
+        cells = [
+            f["v"], f["ahead"], f["steps/s"], f["steps ratio"], _opt(r.get("ahead_speedup")),
+            _opt(r.get("ahead_speedup_predicted")),
+            _opt(r.get("steps_per_s_ratio_median_of_rounds")), f["tok/s"], f["tok ratio"],
+            f"{f['syncs']} ({r['measured_syncs']})", f["s/sync"], f["sync/step"],
+            f["rollout"], f["reward"], f["logprobs"], f["train"], f["other"], f["step"],
+            f"{r['sync_only_ratio']:.3f}", _load(r),
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -209,8 +246,6 @@ def plot_claim(
     ``curves[variant][seed]`` is the per-step reward."""
     from matplotlib.figure import Figure
 
-    from megatron_grpo.bench.reproduce import trailing_mean
-
     w = claim["window"]
     fig = Figure(figsize=(7, 4))
     ax = fig.add_subplot()
@@ -318,8 +353,6 @@ def plot_ahead_timeline(
     lanes of ``bench.projection.window_events`` (``r`` rollout, ``t`` train, ``s`` sync
     seconds; ``batch_fixed``: colocated batching share, see projection.py)."""
     from matplotlib.figure import Figure
-
-    from megatron_grpo.bench.projection import window_events
 
     cases = [
         ("disaggregated", 0, "disaggregated, serial (ahead=0)"),

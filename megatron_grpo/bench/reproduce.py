@@ -4,8 +4,8 @@ Each claim (:data:`CLAIMS`) names variants of the training job that differ only 
 the claim is about, a set of comparisons between them, and a reward threshold. Every variant
 runs once per seed (``seed``, ``rollout.seed`` and ``data.shuffle_seed`` all set to the
 seed, so the random weights, the warm start, the prompt order and the samples all change
-with it) through the same launcher as ``bench throughput`` (:func:`throughput.train_argv`,
-:func:`throughput.run_logged`), and the runs are ordered round-robin: seed 1 of every
+with it) through the same launcher as ``bench throughput`` (:func:`common.train_argv`,
+:func:`common.run_logged`), and the runs are ordered round-robin: seed 1 of every
 variant, then seed 2 of every variant, ..., so a change of machine load over the hours hits
 every variant alike. A variant shared by two claims (claim 1's v=4 is claim 4's plain
 GRPO) runs once.
@@ -43,6 +43,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from megatron_grpo.bench.common import (
+    config_nproc,
+    loadavg,
+    machine_info,
+    run_logged,
+    trailing_mean,
+    train_argv,
+)
+from megatron_grpo.bench.report import write_reproduce_report
+from megatron_grpo.config import load_config
+from megatron_grpo.metrics.logger import read_metrics
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
 
@@ -250,16 +262,12 @@ class ReproduceArgs:
 def check_configs(a: ReproduceArgs) -> int:
     """Load every run's config (claims' keys + ``a.overrides``) before anything starts, so a
     bad key fails in a second, not after an hour; returns ``a.nproc``, or when 0 the ranks
-    the config's layout needs (``throughput.config_nproc``)."""
-    from megatron_grpo.config import load_config
-
+    the config's layout needs (``common.config_nproc``)."""
     for r in plan_runs(a.claims)[0]:
         load_config(a.config, [*r.overrides, *a.overrides, f"sync.interval={r.v}",
                                f"steps={a.steps}"])  # fmt: skip
     if a.nproc:
         return a.nproc
-    from megatron_grpo.bench.throughput import config_nproc
-
     return config_nproc(a.config, a.overrides)
 
 
@@ -269,17 +277,6 @@ def estimate_s(n_runs: int, steps: int, start_s: float = START_S, step_s: float 
 
 
 # ------------------------------------------------------------------------------ analysis
-
-
-def trailing_mean(xs: Sequence[float], w: int) -> list[float]:
-    """``out[i]`` = mean of ``xs[max(0, i-w+1) : i+1]``."""
-    out, s = [], 0.0
-    for i, x in enumerate(xs):
-        s += x
-        if i >= w:
-            s -= xs[i - w]
-        out.append(s / min(i + 1, w))
-    return out
 
 
 def steps_to_threshold(xs: Sequence[float], threshold: float, w: int) -> int | None:
@@ -436,9 +433,6 @@ def analyze_claim(
 
 
 def run_bench_reproduce(a: ReproduceArgs, log=print) -> dict[str, Any]:
-    from megatron_grpo.bench.throughput import loadavg, machine_info, run_logged, train_argv
-    from megatron_grpo.metrics.logger import read_metrics
-
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     runs, run_of = plan_runs(a.claims)
@@ -486,8 +480,6 @@ def run_bench_reproduce(a: ReproduceArgs, log=print) -> dict[str, Any]:
 def analyze_and_report(result: dict[str, Any], out: Path) -> dict[str, Any]:
     """Fill ``result["claims"]`` from ``result["curves"]`` / ``["walls"]`` (run name -> seed
     -> values) with ``result["args"]``'s window, margin and z; write the report files."""
-    from megatron_grpo.bench.report import write_reproduce_report
-
     a = result["args"]
     _, run_of = plan_runs(a["claims"])
     num = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731 -- JSON keys are strings

@@ -500,7 +500,7 @@ def format_table(res: dict) -> str:
 
 
 def run_bench_sync(a: BenchSyncArgs) -> dict:
-    from megatron_grpo.bench.spawn import spawn_ranks
+    from megatron_grpo.distributed.spawn import spawn_ranks
 
     hf_dir = resolve_model(a)
     from megatron_grpo.models.spec import check_heads, load_spec

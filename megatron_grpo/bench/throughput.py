@@ -22,31 +22,27 @@ id), before the function returns.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PHASES = ("rollout", "reward", "logprobs", "train", "sync")
-BENCH_OVERRIDES = (
-    "logging.progress=false",
-    "logging.tensorboard=false",
-    "logging.plots=false",
-    # The end-of-run checkpoint is saved inside the last step's time_step: keep it out.
-    "checkpoint.save_at_end=false",
+from megatron_grpo.bench.common import (
+    config_nproc,
+    loadavg,
+    machine_info,
+    run_logged,
+    train_argv,
 )
-"""Applied before the user's overrides (which may set them back)."""
+from megatron_grpo.bench.projection import schedule_step_time
+from megatron_grpo.bench.report import write_throughput_report
+from megatron_grpo.config import load_config
+from megatron_grpo.metrics.logger import read_metrics
 
-
-class BenchRunFailed(RuntimeError):
-    """One ``megatron-grpo train`` run exited non-zero or ran past its time limit."""
+PHASES = ("rollout", "reward", "logprobs", "train", "sync")
 
 
 @dataclass
@@ -124,14 +120,6 @@ def check_args(a: ThroughputArgs) -> None:
             )
 
 
-def config_nproc(config: str | None, overrides: Sequence[str]) -> int:
-    """Ranks the config's trainer layout needs: parallel.tp * pp * max(dp, 1)."""
-    from megatron_grpo.config import load_config
-
-    p = load_config(config, list(overrides)).parallel
-    return p.tp * p.pp * max(p.dp, 1)
-
-
 def default_config() -> str | None:
     """configs/tiny_cpu.yaml of the repository when it exists, else None (embedded defaults)."""
     path = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
@@ -157,53 +145,6 @@ def pin_env(cpus: Sequence[int]) -> dict[str, str]:
     half = len(cpus) // 2
     return {PIN_ENV[0]: ",".join(map(str, cpus[:half])),
             PIN_ENV[1]: ",".join(map(str, cpus[half:]))}  # fmt: skip
-
-
-def train_argv(
-    nproc: int, config: str | None, run_dir: Path, steps: int, v: int, overrides: Sequence[str]
-) -> list[str]:
-    """One benchmark run of ``megatron-grpo train`` (torchrun when ``nproc > 1``), with
-    :data:`BENCH_OVERRIDES` and then ``overrides``; shared with ``bench reproduce``."""
-    if nproc > 1:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  f"--nproc-per-node={nproc}", "-m", "megatron_grpo.cli.main"]  # fmt: skip
-    else:
-        launch = [sys.executable, "-m", "megatron_grpo.cli.main"]
-    # --overwrite: a re-run of the bench into the same out_dir replaces its runs.
-    cmd = [*launch, "train", "--run-dir", str(run_dir), "--overwrite", "--steps", str(steps),
-           "--sync-interval", str(v)]  # fmt: skip
-    if config:
-        cmd += ["--config", config]
-    return cmd + [*BENCH_OVERRIDES, *overrides]
-
-
-def run_logged(cmd: list[str], log_path: Path, timeout_s: float, threads: int,
-               extra_env: Mapping[str, str] | None = None) -> float:  # fmt: skip
-    """Run ``cmd`` in its own process group, output to ``log_path``; returns wall seconds."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(extra_env or {}))
-    t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except BaseException:
-            # Its own session: the group id is the pid we started (torchrun's ranks, vLLM's
-            # workers and the reward pool are in it); nothing else is touched.
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-            raise
-    if rc != 0:
-        tail = log_path.read_text(errors="replace").splitlines()[-15:]
-        raise BenchRunFailed(
-            f"`{' '.join(cmd)}` exited with {rc}; its log is {log_path}. Last lines:\n"
-            + "\n".join(tail)
-        )
-    return time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------------------ analysis
@@ -272,8 +213,6 @@ def predicted_ahead_speedup(serial: Mapping[str, Any], run: Mapping[str, Any]) -
     """What ``bench.projection.window_time`` predicts for ``run``'s rollout.ahead from the
     serial run's phases: R = rollout + reward, T = logprobs + train + other, S = seconds per
     sync (colocated: no batching gain assumed, f = 0, as on a saturated CPU)."""
-    from megatron_grpo.bench.projection import schedule_step_time
-
     p, v = serial["phase_mean_s"], serial["v"]
     r, t = p["rollout"] + p["reward"], p["logprobs"] + p["train"] + p["other"]
     s = serial["sync_time_mean_s"] or 0.0
@@ -329,9 +268,6 @@ def compare(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_bench_throughput(a: ThroughputArgs, report: bool = True) -> dict[str, Any]:
-    from megatron_grpo.config import load_config
-    from megatron_grpo.metrics.logger import read_metrics
-
     if a.nproc == 0:
         a.nproc = config_nproc(a.config, a.overrides)
     placement = load_config(a.config, list(a.overrides)).rollout.placement
@@ -380,60 +316,5 @@ def run_bench_throughput(a: ThroughputArgs, report: bool = True) -> dict[str, An
         machine=machine_info(),
     )  # fmt: skip
     if report:
-        from megatron_grpo.bench.report import write_throughput_report
-
         result["files"] = [str(p) for p in write_throughput_report(result, out)]
     return result
-
-
-def loadavg() -> float | None:
-    try:
-        return float(Path("/proc/loadavg").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def machine_info() -> dict[str, Any]:
-    import platform
-
-    info: dict[str, Any] = {"nproc": os.cpu_count(), "platform": platform.platform()}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                info["mem_gib"] = round(int(line.split()[1]) / 2**20, 1)
-                break
-        info["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
-    except OSError:
-        pass
-    return info
-
-
-def format_table(res: Mapping[str, Any]) -> str:
-    ref = res["reference_v"]
-    lines = [
-        f"bench throughput: {res['args']['steps']} steps per run, first "
-        f"{res['args']['warmup']} excluded; ratios to v={ref}",
-        f"{'v':>3}{'ahead':>6}{'steps/s':>9}{'ratio':>7}{'tok/s':>8}{'ratio':>7}{'syncs':>6}"
-        f"{'s/sync':>8}{'sync/step':>10}{'rollout':>8}{'reward':>7}{'logp':>6}{'train':>7}"
-        f"{'other':>7}{'step':>7}",
-    ]
-    for r in res["runs"]:
-        p = r["phase_mean_s"]
-        sps = r["sync_time_mean_s"]
-        lines.append(
-            f"{r['v']:>3}{r.get('ahead', 0):>6}{r['steps_per_s']:>9.4f}{r['steps_per_s_ratio']:>7.3f}"
-            f"{r['tokens_per_s']:>8.1f}{r['tokens_per_s_ratio']:>7.3f}{r['num_syncs']:>6}"
-            f"{(f'{sps:.3f}' if sps is not None else '-'):>8}{r['sync_amortized_s']:>10.3f}"
-            f"{p['rollout']:>8.3f}{p['reward']:>7.3f}{p['logprobs']:>6.3f}{p['train']:>7.3f}"
-            f"{p['other']:>7.3f}{r['step_time_mean_s']:>7.3f}"
-        )
-    return "\n".join(lines)
-
-
-def write_json(res: Mapping[str, Any], path: str | os.PathLike) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(res, indent=2, default=str))

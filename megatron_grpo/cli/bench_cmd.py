@@ -14,37 +14,37 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+from megatron_grpo.cli.command import add_command, from_args
+
+T = TypeVar("T")
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--bucket-mb {text!r}: expected sizes in MB separated by commas, e.g. 16,64"
-        ) from None
+def _comma_list(convert: Callable[[str], T], option: str, what: str, example: str):
+    """An argparse ``type``: ``text`` split at commas, each piece ``convert``-ed."""
+
+    def parse(text: str) -> list[T]:
+        try:
+            return [convert(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{option} {text!r}: expected {what} separated by commas, e.g. {example}"
+            ) from None
+
+    return parse
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--v {text!r}: expected sync periods separated by commas, e.g. 1,2,5,10"
-        ) from None
+_floats = _comma_list(float, "--bucket-mb", "sizes in MB", "16,64")
+_ints = _comma_list(int, "--v", "sync periods", "1,2,5,10")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (weight sync, throughput vs v, projection)")
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
-    s = bsub.add_parser(
-        "sync",
-        help="direct resharding bridge vs gather+broadcast baseline vs raw transfer",
-        description="Spawns lcm(tp*pp, rollout-tp) local ranks, each a Megatron trainer rank "
-        "hosting one colocated vLLM TP rank; runs the bridge, the baseline and a raw flat "
-        "transfer of the same bytes over the same gloo group; prints a table, writes JSON.",
-    )
+    s = add_command(bsub, "sync", run_sync)
     s.add_argument(
         "--model",
         default="tiny",
@@ -67,22 +67,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--cache-dir", default="runs/bench", help="where presets are built")
     s.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     s.add_argument("--json", dest="json_out", help="write the results here")
-    s.set_defaults(func=run_sync)
     _add_throughput(bsub)
     _add_project(bsub)
     _add_reproduce(bsub)
 
 
 def _add_throughput(bsub: argparse._SubParsersAction) -> None:
-    t = bsub.add_parser(
-        "throughput",
-        help="the training loop at several sync periods v, side by side (docs/benchmarks.md)",
-        description="Runs `megatron-grpo train` once per v (same config, seed and overrides; "
-        "one after the other; under torchrun when --nproc > 1), reads each metrics.jsonl and "
-        "reports steps/s, tokens/s and their ratio to the smallest v, the mean time per phase "
-        "and the sync cost amortized per step. The first --warmup steps of every run are "
-        "excluded. Writes JSON, two PNG plots and a markdown table into --out-dir.",
-    )
+    t = add_command(bsub, "throughput", run_throughput)
     t.add_argument("--config", help="YAML config (default: configs/tiny_cpu.yaml if present, "
                    "else the embedded defaults)")  # fmt: skip
     t.add_argument("--v", dest="vs", type=_ints, default=[1, 2, 5, 10], help="e.g. 1,2,5,10")
@@ -102,38 +93,20 @@ def _add_throughput(bsub: argparse._SubParsersAction) -> None:
     t.add_argument("--timeout-s", type=float, default=1800.0, help="time limit of one run")
     t.add_argument("--json", dest="json_out", help="also write the results here")
     t.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    t.set_defaults(func=run_throughput)
 
 
 def _add_project(bsub: argparse._SubParsersAction) -> None:
-    p = bsub.add_parser(
-        "project",
-        help="step-time model of the paper's 1.35x (Qwen2.5-7B, 8xH100): where S comes from",
-        description="Calibrates step_time = T_other + S/v on the paper's two throughputs, "
-        "computes the bridge's and the baseline's bytes per sync from the static plan, and "
-        "predicts the v=1..20 throughput ratio for each sync-cost scenario. GPU-free, seconds.",
-    )
+    p = add_command(bsub, "project", run_project)
     p.add_argument("--trainer-tp", type=int, default=1, help="trainer TP of the 7B layout")
     p.add_argument("--trainer-pp", type=int, default=1, help="trainer PP of the 7B layout")
     p.add_argument("--v", dest="vs", type=_ints, default=[1, 2, 5, 10, 20])
     p.add_argument("--throughput-json", help="also check the model on a bench throughput JSON")
     p.add_argument("--json", dest="json_out", help="write the projection here")
     p.add_argument("--plot", help="write the ratio-vs-v plot here (PNG)")
-    p.set_defaults(func=run_project)
 
 
 def _add_reproduce(bsub: argparse._SubParsersAction) -> None:
-    r = bsub.add_parser(
-        "reproduce",
-        help="the papers' claims at tiny scale: variants x seeds, curves, verdicts "
-        "(docs/reproduction.md)",
-        description="Runs each claim's variants of `megatron-grpo train` (claim 1: v=1/4/8; "
-        "2: zero-variance mask on/off on a sparse-success task; 3: REC one-side clip "
-        "(0.2,0.2) vs (0.6,2.0), with and without IS; 4: RED-Weight / RED-Drop vs GRPO at "
-        "v=4) for --seeds seeds, round-robin, and writes claim<N>.png, reproduce.json and "
-        "reproduce.md (table and verdict per claim) into --out-dir. Prints the estimated "
-        "wall time first.",
-    )
+    r = add_command(bsub, "reproduce", run_reproduce)
     r.add_argument("--claims", type=_ints, default=[1, 2, 3, 4], help="e.g. 1,2,3,4")
     r.add_argument("--seeds", type=int, default=3, help="seeds per variant (1..N)")
     r.add_argument("--steps", type=int, default=60, help="trainer steps per run")
@@ -152,17 +125,25 @@ def _add_reproduce(bsub: argparse._SubParsersAction) -> None:
                    "curves.json) and write the report into --out-dir")  # fmt: skip
     r.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides applied to every run")  # fmt: skip
-    r.set_defaults(func=run_reproduce)
 
 
 def run_reproduce(args: argparse.Namespace) -> int:
+    """the papers' claims at tiny scale: variants x seeds, curves, verdicts
+    (docs/reproduction.md)
+
+    Runs each claim's variants of `megatron-grpo train` (claim 1: v=1/4/8; 2: zero-variance
+    mask on/off on a sparse-success task; 3: REC one-side clip (0.2,0.2) vs (0.6,2.0), with
+    and without IS; 4: RED-Weight / RED-Drop vs GRPO at v=4) for --seeds seeds, round-robin,
+    and writes claim<N>.png, reproduce.json and reproduce.md (table and verdict per claim)
+    into --out-dir. Prints the estimated wall time first."""
+    from megatron_grpo.bench.common import BenchRunFailed
     from megatron_grpo.bench.reproduce import (
         ReproduceArgs,
         check_configs,
         report_from_json,
         run_bench_reproduce,
     )
-    from megatron_grpo.bench.throughput import BenchRunFailed
+    from megatron_grpo.cli.errors import exit_on
 
     if args.from_json:
         try:
@@ -171,22 +152,11 @@ def run_reproduce(args: argparse.Namespace) -> int:
             print(f"error: --from-json {args.from_json}: {e}", file=sys.stderr)
             return 2
         return _print_reproduce(res)
-    try:
-        a = ReproduceArgs(
-            claims=args.claims, seeds=args.seeds, steps=args.steps, window=args.window,
-            margin=args.margin, z=args.z, config=args.config,
-            overrides=list(args.overrides), nproc=args.nproc, out_dir=args.out_dir,
-            timeout_s=args.timeout_s,
-        )  # fmt: skip
+    with exit_on(ValueError, 2):  # ConfigError is a ValueError
+        a = from_args(ReproduceArgs, args)
         a.nproc = check_configs(a)
-    except ValueError as e:  # ConfigError is a ValueError
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
+    with exit_on(BenchRunFailed, 1):
         res = run_bench_reproduce(a)
-    except BenchRunFailed as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     return _print_reproduce(res)
 
 
@@ -199,44 +169,43 @@ def _print_reproduce(res: dict) -> int:
 
 
 def run_throughput(args: argparse.Namespace) -> int:
-    from megatron_grpo.bench.throughput import (
-        BenchRunFailed,
-        ThroughputArgs,
-        config_nproc,
-        default_config,
-        format_table,
-        run_bench_throughput,
-        write_json,
-    )
+    """the training loop at several sync periods v, side by side (docs/benchmarks.md)
 
-    try:
+    Runs `megatron-grpo train` once per v (same config, seed and overrides; one after the
+    other; under torchrun when --nproc > 1), reads each metrics.jsonl and reports steps/s,
+    tokens/s and their ratio to the smallest v, the mean time per phase and the sync cost
+    amortized per step. The first --warmup steps of every run are excluded. Writes JSON, two
+    PNG plots and a markdown table into --out-dir."""
+    from megatron_grpo.bench.common import BenchRunFailed, config_nproc
+    from megatron_grpo.bench.report import format_table
+    from megatron_grpo.bench.throughput import (
+        ThroughputArgs,
+        default_config,
+        run_bench_throughput,
+    )
+    from megatron_grpo.cli.errors import exit_on
+
+    with exit_on(ValueError, 2):
         config = args.config or default_config()
         nproc = args.nproc or config_nproc(config, args.overrides)
-        a = ThroughputArgs(
-            vs=args.vs, steps=args.steps, warmup=args.warmup,
-            config=config, overrides=list(args.overrides),
-            nproc=nproc, out_dir=args.out_dir, timeout_s=args.timeout_s,
-            rounds=args.rounds, aheads=args.aheads, pin=args.pin,
-        )  # fmt: skip
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
+        a = from_args(ThroughputArgs, args, config=config, nproc=nproc)
+    with exit_on(BenchRunFailed, 1):
         res = run_bench_throughput(a)
-    except BenchRunFailed as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     print(format_table(res))
     print(res["warmup_note"])
     for f in res.get("files", []):
         print(f"wrote {f}")
     if args.json_out:
-        write_json(res, args.json_out)
-        print(f"wrote {args.json_out}")
+        _write_json(res, args.json_out)
     return 0
 
 
 def run_project(args: argparse.Namespace) -> int:
+    """step-time model of the paper's 1.35x (Qwen2.5-7B, 8xH100): where S comes from
+
+    Calibrates step_time = T_other + S/v on the paper's two throughputs, computes the
+    bridge's and the baseline's bytes per sync from the static plan, and predicts the
+    v=1..20 throughput ratio for each sync-cost scenario. GPU-free, seconds."""
     from megatron_grpo.bench.projection import (
         Assumptions,
         calibrate_from_throughput,
@@ -264,31 +233,34 @@ def run_project(args: argparse.Namespace) -> int:
 
         print(f"wrote {plot_projection(p, args.plot)}")
     if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(p, indent=2, default=str))
-        print(f"wrote {args.json_out}")
+        _write_json(p, args.json_out)
     return 0
 
 
 def run_sync(args: argparse.Namespace) -> int:
+    """direct resharding bridge vs gather+broadcast baseline vs raw transfer
+
+    Spawns lcm(tp*pp, rollout-tp) local ranks, each a Megatron trainer rank hosting one
+    colocated vLLM TP rank; runs the bridge, the baseline and a raw flat transfer of the
+    same bytes over the same gloo group; prints a table, writes JSON."""
     from megatron_grpo.bench.sync import BenchSyncArgs, format_table, run_bench_sync
     from megatron_grpo.cli.errors import exit_on_user_error
 
     with exit_on_user_error():
         try:
-            a = BenchSyncArgs(
-                model=args.model, train_tp=args.train_tp, train_pp=args.train_pp,
-                rollout_tp=args.rollout_tp, bucket_mb=args.bucket_mb, repeats=args.repeats,
-                sink=args.sink, timeout_s=args.timeout_s, parity_tol=args.parity_tol,
-                cache_dir=args.cache_dir, threads=args.threads,
-            )  # fmt: skip
+            a = from_args(BenchSyncArgs, args)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         res = run_bench_sync(a)
     print(format_table(res))
     if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(res, indent=2, default=str))
-        print(f"wrote {args.json_out}")
+        _write_json(res, args.json_out)
     return 0 if res["verified"] else 1
+
+
+def _write_json(res: dict, path: str) -> None:
+    from megatron_grpo.bench.common import write_json
+
+    write_json(res, path)
+    print(f"wrote {path}")

@@ -26,6 +26,17 @@ def exit_on_user_error():
         sys.exit(1)
 
 
+@contextlib.contextmanager
+def exit_on(errors: type[BaseException] | tuple[type[BaseException], ...], code: int):
+    """End the command with ``error: <message>`` and exit ``code`` when ``errors`` is raised
+    inside: a benchmark's bad arguments (ValueError, 2) or failed run (1)."""
+    try:
+        yield
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(code)
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 

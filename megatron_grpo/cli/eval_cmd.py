@@ -12,16 +12,11 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_grpo.cli.command import add_command
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "eval",
-        help="generate through Megatron -> bridge -> vLLM and report pass@1, pass@k, reward",
-        description="Loads the weights into the Megatron policy (TP x PP), sends them to "
-        "colocated vLLM engines through the resharding bridge, generates for every prompt of "
-        "--data, scores with reward.name and prints pass@1, pass@K and the mean reward. "
-        "Spawns lcm(A*B, C) ranks itself, or runs as the torchrun world when WORLD_SIZE is set.",
-    )
+    p = add_command(sub, "eval", run)
     p.add_argument(
         "--model",
         required=True,
@@ -46,10 +41,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="YAML config for data/reward/rollout settings")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="limit for spawned ranks")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    """generate through Megatron -> bridge -> vLLM and report pass@1, pass@k, reward
+
+    Loads the weights into the Megatron policy (TP x PP), sends them to colocated vLLM
+    engines through the resharding bridge, generates for every prompt of --data, scores with
+    reward.name and prints pass@1, pass@K and the mean reward. Spawns lcm(A*B, C) ranks
+    itself, or runs as the torchrun world when WORLD_SIZE is set."""
     from megatron_grpo.cli.errors import exit_on_user_error
     from megatron_grpo.trainer import evaluate as ev
 

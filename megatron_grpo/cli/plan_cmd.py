@@ -12,16 +12,11 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_grpo.cli.command import add_command
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "plan",
-        help="dry run of a launch without GPUs: ranks, memory per GPU, sync bytes",
-        description="Validate a launch (parallel sizes, which ranks train and serve, memory per "
-        "GPU, bytes per weight sync) for a cluster shape, without GPUs or weights. The model "
-        "shape comes from --model-config, --preset, or the config's model.hf_path (a preset "
-        "name or a directory with config.json).",
-    )
+    p = add_command(sub, "plan", run_plan)
     cluster = p.add_argument_group("cluster")
     cluster.add_argument("--nodes", type=int, required=True, help="number of nodes")
     cluster.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node")
@@ -39,10 +34,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="OUT", help="also write the plan as JSON ('-' = stdout)")
-    p.set_defaults(func=run_plan)
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    """dry run of a launch without GPUs: ranks, memory per GPU, sync bytes
+
+    Validate a launch (parallel sizes, which ranks train and serve, memory per GPU, bytes
+    per weight sync) for a cluster shape, without GPUs or weights. The model shape comes
+    from --model-config, --preset, or the config's model.hf_path (a preset name or a
+    directory with config.json)."""
     from megatron_grpo.cli.errors import exit_on_user_error
     from megatron_grpo.config import load_config
     from megatron_grpo.plan import build_launch_plan, resolve_spec

@@ -10,15 +10,11 @@ import argparse
 import os
 from pathlib import Path
 
+from megatron_grpo.cli.command import add_command
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "train",
-        help="run off-policy GRPO training (under torchrun for several ranks)",
-        description="Off-policy GRPO: rollouts from vLLM serving a policy that is refreshed every "
-        "v steps, Megatron-core training. Settings come from the config file, then key=value "
-        "overrides (dotted keys, e.g. grpo.group_size=16).",
-    )
+    p = add_command(sub, "train", run)
     p.add_argument("--config", help="YAML config (default: the embedded tiny CPU default)")
     p.add_argument("--run-dir", help="run directory (overrides run_dir)")
     p.add_argument("--steps", type=int, help="number of trainer steps (overrides steps)")
@@ -38,7 +34,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "default it goes to RUN_DIR/train.log",
     )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    p.set_defaults(func=run)
 
 
 def overrides_from_args(args: argparse.Namespace) -> list[str]:
@@ -53,6 +48,11 @@ def overrides_from_args(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """run off-policy GRPO training (under torchrun for several ranks)
+
+    Off-policy GRPO: rollouts from vLLM serving a policy that is refreshed every v steps,
+    Megatron-core training. Settings come from the config file, then key=value overrides
+    (dotted keys, e.g. grpo.group_size=16)."""
     from megatron_grpo.cli.errors import exit_on_user_error
     from megatron_grpo.config import load_config
 
@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
             from megatron_grpo.trainer.run_dir import prepare_run_dir
 
             prepare_run_dir(cfg.run_dir, resume=args.resume, overwrite=args.overwrite)
+        from megatron_grpo.distributed.spawn import ranks_needed, run_under_torchrun
         from megatron_grpo.trainer.preflight import check_run
-        from megatron_grpo.trainer.spawn import ranks_needed, run_under_torchrun
 
         spawn = "WORLD_SIZE" not in os.environ and cfg.rollout.placement == "colocated"
         nproc = ranks_needed(cfg) if spawn else int(os.environ.get("WORLD_SIZE", "1"))

@@ -371,7 +371,7 @@ def generate(s: EvalSettings, timeout_s: float = 1800.0) -> dict[str, Any] | Non
     world = eval_world(p.tp, p.pp, r.tp)
     if world == 1:
         return eval_rank(0, 1, s)
-    from megatron_grpo.bench.spawn import spawn_ranks
+    from megatron_grpo.distributed.spawn import spawn_ranks
 
     threads = max(1, (os.cpu_count() or 1) // world)
     return spawn_ranks(eval_rank, world, replace(s, threads=threads), timeout_s=timeout_s)[0]

@@ -1,0 +1,179 @@
+"""Start the local ranks of a job: a function on N spawned processes, or a command under torchrun.
+
+``spawn_ranks(fn, world, *args)`` runs ``fn(rank, world, *args)`` in ``world`` fresh
+``spawn`` processes with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR=127.0.0.1 and a free MASTER_PORT) and returns what each rank returned, in rank
+order, through ``torch.save`` files in a temporary directory. ``eval``, ``bench sync`` and
+the distributed tests start their ranks this way, so that they need no launcher.
+
+``run_under_torchrun(argv, nproc)`` is how ``megatron-grpo train`` run as one process starts
+the ranks its layout needs (:func:`ranks_needed`): it re-runs the same command as
+``torchrun --standalone --nproc-per-node N`` on this machine. The torchrun process gets
+SIGTERM when this one dies (parent-death signal), and SIGTERM / SIGUSR1 / SIGINT sent here
+are passed on to it.
+
+Lifetime: every spawned rank gets SIGKILL when the process that started it dies
+(``platform.lifetime.die_with_parent``), so a killed ``eval`` / ``bench`` / test leaves no
+rank behind; and every process started here is joined, or killed by its own handle, before
+``spawn_ranks`` returns, whatever happens (never by name).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from megatron_grpo.config.schema import Config
+from megatron_grpo.platform.lifetime import die_with_parent
+
+
+class RankFailed(RuntimeError):
+    """A spawned rank raised, died, or the ranks ran past their time limit."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(
+    fn: Callable, rank: int, world: int, port: int, out_dir: str, env: dict[str, str],
+    threads: int | None, setup: Callable[[], object] | None, args: tuple,
+) -> None:  # fmt: skip
+    die_with_parent()  # a killed parent must not leave its ranks behind
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env,
+    )  # fmt: skip
+    out = Path(out_dir)
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if setup is not None:
+            setup()
+        result = fn(rank, world, *args)
+        torch.save(result, out / f"{rank}.pt.tmp")
+        (out / f"{rank}.pt.tmp").rename(out / f"{rank}.pt")
+    except BaseException:  # noqa: BLE001 - reported to the parent through the file
+        (out / f"{rank}.err").write_text(traceback.format_exc())
+        code = 1
+    else:
+        code = 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip teardown: vLLM and gloo threads (a failed collective's pending operations) may
+    # hold the interpreter at exit.
+    os._exit(code)
+
+
+def spawn_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout_s: float = 1800.0,
+    env: dict[str, str] | None = None,
+    threads: int | None = None,
+    setup: Callable[[], object] | None = None,
+) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` spawned ranks; their results in rank order.
+
+    ``fn`` (and ``setup``) must be module-level functions (pickled by name); ``env`` is
+    added to each rank's environment; ``threads`` sets OMP_NUM_THREADS and torch's thread
+    count in each rank; ``setup()`` runs in each rank before ``fn``. If a rank raises,
+    the other ranks are killed and :class:`RankFailed` carries its traceback; past
+    ``timeout_s`` every rank is killed and the error names those still running.
+    """
+    env = dict(env or {})
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    name = getattr(fn, "__name__", repr(fn))
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="mgrpo_ranks_") as out_dir:
+        out = Path(out_dir)
+        try:
+            for r in range(world):
+                a = (fn, r, world, port, out_dir, env, threads, setup, args)
+                procs.append(ctx.Process(target=_rank_main, args=a))
+                procs[-1].start()
+            deadline = time.monotonic() + timeout_s
+            while any(p.is_alive() for p in procs):
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break  # one rank failed: the others are killed below
+                if time.monotonic() > deadline:
+                    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+                    raise RankFailed(
+                        f"{name} on {world} ranks ran past {timeout_s:.0f}s; ranks {alive} "
+                        "were still running and were killed."
+                    )
+                time.sleep(0.05)
+            errors = sorted(out.glob("*.err"))
+            if errors:
+                raise RankFailed(
+                    f"rank {errors[0].stem} of {world} failed in {name}:\n{errors[0].read_text()}"
+                )
+            bad = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+            if bad:
+                raise RankFailed(f"ranks died in {name} (rank: exit code) {bad}")
+            missing = [r for r in range(world) if not (out / f"{r}.pt").exists()]
+            if missing:
+                codes = {r: procs[r].exitcode for r in missing}
+                raise RankFailed(f"ranks {missing} returned no result (exit codes {codes})")
+            return [torch.load(out / f"{r}.pt", weights_only=False) for r in range(world)]
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=10)
+
+
+# ------------------------------------------------------------------------------ torchrun
+
+
+def ranks_needed(cfg: Config) -> int:
+    """The smallest local world the layout fits: tp*pp*cp*dp trainer ranks (dp 0: 1), made
+    a multiple of rollout.tp for colocated engines; disaggregated layouts need torchrun."""
+    p = cfg.parallel
+    world = p.tp * p.pp * p.cp * max(p.dp, 1)
+    if cfg.rollout.placement == "colocated" and not p.dp:
+        world = math.lcm(world, cfg.rollout.tp)
+    return world
+
+
+def torchrun_argv(nproc: int, *argv: str) -> list[str]:
+    """``torchrun --standalone --nproc-per-node nproc -m megatron_grpo.cli.main *argv``."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", "-m", "megatron_grpo.cli.main", *argv]  # fmt: skip
+
+
+def run_under_torchrun(argv: list[str], nproc: int) -> int:
+    """:func:`torchrun_argv` as a child bound to this process; returns its exit status."""
+    parent = os.getpid()
+    env = {**os.environ}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.Popen(torchrun_argv(nproc, *argv), env=env,
+                            preexec_fn=lambda: die_with_parent(parent, signal.SIGTERM))  # fmt: skip
+
+    def forward(signum, frame):
+        proc.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, forward)
+    return proc.wait()
