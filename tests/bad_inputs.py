@@ -142,12 +142,12 @@ def run_case(argv: list[str], tmp: Path) -> tuple[int, list[str]]:
     """(exit code, output lines) of ``megatron-grpo *argv`` with $TMP set to ``tmp``."""
     from megatron_grpo.cli import main as cli_main
     from megatron_grpo.distributed import spawn
-    from megatron_grpo.trainer import loop
+    from megatron_grpo.trainer import build
 
     argv = [a.replace("$TMP", str(tmp)) for a in argv]
     out = io.StringIO()
-    saved = loop.train, spawn.run_under_torchrun, spawn.spawn_ranks
-    loop.train, spawn.run_under_torchrun, spawn.spawn_ranks = _refuse, _refuse, _refuse
+    saved = build.train, spawn.run_under_torchrun, spawn.spawn_ranks
+    build.train, spawn.run_under_torchrun, spawn.spawn_ranks = _refuse, _refuse, _refuse
     cwd = os.getcwd()
     try:
         os.chdir(tmp)
@@ -162,7 +162,7 @@ def run_case(argv: list[str], tmp: Path) -> tuple[int, list[str]]:
                 rc, _ = 98, print(f"Traceback: {type(e).__name__}: {e}")
     finally:
         os.chdir(cwd)
-        loop.train, spawn.run_under_torchrun, spawn.spawn_ranks = saved
+        build.train, spawn.run_under_torchrun, spawn.spawn_ranks = saved
     lines = [x.replace(str(tmp), "$TMP") for x in out.getvalue().splitlines() if x.strip()]
     return rc, lines
 
