@@ -90,15 +90,12 @@ def validate_world(cfg: Config, world_size: int) -> int:
 def build_rollout(hf_dir, spec, ctx, cfg: Config, policy, **engine_kwargs) -> tuple[Any, Any]:
     """This rank's colocated vLLM engine (serving ``hf_dir``; ``engine_kwargs`` go to
     ``RolloutEngine``) and the resharding bridge that feeds it ``policy``'s shards:
-    ``(RolloutEngine, WeightSync)``. Shared with ``megatron-grpo eval`` (trainer/evaluate.py)."""
-    from megatron_grpo.bridge.weight_sync import WeightSync
+    ``(RolloutEngine, WeightSender)``. Shared with ``megatron-grpo eval`` (trainer/evaluate.py)."""
+    from megatron_grpo.bridge.weight_sync import colocated_sender
     from megatron_grpo.rollout.engine import RolloutEngine
 
     engine = RolloutEngine.from_config(hf_dir, cfg.rollout, **engine_kwargs)
-    weight_sync = WeightSync(
-        spec, ctx, dict(policy.named_shards()), engine, cfg.sync, cfg.rollout.tp,
-        policy.vocab_per_rank * ctx.tp,
-    )  # fmt: skip
+    weight_sync = colocated_sender(hf_dir, spec, ctx, policy, engine, cfg.sync, cfg.rollout.tp)
     return engine, weight_sync
 
 
