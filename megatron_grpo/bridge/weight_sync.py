@@ -191,8 +191,9 @@ class RemoteEngines:
         pass
 
 
-class _Counted:
-    """What every sender does after its rank's half of a sync: count, merge, verify."""
+class _SenderBase:
+    """The part of ``WeightSender`` both implementations share: after this rank's half of a
+    sync, count it, merge the ranks' stats, run ``sync.verify``."""
 
     def __init__(self, plan: SyncPlan, verify: Verify | None) -> None:
         self.plan = plan
@@ -208,7 +209,7 @@ class _Counted:
         return report
 
 
-class DirectSender(_Counted):
+class DirectSender(_SenderBase):
     """The resharding bridge: this rank's half of the plan's transport, into ``sink``
     (``LocalEngine`` or ``RemoteEngines``)."""
 
@@ -242,7 +243,7 @@ def _recording(receive: Sink, sent: dict[str, Checksum]) -> Sink:
     return sink
 
 
-class BaselineSender(_Counted):
+class BaselineSender(_SenderBase):
     """The anchors' gather-and-broadcast into this rank's colocated engine."""
 
     def __init__(
