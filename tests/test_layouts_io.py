@@ -108,10 +108,8 @@ def _worker(rank, world, port, hf_dir, tp, pp, vpp, norm_style):
         dp = world // (tp * pp)
         # megatron's default order tp-cp-ep-dp-pp
         tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
-        ctx = RankInfo(
-            tp=tp, pp=pp, vpp=vpp, dp=dp, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank
-        )
-        ml = mg.MegatronLayout(tp, pp, vpp, norm_style=norm_style)
+        ml = mg.MegatronLayout(tp, pp, vpp, dp, norm_style=norm_style)
+        ctx = RankInfo(ml, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)
         chunks = [fake_chunk(spec, ml, pp_rank, v, tp_rank) for v in range(vpp)]
         load_hf_into_megatron(chunks, hf_dir, spec, ctx)
         from safetensors.torch import load_file

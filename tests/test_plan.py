@@ -7,7 +7,13 @@ import itertools
 import pytest
 import torch
 
-from megatron_grpo.bridge.plan import TrainerPlacement, build_plan, megatron_rank_order, plan_report
+from megatron_grpo.bridge.plan import (
+    build_plan,
+    megatron_rank_order,
+    plan_report,
+    rank_lookup,
+    src_name,
+)
 from megatron_grpo.layouts import megatron as mg
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.layouts.pieces import assemble, reader_from_dict
@@ -16,16 +22,18 @@ from tests.test_layouts import arange_hf, make_spec
 F64 = torch.float64
 
 
-def trainer_state(spec, trainer: TrainerPlacement) -> dict[tuple[int, str], torch.Tensor]:
+def trainer_state(
+    spec, trainer: mg.MegatronLayout, rank_of=None
+) -> dict[tuple[int, str], torch.Tensor]:
     """(global rank, src_name) -> shard, as every trainer rank would hold it."""
     read = reader_from_dict(arange_hf(spec))
-    ml = trainer.layout
+    global_rank = rank_lookup(trainer, rank_of)
     out = {}
     for dp, pp, vp, tp in itertools.product(
         range(trainer.dp), range(trainer.pp), range(trainer.vpp), range(trainer.tp)
     ):
-        for lay in mg.chunk_shards(spec, ml, pp, vp, tp):
-            out[(trainer.global_rank(dp, pp, tp), trainer.src_name(vp, lay.name))] = assemble(
+        for lay in mg.chunk_shards(spec, trainer, pp, vp, tp):
+            out[(global_rank(dp, pp, tp), src_name(trainer, vp, lay.name))] = assemble(
                 lay, read, F64
             )
     return out
@@ -63,7 +71,7 @@ IDS = [
 @pytest.mark.parametrize("placement", ["colocated", "separate"])
 def test_plan_reproduces_vllm_shards(spec, tp, pp, vtp, placement):
     dp = 2
-    trainer = TrainerPlacement(tp=tp, pp=pp, dp=dp)
+    trainer = mg.MegatronLayout(tp=tp, pp=pp, dp=dp)
     world = tp * pp * dp
     if placement == "colocated":
         # engines tile the trainer ranks: world / vtp engines of vtp consecutive ranks
@@ -97,7 +105,7 @@ def test_plan_reproduces_vllm_shards(spec, tp, pp, vtp, placement):
 def test_colocated_equal_tp_is_mostly_in_process():
     """Equal TP, ng >= T: every shard has a source in the same process (DESIGN.md §2)."""
     spec = make_spec("qwen2", kv=2, tied=False, vocab=128 * 2)
-    trainer = TrainerPlacement(tp=2, pp=1, dp=1)
+    trainer = mg.MegatronLayout(tp=2, pp=1, dp=1)
     plan = build_plan(spec, trainer, 2, [[0, 1]])
     report = plan_report(plan)
     # only vocabulary rows differ in split (Megatron pads to 256 per rank, vLLM to 256 total)
@@ -113,11 +121,11 @@ def test_vpp_and_te_names_and_custom_rank_table():
     table = {
         (d, p, t): 10 + 4 * d + 2 * p + t for d in range(1) for p in range(2) for t in range(2)
     }
-    trainer = TrainerPlacement(tp=2, pp=2, vpp=2, dp=1, rank_of=table, norm_style="te")
-    plan = build_plan(spec, trainer, 2, [[0, 1]])
+    trainer = mg.MegatronLayout(tp=2, pp=2, vpp=2, dp=1, norm_style="te")
+    plan = build_plan(spec, trainer, 2, [[0, 1]], rank_of=table)
     assert any(c.src_name.startswith("chunk1.decoder.layers.") for c in plan.copies)
     assert any("layer_norm_weight" in c.src_name for c in plan.copies)
-    got = execute(plan, trainer_state(spec, trainer))
+    got = execute(plan, trainer_state(spec, trainer, table))
     read = reader_from_dict(arange_hf(spec))
     for r in range(2):
         for lay in vl.rank_shards(spec, 2, r):
@@ -135,6 +143,6 @@ def test_megatron_rank_order():
 def test_plan_errors():
     spec = make_spec("llama", kv=2)
     with pytest.raises(ValueError, match="rollout tp=2"):
-        build_plan(spec, TrainerPlacement(), 2, [[0]])
+        build_plan(spec, mg.MegatronLayout(), 2, [[0]])
     with pytest.raises(ValueError, match="rollout tp=3"):
-        build_plan(spec, TrainerPlacement(), 3, [[0, 1, 2]])
+        build_plan(spec, mg.MegatronLayout(), 3, [[0, 1, 2]])

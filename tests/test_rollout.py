@@ -71,7 +71,7 @@ def _colocated_tp1(rank: int, world: int, root: str) -> dict:
 
     import torch.distributed as dist
 
-    from megatron_grpo.bridge.receiver import pack_bucket, tensor_checksum
+    from megatron_grpo.bridge.checksum import tensor_checksum
     from megatron_grpo.rollout import RolloutEngine
 
     _init_world(rank, world)
@@ -96,11 +96,7 @@ def _colocated_tp1(rank: int, world: int, root: str) -> dict:
         res["before"] = _probe(eng)
         shards = vllm_shards_from_hf(dst, 1, 0)
         t0 = time.perf_counter()
-        if variant == "qwen3_untied":  # the flat-bucket path
-            flat, entries = pack_bucket(sorted(shards.items()))
-            version = eng.load_bucket(flat, entries)
-        else:
-            version = eng.load_shards(shards.items())
+        version = eng.load_shards(shards.items())
         res["load_s"] = time.perf_counter() - t0
         res["version"] = (version, eng.receiver.version, eng.worker_versions())
         res["after"] = _probe(eng)
@@ -253,7 +249,15 @@ def test_colocated_world2_dp_and_tp2(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------- standalone
 def _standalone(rank: int, world: int, root: str, port: int) -> dict:
-    from megatron_grpo.bridge.receiver import init_transfer_group, pack_bucket, send_bucket
+    """A disaggregated engine (its own executor) fed by this process as the one trainer rank
+    (trainer TP=PP=1, shards assembled from checkpoint B by the layouts) over the transfer
+    group: the worker rebuilds the plan from ``PlanInputs`` and runs the receiving half of
+    the transport, as in a disaggregated run."""
+    from megatron_grpo.bridge.weight_sync import PlanInputs, init_transfer_group
+    from megatron_grpo.layouts import megatron as mg
+    from megatron_grpo.layouts.io import HFCheckpointReader
+    from megatron_grpo.layouts.pieces import assemble
+    from megatron_grpo.models.spec import load_spec
     from megatron_grpo.rollout import RolloutEngine
 
     src, dst = _models(Path(root), "qwen3_untied")
@@ -262,50 +266,39 @@ def _standalone(rank: int, world: int, root: str, port: int) -> dict:
     try:
         out: dict = {"before": _probe(eng)}
         # Trainer = group rank 0 (this process), the engine's one worker = group rank 1.
-        init = dict(master_address="127.0.0.1", master_port=port, world_size=2, rank_offset=1)
+        inputs = PlanInputs(
+            model_dir=str(dst), layout=mg.MegatronLayout(), rollout_tp=1, engines=[[1]],
+            dtype="float32", bucket_mb=0.05, timeout_s=60.0,
+        )  # fmt: skip
+        init = dict(master_address="127.0.0.1", master_port=port, world_size=2, rank_offset=1,
+                    plan=inputs.to_dict())  # fmt: skip
         t = threading.Thread(target=eng.init_transfer, args=(init,))
         t.start()
         pg = init_transfer_group("127.0.0.1", port, 0, 2)
         t.join()
-        shards = vllm_shards_from_hf(dst, 1, 0)
-        names = sorted(shards)
-        buckets = [
-            pack_bucket([(n, shards[n]) for n in names[: len(names) // 2]]),
-            pack_bucket([(n, shards[n]) for n in names[len(names) // 2 :]]),
-        ]
-        info = [
-            {
-                "buckets": [
-                    {
-                        "src": 0,
-                        "dtype": "float32",
-                        "numel": flat.numel(),
-                        "tag": i,
-                        "entries": [e.to_wire() for e in entries],
-                    }
-                    for i, (flat, entries) in enumerate(buckets)
-                ]
-            }
-        ]
+        spec, reader = load_spec(dst), HFCheckpointReader(dst)
+        trainer_shards = {
+            lay.name: assemble(lay, reader.read, dtype=torch.float32)
+            for lay in mg.chunk_shards(spec, inputs.layout, 0, 0, 0)
+        }
         errors: list[BaseException] = []
 
         def run_update() -> None:
             try:
-                eng.update_weights_remote(info)
+                eng.update_weights_remote([{"plan": True}])
             except BaseException as e:  # surfaced below
                 errors.append(e)
 
         t = threading.Thread(target=run_update)
         t.start()
-        for i, (flat, _) in enumerate(buckets):
-            send_bucket(pg, flat, 1, tag=i)
+        inputs.transport(0, pg, "cpu").sync(trainer_shards)
         t.join(timeout=120)
         if errors:
             raise errors[0]
         out["after"] = _probe(eng)
         out["versions"] = (eng.weight_version, eng.worker_versions())
         out["export"] = eng.export_shards()[0]
-        out["shards"] = shards
+        out["shards"] = vllm_shards_from_hf(dst, 1, 0)
         eng.reload_from_hf(dst)
         out["ref"] = _probe(eng)
     finally:

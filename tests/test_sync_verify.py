@@ -11,12 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_grpo.bridge.verify import (
-    SyncVerificationError,
-    checksum,
-    fixed_sequences,
-    verify_sync,
-)
+from megatron_grpo.bridge.checksum import checksum
+from megatron_grpo.bridge.verify import SyncVerificationError, fixed_sequences, verify_sync
 
 
 class FakePolicy:

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from megatron_grpo.bridge.plan_types import Copy, DstTensor, SyncPlan
+from megatron_grpo.bridge.plan import Copy, DstTensor, SyncPlan
 from megatron_grpo.bridge.transport import (
     PlanMismatchError,
     SyncError,

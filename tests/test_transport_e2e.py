@@ -4,8 +4,8 @@ loading the HF checkpoint directly.
 Real pieces only: megatron-core policies built from HF checkpoint B at trainer (TP, PP) in
 {1,2}x{1,2} (DP fills the 4 ranks), colocated vLLM engines (external_launcher) of rollout
 TP in {1,2} started from a different checkpoint A, the plan from ``bridge.plan``, the
-trainer's ``WeightSync`` (transport + ``ShardReceiver`` sink inside vLLM's reload
-protocol). Reference: the same engine after ``reload_from_hf(B)`` (vLLM's own loader),
+trainer's colocated ``WeightSender`` (transport + ``ShardReceiver`` sink inside vLLM's
+reload protocol). Reference: the same engine after ``reload_from_hf(B)`` (vLLM's own loader),
 read back with ``export_shards``. Every comparison is bit-exact.
 
 One spawned group of 4 ranks runs every case (process and engine start-up dominate on 2
@@ -55,7 +55,7 @@ def _e2e(rank: int, world: int, root: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from megatron_grpo.bridge.weight_sync import WeightSync
+    from megatron_grpo.bridge.weight_sync import colocated_sender
     from megatron_grpo.config.schema import ModelConfig, ParallelConfig, SyncConfig
     from megatron_grpo.distributed import init_distributed
     from megatron_grpo.layouts.io import load_hf_into_megatron
@@ -83,27 +83,24 @@ def _e2e(rank: int, world: int, root: str) -> dict:
                     spec, ctx, ModelConfig(hf_path=str(b), dtype="float32", transformer_impl="local"),
                     None, init_weights=partial(load_hf_into_megatron, hf_dir=b, spec=spec, ctx=ctx),
                 )  # fmt: skip
-                shards = dict(policy.named_shards())
-                ws = WeightSync(
-                    spec, ctx, shards, eng, SyncConfig(bucket_mb=0.05, timeout_s=60), rtp,
-                    policy.vocab_per_rank * ctx.tp,
-                )  # fmt: skip
+                sync = SyncConfig(bucket_mb=0.05, timeout_s=60)
+                ws = colocated_sender(b, spec, ctx, policy, eng, sync, rtp)
                 eng.reload_from_hf(a)  # the engine must really receive B from the bridge
                 before = eng.export_shards()[0]
-                report = ws.sync_shards(shards)
+                report = ws.sync(policy)
                 got = eng.export_shards()[0]
                 out[case] = {
                     "changed": any(not torch.equal(before[n], t) for n, t in ref.items()),
                     "mismatched": sorted(n for n, t in ref.items() if not torch.equal(got[n], t)),
                     "names_equal": set(got) == set(ref),
                     "bytes": report.bytes,
-                    "minimal": ws.minimal_bytes,
+                    "minimal": ws.plan.minimal_bytes,
                     "links": report.bytes_per_link,
                     "plan_links": {
                         f"{s}->{d}": n for (s, d), n in ws.plan.bytes_per_link().items()
                     },
                 }
-                del policy, shards, ws
+                del policy, ws
             eng.shutdown()
     dist.barrier()
     return out

@@ -248,8 +248,9 @@ def plan_bytes(a: Assumptions) -> PlanBytes:
     """Direct bridge bytes from ``build_plan`` on the preset shape; baseline by construction:
     gather every shard the root (rank 0) does not hold, then broadcast the full model to all
     vLLM ranks (``bridge/baseline.py``)."""
-    from megatron_grpo.bridge.plan import TrainerPlacement, build_plan, plan_report
+    from megatron_grpo.bridge.plan import build_plan, plan_report
     from megatron_grpo.bridge.weight_sync import colocated_engine_ranks
+    from megatron_grpo.layouts.megatron import MegatronLayout
     from megatron_grpo.models.spec import megatron_padded_vocab
     from megatron_grpo.plan.model import preset_spec
 
@@ -260,12 +261,12 @@ def plan_bytes(a: Assumptions) -> PlanBytes:
             f"{a.trainer_pp}) and of rollout_tp({a.rollout_tp})."
         )
     dp = a.gpus // (a.trainer_tp * a.trainer_pp)
-    placement = TrainerPlacement(
-        tp=a.trainer_tp, pp=a.trainer_pp, dp=dp,
+    layout = MegatronLayout(
+        a.trainer_tp, a.trainer_pp, dp=dp,
         padded_vocab=megatron_padded_vocab(spec.vocab_size, a.trainer_tp),
     )  # fmt: skip
     engines = colocated_engine_ranks(a.gpus, a.rollout_tp)
-    rep = plan_report(build_plan(spec, placement, a.rollout_tp, engines, a.dtype_bytes))
+    rep = plan_report(build_plan(spec, layout, a.rollout_tp, engines, a.dtype_bytes))
     links = rep.bytes_per_link
     in_proc: dict[int, int] = {}
     for (s, d), n in links.items():

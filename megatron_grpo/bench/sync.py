@@ -134,13 +134,15 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
     from megatron_grpo.bench.raw import RawTransfer
     from megatron_grpo.bridge.accounting import SyncReport
     from megatron_grpo.bridge.baseline import BaselineSync
-    from megatron_grpo.bridge.plan import TrainerPlacement, build_plan
+    from megatron_grpo.bridge.checksum import checksum
+    from megatron_grpo.bridge.plan import build_plan
     from megatron_grpo.bridge.transport import Transport
-    from megatron_grpo.bridge.verify import checksum, compare_checksums, fixed_sequences
-    from megatron_grpo.bridge.weight_sync import colocated_engine_ranks, norm_style
+    from megatron_grpo.bridge.verify import compare_checksums, fixed_sequences
+    from megatron_grpo.bridge.weight_sync import colocated_engine_ranks
     from megatron_grpo.config.schema import ModelConfig, ParallelConfig
     from megatron_grpo.distributed import init_distributed
     from megatron_grpo.layouts.io import load_hf_into_megatron
+    from megatron_grpo.layouts.megatron import MegatronLayout
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.platform.cpu import device_mode_suspended
     from megatron_grpo.policy.policy import build_policy
@@ -171,16 +173,10 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
     shards = dict(policy.named_shards())
     dtype = next(iter(shards.values())).dtype
     padded_vocab = policy.vocab_per_rank * ctx.tp
-    placement = TrainerPlacement(
-        tp=ctx.tp,
-        pp=ctx.pp,
-        dp=ctx.dp,
-        norm_style=norm_style(list(shards)),
-        padded_vocab=padded_vocab,
-    )
+    layout = MegatronLayout.of(ctx, shards, padded_vocab)
     t0 = time.perf_counter()
     plan = build_plan(
-        spec, placement, a.rollout_tp, colocated_engine_ranks(world, a.rollout_tp),
+        spec, layout, a.rollout_tp, colocated_engine_ranks(world, a.rollout_tp),
         element_size=torch.empty((), dtype=dtype).element_size(),
     )  # fmt: skip
     setup["plan_s"] = time.perf_counter() - t0

@@ -1,11 +1,13 @@
 """The resharding bridge: trainer TP/PP shards -> each vLLM rank's own shards (docs/bridge.md).
 
-- :mod:`.plan_types` / :mod:`.plan`: which slices go where (computed once);
+- :mod:`.plan`: which slices go where (``SyncPlan``, computed once from the layouts);
 - :mod:`.transport`: executes a plan with flat buckets, point to point (``Transport``);
 - :mod:`.accounting`: bytes and seconds of a sync (``SyncStats``, ``SyncReport``);
 - :mod:`.baseline`: the anchors' gather-and-broadcast path, measured the same way;
-- :mod:`.verify`: checksums and logprob parity;
-- :mod:`.receiver` / :mod:`.vllm_plugin`: the vLLM side; :mod:`.weight_sync`: the trainer's handle.
+- :mod:`.checksum` / :mod:`.verify`: exact checksums, and the checks of a sync (with
+  logprob parity);
+- :mod:`.receiver` / :mod:`.vllm_plugin`: the vLLM side;
+- :mod:`.weight_sync`: the trainer's handle (``WeightSender``, colocated or disaggregated).
 
 Names are resolved lazily so that ``import megatron_grpo.bridge`` stays light (the GPU-free
 ``plan`` command imports the plan only).

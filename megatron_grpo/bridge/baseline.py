@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from megatron_grpo.bridge.accounting import SyncStats, link_key
-from megatron_grpo.bridge.plan import megatron_rank_order
+from megatron_grpo.bridge.plan import rank_lookup
 
 
 def _numel(shape) -> int:
@@ -53,17 +54,16 @@ class BaselineSync:
         padded_vocab: int | None = None,
         sink: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
-        from megatron_grpo.layouts import megatron as mg
         from megatron_grpo.layouts.io import gather_schedule, megatron_layout_of
 
         self.models, self.spec, self.ctx, self.engine = models, spec, ctx, engine
         self.root = root
         self.sink = sink
         ml = megatron_layout_of(models, spec, ctx)
-        ml = mg.MegatronLayout(ml.tp, ml.pp, ml.vpp, padded_vocab or ml.padded_vocab, ml.norm_style)
+        ml = replace(ml, padded_vocab=padded_vocab or ml.padded_vocab)
         es = next(p for m in models for p in m.parameters()).element_size()
         self.element_size = es
-        rank_of = megatron_rank_order(ctx.tp, ctx.dp, ctx.pp)
+        rank_of = rank_lookup(ml)
         # The gather's traffic, from the same schedule iter_hf_tensors follows.
         self.gather_links: dict[tuple[int, int], int] = {}
         for src in gather_schedule(spec, ml):

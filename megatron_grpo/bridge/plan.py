@@ -1,9 +1,15 @@
 """The static send plan of a weight sync: which trainer shard slices compose each vLLM shard.
 
-Computed once per (model, trainer TP/PP/VPP/DP placement, rollout TP, engine placement)
-purely from :mod:`megatron_grpo.layouts` -- no process group, no GPU. Every vLLM parameter
-shard on every engine rank is described by its HF pieces; every trainer shard on every
-(dp, pp, tp) rank likewise; a copy is an overlap of the two in HF coordinates.
+Computed once per (model, trainer layout, rollout TP, engine placement) purely from
+:mod:`megatron_grpo.layouts` -- no process group, no GPU. Every vLLM parameter shard on
+every engine rank is described by its HF pieces; every trainer shard on every (dp, pp, tp)
+rank likewise; a copy is an overlap of the two in HF coordinates. The transport executes
+the plan (``bridge.transport``).
+
+Every copy moves a contiguous range along ONE dimension: column-parallel tensors (QKV,
+gate/up, vocabulary rows, biases) slice along dim 0, row-parallel ones (o_proj/linear_proj,
+down_proj/linear_fc2) along dim 1, replicated ones (norms) copy whole (dim 0, full length).
+Destination ranges that no copy covers are vLLM's vocabulary padding and stay zero.
 
 Source choice (no rank is a funnel):
 
@@ -19,12 +25,91 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from megatron_grpo.bridge.plan_types import Copy, DstTensor, SyncPlan, row_elems
 from megatron_grpo.layouts import megatron as mg
 from megatron_grpo.layouts import vllm as vl
-from megatron_grpo.layouts.megatron import MegatronLayout, NormStyle
+from megatron_grpo.layouts.megatron import MegatronLayout
 from megatron_grpo.layouts.pieces import ShardLayout
 from megatron_grpo.models.spec import ModelSpec
+
+# ---------------------------------------------------------------------------- data model
+
+
+def row_elems(shape: tuple[int, ...], dim: int) -> int:
+    """Elements in one index of ``dim``: the product of every other dimension of ``shape``."""
+    n = 1
+    for i, s in enumerate(shape):
+        if i != dim:
+            n *= s
+    return n
+
+
+@dataclass(frozen=True)
+class Copy:
+    """``dst[dst_name].narrow(dim, dst_start, length) <- src[src_name].narrow(dim, src_start, length)``."""
+
+    src_rank: int
+    """Global rank of the trainer process that holds the source shard."""
+    src_name: str
+    """Key of the source shard in that rank's trainer state (Megatron name, local layer
+    index, prefixed by the virtual-pipeline chunk as ``chunk{c}.`` when vpp is used)."""
+    dst_rank: int
+    """Global rank of the process hosting the destination vLLM TP rank."""
+    dst_name: str
+    """vLLM parameter name (global layer index), e.g. ``model.layers.3.self_attn.qkv_proj.weight``."""
+    dim: int
+    src_start: int
+    dst_start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class DstTensor:
+    """One vLLM parameter shard that a sync builds on one destination rank."""
+
+    rank: int
+    name: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class SyncPlan:
+    copies: list[Copy] = field(default_factory=list)
+    dst_tensors: list[DstTensor] = field(default_factory=list)
+    element_size: int = 4
+    """Bytes per element on the wire (4 for fp32, 2 for bf16)."""
+
+    @property
+    def minimal_bytes(self) -> int:
+        """Sum of every vLLM shard that must arrive; replicated shards count per receiving rank.
+
+        Zero padding rows are excluded: they are filled on the receiver, never sent.
+        """
+        return sum(c.length * self._row_elems(c) for c in self.copies) * self.element_size
+
+    def _row_elems(self, c: Copy) -> int:
+        return row_elems(self._dst_shapes()[(c.dst_rank, c.dst_name)], c.dim)
+
+    def _dst_shapes(self) -> dict[tuple[int, str], tuple[int, ...]]:
+        cache = getattr(self, "_shape_cache", None)
+        if cache is None or len(cache) != len(self.dst_tensors):
+            cache = {(d.rank, d.name): d.shape for d in self.dst_tensors}
+            self._shape_cache = cache
+        return cache
+
+    def copy_bytes(self, c: Copy) -> int:
+        return c.length * self._row_elems(c) * self.element_size
+
+    def bytes_per_link(self) -> dict[tuple[int, int], int]:
+        """(src_rank, dst_rank) -> bytes; a link with src == dst is an in-process copy."""
+        out: dict[tuple[int, int], int] = {}
+        for c in self.copies:
+            key = (c.src_rank, c.dst_rank)
+            out[key] = out.get(key, 0) + self.copy_bytes(c)
+        return out
+
+
+# ---------------------------------------------------------------------------- building
+
 
 RankOf = Callable[[int, int, int], int]
 """``(dp_rank, pp_rank, tp_rank) -> global rank``."""
@@ -40,35 +125,20 @@ def megatron_rank_order(tp: int, dp: int, pp: int) -> RankOf:
     return rank_of
 
 
-@dataclass(frozen=True)
-class TrainerPlacement:
-    """Where the trainer's shards live."""
+def src_name(trainer: MegatronLayout, vp_stage: int, name: str) -> str:
+    """Trainer-state key of a shard (``Copy.src_name``): ``chunk{c}.`` when vpp > 1."""
+    return f"chunk{vp_stage}.{name}" if trainer.vpp > 1 else name
 
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    dp: int = 1
-    rank_of: RankOf | Mapping[tuple[int, int, int], int] | None = None
-    """(dp_rank, pp_rank, tp_rank) -> global rank; None = megatron-core's default order."""
-    norm_style: NormStyle = "local"
-    """``local`` or ``te`` parameter names for the layer norms (see layouts.megatron)."""
-    padded_vocab: int | None = None
-    """The model's padded vocabulary; None = ``megatron_padded_vocab(V, tp)``."""
 
-    def global_rank(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
-        if self.rank_of is None:
-            return megatron_rank_order(self.tp, self.dp, self.pp)(dp_rank, pp_rank, tp_rank)
-        if callable(self.rank_of):
-            return self.rank_of(dp_rank, pp_rank, tp_rank)
-        return self.rank_of[(dp_rank, pp_rank, tp_rank)]
-
-    @property
-    def layout(self) -> MegatronLayout:
-        return MegatronLayout(self.tp, self.pp, self.vpp, self.padded_vocab, self.norm_style)
-
-    def src_name(self, vp_stage: int, name: str) -> str:
-        """Trainer-state key of a shard (plan_types.Copy.src_name): ``chunk{c}.`` when vpp > 1."""
-        return f"chunk{vp_stage}.{name}" if self.vpp > 1 else name
+def rank_lookup(
+    trainer: MegatronLayout, rank_of: RankOf | Mapping[tuple[int, int, int], int] | None = None
+) -> RankOf:
+    """``rank_of`` as a function; None = megatron-core's default order for ``trainer``."""
+    if rank_of is None:
+        return megatron_rank_order(trainer.tp, trainer.dp, trainer.pp)
+    if callable(rank_of):
+        return rank_of
+    return lambda dp_rank, pp_rank, tp_rank: rank_of[(dp_rank, pp_rank, tp_rank)]
 
 
 @dataclass
@@ -81,22 +151,23 @@ class _Segment:
     """(global rank, src_name, offset of hf_start inside the shard)."""
 
 
-def _source_index(spec: ModelSpec, trainer: TrainerPlacement) -> dict[str, list[_Segment]]:
-    ml = trainer.layout
-    mg.validate(spec, ml)
+def _source_index(
+    spec: ModelSpec, trainer: MegatronLayout, rank_of: RankOf
+) -> dict[str, list[_Segment]]:
+    mg.validate(spec, trainer)
     index: dict[tuple[str, int, int], _Segment] = {}
     for pp_rank in range(trainer.pp):
         for vp in range(trainer.vpp):
             for tp_rank in range(trainer.tp):
-                for lay in mg.chunk_shards(spec, ml, pp_rank, vp, tp_rank):
-                    name = trainer.src_name(vp, lay.name)
+                for lay in mg.chunk_shards(spec, trainer, pp_rank, vp, tp_rank):
+                    name = src_name(trainer, vp, lay.name)
                     for off, piece in lay.offsets():
                         if piece.is_zero:
                             continue
                         key = (piece.src, piece.start, piece.length)
                         seg = index.setdefault(key, _Segment(piece.start, piece.length))
                         for dp_rank in range(trainer.dp):
-                            rank = trainer.global_rank(dp_rank, pp_rank, tp_rank)
+                            rank = rank_of(dp_rank, pp_rank, tp_rank)
                             seg.holders.append((rank, name, off))
     by_hf: dict[str, list[_Segment]] = {}
     for (hf_name, _, _), seg in index.items():
@@ -108,15 +179,19 @@ def _source_index(spec: ModelSpec, trainer: TrainerPlacement) -> dict[str, list[
 
 def build_plan(
     spec: ModelSpec,
-    trainer: TrainerPlacement,
+    trainer: MegatronLayout,
     rollout_tp: int,
     engine_ranks: Sequence[Sequence[int]],
     element_size: int = 4,
+    rank_of: RankOf | Mapping[tuple[int, int, int], int] | None = None,
 ) -> SyncPlan:
     """The copies that build every vLLM shard on every engine rank from trainer shards.
 
-    ``engine_ranks[e][r]`` is the global rank hosting TP rank r of engine e (equal to a
-    trainer rank when colocated). ``element_size`` is the wire dtype's bytes per element.
+    ``trainer``: how the trainer is split (tp, pp, vpp, dp, norm naming, padded
+    vocabulary). ``engine_ranks[e][r]`` is the global rank hosting TP rank r of engine e
+    (equal to a trainer rank when colocated). ``element_size`` is the wire dtype's bytes per
+    element. ``rank_of``: (dp_rank, pp_rank, tp_rank) -> global rank of the trainer's
+    shards, a function or a table; None = megatron-core's default order.
     Vocabulary padding rows get no copy (they stay zero on the receiver).
     """
     vl.validate(spec, rollout_tp)
@@ -125,7 +200,7 @@ def build_plan(
             raise ValueError(
                 f"engine {e} lists {len(ranks)} ranks {list(ranks)} but rollout tp={rollout_tp}"
             )
-    sources = _source_index(spec, trainer)
+    sources = _source_index(spec, trainer, rank_lookup(trainer, rank_of))
     load: dict[int, int] = {}
     plan = SyncPlan(element_size=element_size)
     for ranks in engine_ranks:

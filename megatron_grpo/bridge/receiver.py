@@ -52,223 +52,29 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megatron_grpo.bridge.checksum import Checksum, checksum
+
 log = logging.getLogger(__name__)
 
 _VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
-_CHECKSUM_CHUNK = 1 << 24
-_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_STORES: dict[int, Any] = {}
 
 
-# ---------------------------------------------------------------------------- checksums
-def tensor_checksum(t: torch.Tensor) -> int:
-    """Exact, order-sensitive checksum of a tensor's bytes (any device, any dtype).
-
-    ``sum_i bits_i * (i mod 65521 + 1)`` in wrapping int64 arithmetic over the tensor's
-    raw element bits: bit-identical tensors give equal values, a moved slice or a flipped
-    bit changes it. Computed on the tensor's device, in chunks; trainer and receiver call the
-    same function, so a sender can compare before/after without moving the tensor.
-    """
-    flat = t.detach().contiguous().view(-1)
-    ints = flat.view(_INT_VIEW[flat.element_size()])
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, ints.numel(), _CHECKSUM_CHUNK):
-        chunk = ints[start : start + _CHECKSUM_CHUNK].to(torch.int64)
-        w = torch.arange(start, start + chunk.numel(), device=flat.device, dtype=torch.int64)
-        total += (chunk * (w % 65521 + 1)).sum()
-    return int(total.item())
-
-
-@dataclass(frozen=True)
-class ParamChecksum:
-    shape: tuple[int, ...]
-    dtype: str
-    value: int
-
-
-# ---------------------------------------------------------------------------- buckets
-@dataclass(frozen=True)
-class BucketEntry:
-    """One tensor inside a flat bucket.
-
-    The tensor is ``flat[offset : offset + numel * itemsize(dtype) // flat.element_size()]``
-    reinterpreted as ``dtype`` and reshaped to ``shape``: ``offset`` counts elements of the
-    flat buffer, ``numel`` elements of the entry.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int
-    numel: int
-
-    @classmethod
-    def of(cls, e: BucketEntry | Sequence[Any]) -> BucketEntry:
-        if isinstance(e, BucketEntry):
-            return e
-        name, shape, dtype, offset, numel = e
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype.removeprefix("torch."))
-        return cls(name, tuple(int(s) for s in shape), dtype, int(offset), int(numel))
-
-    def to_wire(self) -> list[Any]:
-        return [
-            self.name,
-            list(self.shape),
-            str(self.dtype).removeprefix("torch."),
-            self.offset,
-            self.numel,
-        ]
-
-
-def unpack_bucket(
-    flat: torch.Tensor, entries: Iterable[BucketEntry | Sequence[Any]]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Views of each entry in ``flat`` (no copy)."""
-    if flat.dim() != 1:
-        raise ValueError(f"a bucket is a 1-D buffer; got shape {tuple(flat.shape)}.")
-    fsize = flat.element_size()
-    for raw in entries:
-        e = BucketEntry.of(raw)
-        nbytes = e.numel * torch.empty((), dtype=e.dtype).element_size()
-        if nbytes % fsize:
-            raise ValueError(
-                f"{e.name}: {nbytes} bytes is not a whole number of {flat.dtype} elements."
-            )
-        stop = e.offset + nbytes // fsize
-        if stop > flat.numel():
-            raise ValueError(
-                f"{e.name}: entry [{e.offset}, {stop}) runs past the bucket ({flat.numel()} elements)."
-            )
-        piece = flat[e.offset : stop]
-        if e.dtype != flat.dtype:
-            piece = piece.view(e.dtype)
-        if piece.numel() != e.numel or e.numel != _prod(e.shape):
-            raise ValueError(f"{e.name}: numel {e.numel} does not match shape {e.shape}.")
-        yield e.name, piece.view(e.shape)
-
-
-def pack_bucket(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
-) -> tuple[torch.Tensor, list[BucketEntry]]:
-    """Reference packer (tests, and the wire format's definition): one flat buffer of
-    ``dtype`` (default: the first tensor's) holding every tensor back to back."""
-    items = list(named_tensors)
-    dtype = dtype or items[0][1].dtype
-    flat = torch.empty(sum(t.numel() for _, t in items), dtype=dtype, device=items[0][1].device)
-    entries, off = [], 0
-    for name, t in items:
-        if t.dtype != dtype:
-            raise ValueError(f"{name}: dtype {t.dtype} != bucket dtype {dtype}; cast first.")
-        flat[off : off + t.numel()].copy_(t.reshape(-1))
-        entries.append(BucketEntry(name, tuple(t.shape), dtype, off, t.numel()))
-        off += t.numel()
-    return flat, entries
-
-
-def _prod(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-# ---------------------------------------------------------------------------- transfer group
-def init_transfer_group(
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    backend: str = "gloo",
-    timeout_s: float = 600.0,
-) -> torch.distributed.ProcessGroup:
-    """A process group spanning trainer ranks and vLLM workers, outside the default group.
-
-    vLLM workers already own ``torch.distributed``'s default group (their TP world), and the
-    trainer owns its own, so this group is built directly from a ``TCPStore`` (rank 0 hosts
-    it) and is used through the ``ProcessGroup`` object's own ``send``/``recv`` (group ranks).
-    Trainer and workers call this with the same address, port and world size.
-    """
-    import torch.distributed as dist
-
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
-    )
-    prefix = dist.PrefixStore(f"megatron_grpo_transfer/{master_port}", store)
-    if backend == "gloo":
-        pg: dist.ProcessGroup = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
-    elif backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
-    else:
-        raise ValueError(f"transfer backend {backend!r} must be 'gloo' (CPU) or 'nccl' (GPU).")
-    _STORES[id(pg)] = store  # the group needs its store alive (pybind objects take no attrs)
-    # torch.distributed's isend/irecv(group=pg, dst=global rank) translate the rank through
-    # the registry of groups made by new_group (distributed_c10d.py: get_group_rank). This
-    # group's ranks ARE the plan's ranks (trainer rank r -> r, engine workers -> their
-    # engine ranks, bridge.remote_sync), so register it with the identity map: the bridge's
-    # Transport then runs unchanged on it.
-    dist.distributed_c10d._world.pg_group_ranks[pg] = {r: r for r in range(world_size)}
-    return pg
-
-
-def send_bucket(
-    pg: torch.distributed.ProcessGroup, flat: torch.Tensor, dst: int, tag: int = 0
-) -> None:
-    """Trainer side: send one flat bucket to group rank ``dst`` (blocking)."""
-    pg.send([flat.contiguous()], dst, tag).wait()
-
-
-def recv_bucket(
-    pg: torch.distributed.ProcessGroup,
-    numel: int,
-    dtype: torch.dtype,
-    src: int,
-    device: torch.device,
-    tag: int = 0,
-) -> torch.Tensor:
-    flat = torch.empty(numel, dtype=dtype, device=device)
-    pg.recv([flat], src, tag).wait()
-    return flat
-
-
-# ---------------------------------------------------------------------------- receiver
 def _copy_presharded(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     """Loader used inside a bridge session: the incoming tensor IS this rank's shard."""
-    if tuple(loaded_weight.shape) != tuple(param.shape):
-        rows_only = (
-            getattr(param, "_mgrpo_vocab", False)
-            and loaded_weight.dim() == 2
-            and loaded_weight.shape[1] == param.shape[1]
-            and loaded_weight.shape[0] <= param.shape[0]
-        )
-        if not rows_only:
-            raise ValueError(
-                f"{getattr(param, '_mgrpo_name', '?')}: incoming shard has shape "
-                f"{tuple(loaded_weight.shape)} but this vLLM rank's parameter is "
-                f"{tuple(param.shape)}; the sender must send exactly the rank's (fused, "
-                "vocabulary-padded) shard -- check the sync plan against "
-                "ShardReceiver.expected_shards()."
-            )
-        # Vocabulary rows past the real vocabulary are padding: zero them.
-        param.data[loaded_weight.shape[0] :].zero_()
-        param.data[: loaded_weight.shape[0]].copy_(loaded_weight)
-        return
-    param.data.copy_(loaded_weight)
+    name = getattr(param, "_mgrpo_name", "?")
+    _copy_shard(param.data, loaded_weight, name, getattr(param, "_mgrpo_vocab", False))
 
 
 def _copy_shard(dst: torch.Tensor, t: torch.Tensor, name: str, vocab: bool) -> None:
-    """The direct path's loader: ``t`` (this rank's shard) into the live tensor ``dst``."""
+    """``t`` (this rank's shard) into the live tensor ``dst``; a vocabulary parameter may
+    receive fewer rows than it has (the rows past the real vocabulary are padding)."""
     if tuple(t.shape) != tuple(dst.shape):
         if not (
             vocab and t.dim() == 2 and t.shape[1] == dst.shape[1] and t.shape[0] <= dst.shape[0]
@@ -283,6 +89,13 @@ def _copy_shard(dst: torch.Tensor, t: torch.Tensor, name: str, vocab: bool) -> N
         dst[: t.shape[0]].copy_(t)
         return
     dst.copy_(t)
+
+
+def _unknown_parameter(name: str, expected: Iterable[str]) -> KeyError:
+    return KeyError(
+        f"{name!r} is not a parameter of this vLLM model (tied lm_head? HF name?); "
+        f"expected vLLM names such as {sorted(expected)[:4]}."
+    )
 
 
 # quant methods whose ``process_weights_after_loading`` only derives kernel state from the
@@ -312,8 +125,8 @@ class _Module:
 class ShardReceiver:
     """Loads per-rank vLLM-layout shards into one worker's model; version and checksums.
 
-    Session protocol: ``start()``, any number of ``receive_shard``/``receive_shards``/
-    ``receive_bucket`` calls, ``finish()``. ``load_hf_checkpoint`` runs a session with vLLM's
+    Session protocol: ``start()``, any number of ``receive_shard``/``receive_shards`` calls,
+    ``finish()``. ``load_hf_checkpoint`` runs a session with vLLM's
     own (narrowing) loaders instead, for read-back of an HF load.
     """
 
@@ -325,7 +138,7 @@ class ShardReceiver:
         self.keep_copies = keep_copies
         self.version = 0
         self._captured: dict[str, torch.Tensor] = {}
-        self._captured_sums: dict[str, ParamChecksum] = {}
+        self._captured_sums: dict[str, Checksum] = {}
         self._session: _Session | None = None
         self._expected: dict[str, tuple[torch.nn.Module, str, tuple[int, ...], torch.dtype]] = {}
         self._tied: list[tuple[str, torch.nn.Module]] = []
@@ -423,15 +236,6 @@ class ShardReceiver:
         for name, tensor in named_tensors:
             self.receive_shard(name, tensor)
 
-    def receive_bucket(
-        self, flat: torch.Tensor, entries: Iterable[BucketEntry | Sequence[Any]], copy: bool = True
-    ) -> None:
-        """Load every entry of a flat bucket. vLLM buffers loader calls until a layer is
-        complete, so entries are cloned unless ``copy=False`` (then ``flat`` must stay
-        untouched until ``finish``)."""
-        for name, view in unpack_bucket(flat, entries):
-            self.receive_shard(name, view.clone() if copy else view)
-
     def finish(self) -> int:
         """Process and install everything loaded; returns the new version."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -493,7 +297,7 @@ class ShardReceiver:
             return live.data
         return self._captured.get(name)
 
-    def checksums(self) -> dict[str, ParamChecksum]:
+    def checksums(self) -> dict[str, Checksum]:
         """Per parameter: checksum of the logical weight this rank holds (vLLM layout).
 
         Live tensors where the parameter keeps its logical shape; otherwise the value
@@ -501,11 +305,11 @@ class ShardReceiver:
         at engine start and never reloaded since has no readable value and is omitted (run
         ``load_hf_checkpoint`` once to capture the initial state).
         """
-        out: dict[str, ParamChecksum] = {}
+        out: dict[str, Checksum] = {}
         for name, (module, attr, shape, _) in self._expected.items():
             live = getattr(module, attr)
             if tuple(live.shape) == shape:
-                out[name] = ParamChecksum(shape, str(live.dtype), tensor_checksum(live))
+                out[name] = checksum(live)
             elif name in self._captured_sums:
                 out[name] = self._captured_sums[name]
         return out
@@ -530,9 +334,7 @@ class ShardReceiver:
             if p is None or name not in self._expected:
                 continue
             if self.record_checksums:
-                self._captured_sums[name] = ParamChecksum(
-                    tuple(p.shape), str(p.dtype), tensor_checksum(p)
-                )
+                self._captured_sums[name] = checksum(p)
             else:  # a stale value must not pass for the new one
                 self._captured_sums.pop(name, None)
             if self.keep_copies:
@@ -587,10 +389,7 @@ class _Session:
             raise RuntimeError("this session loads HF tensors through model.load_weights.")
         entry = self.rx._expected.get(name)
         if entry is None:
-            raise KeyError(
-                f"{name!r} is not a parameter of this vLLM model (tied lm_head? HF name?); "
-                f"expected vLLM names such as {sorted(self.rx._expected)[:4]}."
-            )
+            raise _unknown_parameter(name, self.rx._expected)
         module, attr, _, _ = entry
         param = getattr(module, attr)
         param.weight_loader(param, tensor)
@@ -632,10 +431,7 @@ class _DirectSession:
     def load(self, name: str, tensor: torch.Tensor) -> None:
         entry = self.rx._module_of.get(name)
         if entry is None:
-            raise KeyError(
-                f"{name!r} is not a parameter of this vLLM model (tied lm_head? HF name?); "
-                f"expected vLLM names such as {sorted(self.rx._expected)[:4]}."
-            )
+            raise _unknown_parameter(name, self.rx._expected)
         m, module, attr, vocab = entry
         if name in self.loaded:
             raise RuntimeError(f"{name}: received twice in one weight update.")

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.bridge.accounting import SyncStats, link_key
-from megatron_grpo.bridge.plan_types import Copy, SyncPlan, row_elems
+from megatron_grpo.bridge.plan import Copy, SyncPlan, row_elems
 
 Sink = Callable[[str, torch.Tensor], None]
 """Receives each destination shard (vLLM name, tensor) as soon as it is complete."""
@@ -91,9 +91,11 @@ class Entry:
 
 @dataclass(frozen=True)
 class Bucket:
-    src: int
-    dst: int
+    """One flat message on a link (the schedule's key): its ``entries`` back to back,
+    ``numel`` elements in all."""
+
     index: int
+    """Position on the link, in the order both sides issue; also the gloo message tag."""
     entries: tuple[Entry, ...]
     numel: int
 
@@ -145,10 +147,10 @@ def build_schedule(plan: SyncPlan, bucket_bytes: int) -> dict[tuple[int, int], l
         entries: list[Entry] = []
         fill = 0
 
-        def close(src: int = src, dst: int = dst, buckets: list[Bucket] = buckets) -> None:
+        def close(buckets: list[Bucket] = buckets) -> None:
             nonlocal entries, fill
             if entries:
-                buckets.append(Bucket(src, dst, len(buckets), tuple(entries), fill))
+                buckets.append(Bucket(len(buckets), tuple(entries), fill))
             entries, fill = [], 0
 
         for c in copies:

@@ -3,15 +3,13 @@ unnoticed" complaint, DESIGN.md §5).
 
 1. **Checksums**: per destination tensor, what the vLLM rank holds (``ShardReceiver.
    checksums()``, read back in vLLM's logical layout) against what the bridge delivered
-   to it, plus a float64 sum for a readable figure. The checksum is the receiver's own
-   ``tensor_checksum`` (exact, order-sensitive over the raw bits), so both sides are
-   computed the same way.
+   to it. Both sides use ``bridge.checksum`` (exact, order-sensitive over the raw bits).
 2. **Logprob parity**: on fixed token sequences, vLLM's prompt logprobs against the
    Megatron policy's logprobs under the weights that were sent; the max absolute
    difference must stay under a tolerance (fp32 CPU kernels: ~1e-5).
 
 :func:`verify_sync` runs both after a training sync when ``sync.verify=true``
-(``WeightSync.sync``); the trainer logs its figures in metrics.jsonl and a failed check
+(``bridge.weight_sync``); the trainer logs its figures in metrics.jsonl and a failed check
 raises :class:`SyncVerificationError` on every rank.
 """
 
@@ -22,26 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from megatron_grpo.bridge.receiver import tensor_checksum
-
-
-@dataclass(frozen=True)
-class TensorChecksum:
-    checksum: int
-    """``receiver.tensor_checksum``: exact over the raw bits."""
-    sum64: float
-    """float64 sum, for humans."""
-    shape: tuple[int, ...]
-
-
-def checksum(t: torch.Tensor) -> TensorChecksum:
-    return TensorChecksum(
-        tensor_checksum(t), float(t.detach().double().sum().item()), tuple(t.shape)
-    )
-
-
-def checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorChecksum]:
-    return {name: checksum(t) for name, t in tensors.items()}
+from megatron_grpo.bridge.checksum import Checksum
 
 
 @dataclass
@@ -62,26 +41,21 @@ class ChecksumReport:
 
 def compare_checksums(
     rank: int,
-    sent: Mapping[str, TensorChecksum],
+    sent: Mapping[str, Checksum],
     held: Mapping[str, object],
 ) -> ChecksumReport:
     """``sent``: checksums of the shards delivered to this vLLM rank; ``held``: what the
-    rank holds, ``{name: int | TensorChecksum | ParamChecksum-like (.value) | (shape,
-    dtype, value)}`` (``ShardReceiver.checksums()`` or ``RolloutEngine.checksums()[i]``)."""
+    rank holds, ``{name: int | Checksum | (shape, dtype, value)}``
+    (``ShardReceiver.checksums()`` or ``RolloutEngine.checksums()[i]``)."""
     rep = ChecksumReport(rank)
     for name, s in sent.items():
         h = held.get(name)
         if h is None:
             rep.missing.append(name)
             continue
-        value = (
-            h if isinstance(h, int)
-            else h.checksum if isinstance(h, TensorChecksum)
-            else h.value if hasattr(h, "value")
-            else h[2]
-        )  # fmt: skip
+        value = h if isinstance(h, int) else h.value if isinstance(h, Checksum) else h[2]
         rep.checked += 1
-        if int(value) != s.checksum:
+        if int(value) != s.value:
             rep.mismatched.append(name)
     return rep
 
@@ -164,7 +138,7 @@ class SyncVerificationError(RuntimeError):
     """``sync.verify`` found the weights vLLM serves differ from those sent."""
 
 
-def verify_sync(ctx, policy, engine, sent: Mapping[str, TensorChecksum] | None) -> dict:
+def verify_sync(ctx, policy, engine, sent: Mapping[str, Checksum] | None) -> dict:
     """Both checks after a sync, collective over the job; returns metrics for metrics.jsonl.
 
     ``sent``: the checksums of what the bridge delivered to this rank's vLLM receiver (None:

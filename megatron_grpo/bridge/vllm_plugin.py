@@ -13,15 +13,18 @@ finish_weight_update`` (``vllm/v1/worker/gpu_worker.py``, inherited by the CPU w
   the trainer ranks and the workers (gloo on CPU, nccl on GPU); worker rank in that group
   = ``rank_offset + data_parallel_index * world_size + worker rank`` (the layout vLLM's own
   NCCL backend uses, ``nccl_common.py: worker_init_process_group``).
+  The worker rebuilds the trainer's sync plan from ``TransferInitInfo.plan``
+  (``bridge.weight_sync.PlanInputs``) and keeps the receiving half of its ``Transport``.
 - ``update_weights`` takes a list indexed by worker rank (``gpu_worker.py: update_weights``
-  picks ``update_info[dp_index * world_size + rank]``), so every worker gets only its own
-  ``TransferUpdateInfo``: a list of buckets, each received point to point from its trainer
-  ``src`` and loaded by ``ShardReceiver.receive_bucket``.
+  picks ``update_info[dp_index * world_size + rank]``); each worker's
+  ``TransferUpdateInfo(plan=True)`` runs that receiving half, handing every shard to
+  ``ShardReceiver.receive_shard`` as soon as it is complete: the plan's transport is the
+  only wire format.
 - start/finish run the receiver's reload session (vLLM's layerwise reload, re-running the
   post-load processing).
 
-In-process (colocated, external_launcher) callers skip the transport and call
-``engine.receiver`` directly (``RolloutEngine.load_shards``).
+In-process (colocated, external_launcher) callers skip the transport group and call
+``engine.receiver`` directly (``RolloutEngine.begin_weight_update``).
 
 ``ReceiverWorkerExtension`` (``LLM(worker_extension_cls=...)``) adds string-addressable
 worker RPCs (version, checksums, export, HF reload) that need no pickled callables, so
@@ -30,8 +33,8 @@ worker RPCs (version, checksums, export, HF reload) that need no pickled callabl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
@@ -50,29 +53,30 @@ def register() -> None:
 
 @dataclass
 class TransferInitInfo:
+    """What ``init_weight_transfer_engine`` gives each worker: the transfer group to join and
+    the plan to receive by."""
+
     master_address: str = "127.0.0.1"
     master_port: int = 0
+    """Where trainer rank 0 hosts the transfer group's store (``init_transfer_group``)."""
     world_size: int = 0
     """Trainer ranks + vLLM workers in the transfer group."""
     rank_offset: int = 0
     """Group rank of vLLM worker 0 (trainer ranks come first)."""
-    backend: str = "gloo"
+    backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: float = 600.0
     keep_copies: bool | None = None
     """Keep a copy of every logical shard (for ``mgrpo_export``); None leaves it as is."""
     plan: dict[str, Any] | None = None
-    """``bridge.remote_sync.PlanInputs`` as a dict: the worker rebuilds the trainer's sync
+    """``bridge.weight_sync.PlanInputs`` as a dict: the worker rebuilds the trainer's sync
     plan from it and receives through the same ``Transport`` (``TransferUpdateInfo.plan``)."""
 
 
 @dataclass
 class TransferUpdateInfo:
-    buckets: list[dict[str, Any]] = field(default_factory=list)
-    """Each ``{"src": group rank, "dtype": "float32", "numel": int, "tag": int,
-    "entries": [[name, shape, dtype, offset, numel], ...]}`` (``BucketEntry.to_wire``)."""
     plan: bool = False
     """Receive this worker's shards by running the receiving half of the plan's
-    ``Transport`` (set up by ``TransferInitInfo.plan``) instead of explicit buckets."""
+    ``Transport`` (set up by ``TransferInitInfo.plan``); the only way a worker receives."""
 
 
 def _engine_base() -> type:
@@ -103,7 +107,7 @@ class MegatronShardTransferEngine(_engine_base()):  # type: ignore[misc]
         return rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
 
     def init_transfer_engine(self, init_info: TransferInitInfo) -> None:
-        from megatron_grpo.bridge.receiver import init_transfer_group
+        from megatron_grpo.bridge.weight_sync import init_transfer_group, worker_transport
 
         if init_info.keep_copies is not None:
             self.receiver.keep_copies = init_info.keep_copies
@@ -118,8 +122,6 @@ class MegatronShardTransferEngine(_engine_base()):  # type: ignore[misc]
             init_info.timeout_s,
         )
         if init_info.plan is not None:
-            from megatron_grpo.bridge.remote_sync import worker_transport
-
             rank = self.worker_group_rank(init_info.rank_offset)
             self.transport = worker_transport(init_info.plan, rank, self.group, self.device)
 
@@ -127,30 +129,20 @@ class MegatronShardTransferEngine(_engine_base()):  # type: ignore[misc]
         self.receiver.start()
 
     def receive_weights(self, update_info: TransferUpdateInfo) -> None:
-        from megatron_grpo.bridge.receiver import recv_bucket
-
-        if update_info.buckets and self.group is None:
+        if not update_info.plan:
             raise RuntimeError(
-                "megatron_grpo transfer group not initialized: call "
-                "init_weight_transfer_engine with a TransferInitInfo (world_size > 0) first."
+                "update_weights without plan=True: a worker receives only through the plan's "
+                "transport (TransferUpdateInfo(plan=True), as rollout.server sends it)."
             )
-        if update_info.plan:
-            if self.transport is None:
-                raise RuntimeError(
-                    "update_weights(plan=True) but this worker has no plan transport: pass "
-                    "TransferInitInfo.plan (bridge.remote_sync.PlanInputs) at init."
-                )
-            # The receiving half of the trainer's sync: every shard of this rank, handed to
-            # the receiver as soon as it is complete (inside vLLM's reload session).
-            self.transport.sync({}, sink=self.receiver.receive_shard)
-            return
-        for b in update_info.buckets:
-            dtype = getattr(torch, b["dtype"])
-            flat = recv_bucket(
-                self.group, int(b["numel"]), dtype, int(b["src"]), self.device, int(b.get("tag", 0))
+        if self.transport is None:
+            raise RuntimeError(
+                "update_weights(plan=True) but this worker has no plan transport: call "
+                "init_weight_transfer_engine with a TransferInitInfo (world_size > 0) whose "
+                "plan is bridge.weight_sync.PlanInputs first."
             )
-            # The buffer is fresh per bucket, so the views can be buffered without copies.
-            self.receiver.receive_bucket(flat, b["entries"], copy=False)
+        # The receiving half of the trainer's sync: every shard of this rank, handed to
+        # the receiver as soon as it is complete (inside vLLM's reload session).
+        self.transport.sync({}, sink=self.receiver.receive_shard)
 
     def finish_weight_update(self) -> None:
         self.receiver.finish()

@@ -9,15 +9,15 @@
 
 Both take the model chunks (one per virtual pipeline stage, in vp_stage order; DDP /
 Float16Module wrappers allowed) and ``ctx``: any object with ``tp``, ``pp``, ``tp_rank``,
-``pp_rank``, ``dp_rank`` (and optionally ``vpp``) -- the runtime's ``ParallelContext`` or
-:class:`RankInfo`.
+``pp_rank``, ``dp_rank`` (and optionally ``vpp``, ``dp``) -- the runtime's
+``ParallelContext`` or, without a runtime, :class:`RankInfo`.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,15 +31,18 @@ from megatron_grpo.models.spec import ModelSpec
 
 @dataclass(frozen=True)
 class RankInfo:
-    """The minimum the layouts need to know about this process's place in the trainer."""
+    """This process's place in the trainer without a ``ParallelContext`` (tests, tools): the
+    trainer's layout and this rank's coordinates in it, read under the context's names."""
 
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    dp: int = 1
+    layout: mg.MegatronLayout = mg.MegatronLayout()
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
+
+    tp = property(lambda self: self.layout.tp)
+    pp = property(lambda self: self.layout.pp)
+    vpp = property(lambda self: self.layout.vpp)
+    dp = property(lambda self: self.layout.dp)
 
 
 class CheckpointError(ValueError):
@@ -175,13 +178,12 @@ def megatron_layout_of(model_chunks, spec: ModelSpec, ctx) -> mg.MegatronLayout:
             names.append(n)
             if n in (mg.EMBEDDING, mg.OUTPUT):
                 vocab_rows = p.shape[0]
-    vpp = getattr(ctx, "vpp", None) or 1
-    if len(chunks) != vpp:
-        raise ValueError(f"got {len(chunks)} model chunks but ctx.vpp={vpp}")
     # A middle pipeline stage holds no vocabulary rows: it keeps padded_vocab=None (the
     # default rule); iter_hf_tensors agrees on the real value across ranks.
     padded = vocab_rows * ctx.tp if vocab_rows is not None else None
-    ml = mg.MegatronLayout(ctx.tp, ctx.pp, vpp, padded, mg.detect_norm_style(names))
+    ml = mg.MegatronLayout.of(ctx, names, padded)
+    if len(chunks) != ml.vpp:
+        raise ValueError(f"got {len(chunks)} model chunks but ctx.vpp={ml.vpp}")
     mg.validate(spec, ml)
     return ml
 
@@ -320,7 +322,7 @@ def iter_hf_tensors(
     first_param = next(p for params in local for p in params.values())
     table, dtypes, padded = _rank_table(ctx, first_param.dtype, ml.padded_vocab)
     me = dist.get_rank() if _distributed() else 0
-    ml = mg.MegatronLayout(ml.tp, ml.pp, ml.vpp, padded, ml.norm_style)
+    ml = replace(ml, padded_vocab=padded)
     sched = gather_schedule(spec, ml)
     full: dict[str, torch.Tensor] = {}
     group = -1

@@ -34,8 +34,9 @@ Verified against megatron-core 0.16.1 (paths under megatron/core/):
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Iterable
+from dataclasses import KW_ONLY, dataclass
+from typing import Any, Literal
 
 from megatron_grpo.layouts import hf
 from megatron_grpo.layouts.pieces import Piece, ShardLayout, cut, merge, vocab_rows
@@ -65,14 +66,33 @@ class UnknownParameterError(KeyError):
 
 @dataclass(frozen=True)
 class MegatronLayout:
-    """How the trainer's GPTModel is split. ``padded_vocab`` None means Megatron's rule
-    ``megatron_padded_vocab(V, tp)`` (make_vocab_size_divisible_by=128)."""
+    """How the trainer's GPTModel is split over its ranks: the one description of the
+    trainer's layout (the layouts, the checkpoint I/O, the bridge's plan and the plan sent to
+    disaggregated engines all take it). Built from a running trainer by :meth:`of`."""
 
     tp: int = 1
     pp: int = 1
     vpp: int = 1
+    dp: int = 1
+    """Data-parallel replicas: every one holds the same shards (more sources for the bridge)."""
+    _: KW_ONLY
     padded_vocab: int | None = None
+    """Rows of the embedding/output layer over all TP ranks; None means Megatron's rule
+    ``megatron_padded_vocab(V, tp)`` (make_vocab_size_divisible_by=128)."""
     norm_style: NormStyle = "local"
+    """``local`` or ``te`` parameter names for the layer norms (``NORM_NAMES``)."""
+
+    @classmethod
+    def of(
+        cls, ctx: Any, param_names: Iterable[str] = (), padded_vocab: int | None = None
+    ) -> MegatronLayout:
+        """The layout of a running trainer: sizes from ``ctx`` (the
+        ``distributed.ParallelContext``, or anything with its ``tp``/``pp``/``vpp``/``dp``),
+        norm naming from this rank's parameter names."""
+        return cls(
+            ctx.tp, ctx.pp, getattr(ctx, "vpp", None) or 1, getattr(ctx, "dp", 1),
+            padded_vocab=padded_vocab, norm_style=detect_norm_style(list(param_names)),
+        )  # fmt: skip
 
     def vocab(self, spec: ModelSpec) -> int:
         return self.padded_vocab or megatron_padded_vocab(spec.vocab_size, self.tp)
@@ -138,7 +158,7 @@ def is_last_chunk(ml: MegatronLayout, pp_rank: int, vp_stage: int) -> bool:
     return pp_rank == ml.pp - 1 and vp_stage == ml.vpp - 1
 
 
-def detect_norm_style(names: list[str] | tuple[str, ...]) -> NormStyle:
+def detect_norm_style(names: Iterable[str]) -> NormStyle:
     """``te`` if the model carries TE-folded norm names, else ``local``."""
     if any(n.endswith("linear_qkv.layer_norm_weight") for n in names):
         return "te"

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_grpo.bridge.plan import PlanReport, TrainerPlacement, build_plan, plan_report
+from megatron_grpo.bridge.plan import PlanReport, build_plan, plan_report
 from megatron_grpo.config.schema import Config, ConfigError
 from megatron_grpo.distributed.setup import validate_parallel
 from megatron_grpo.layouts import vllm as vl
+from megatron_grpo.layouts.megatron import MegatronLayout
 from megatron_grpo.models.spec import ModelSpec, megatron_padded_vocab
 from megatron_grpo.plan.memory import (
     DTYPE_BYTES,
@@ -235,11 +236,11 @@ def build_launch_plan(
     )  # fmt: skip
     _check_memory(mem, capacity, gpu_memory_gb, cfg, spec, warnings)
     dtype = plan_dtype(cfg)
-    placement = TrainerPlacement(
-        tp=p.tp, pp=p.pp, vpp=p.vpp or 1, dp=dp,
+    layout = MegatronLayout(
+        p.tp, p.pp, p.vpp or 1, dp,
         padded_vocab=megatron_padded_vocab(spec.vocab_size, p.tp, cfg.model.make_vocab_size_divisible_by),
     )  # fmt: skip
-    sync_plan = build_plan(spec, placement, r.tp, ranks.engines, element_size=DTYPE_BYTES[dtype])
+    sync_plan = build_plan(spec, layout, r.tp, ranks.engines, element_size=DTYPE_BYTES[dtype])
     report = plan_report(sync_plan)
     cross_node = sum(
         n for (s, d), n in report.bytes_per_link.items() if s // gpus_per_node != d // gpus_per_node

@@ -84,7 +84,7 @@ def trainer_params_per_rank(spec: ModelSpec, cfg: Config) -> int:
     p = cfg.parallel
     vpp = p.vpp or 1
     padded = megatron_padded_vocab(spec.vocab_size, p.tp, cfg.model.make_vocab_size_divisible_by)
-    ml = mg.MegatronLayout(p.tp, p.pp, vpp, padded)
+    ml = mg.MegatronLayout(p.tp, p.pp, vpp, padded_vocab=padded)
     return max(
         sum(_numel(s.shape) for vp in range(vpp) for s in mg.chunk_shards(spec, ml, pp, vp, tp))
         for pp in range(p.pp)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_grpo.bridge.weight_sync import WeightSync
+from megatron_grpo.bridge.weight_sync import WeightSender, colocated_sender
 from megatron_grpo.rollout.engine import RolloutEngine
 
 
@@ -70,13 +70,10 @@ class ColocatedRollout:
         self.engine.shutdown()
 
 
-def build_colocated(hf_dir, spec, ctx, cfg, policy, **engine_kwargs) -> tuple[ColocatedRollout, WeightSync]:  # fmt: skip
+def build_colocated(hf_dir, spec, ctx, cfg, policy, **engine_kwargs) -> tuple[ColocatedRollout, WeightSender]:  # fmt: skip
     """This rank's vLLM engine (serving ``hf_dir``; ``engine_kwargs`` go to
     ``RolloutEngine``) and the resharding bridge that feeds it ``policy``'s shards. Shared
     by training and ``megatron-grpo eval`` (trainer/evaluate.py)."""
     engine = RolloutEngine.from_config(hf_dir, cfg.rollout, **engine_kwargs)
-    sender = WeightSync(
-        spec, ctx, dict(policy.named_shards()), engine, cfg.sync, cfg.rollout.tp,
-        policy.vocab_per_rank * ctx.tp,
-    )  # fmt: skip
+    sender = colocated_sender(hf_dir, spec, ctx, policy, engine, cfg.sync, cfg.rollout.tp)
     return ColocatedRollout(engine, ctx, cfg.rollout.tp), sender

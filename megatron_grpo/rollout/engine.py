@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 if TYPE_CHECKING:
-    from megatron_grpo.bridge.receiver import BucketEntry, ShardReceiver
+    from megatron_grpo.bridge.receiver import ShardReceiver
     from megatron_grpo.config.schema import RolloutConfig
 
 log = logging.getLogger(__name__)
@@ -333,12 +333,6 @@ class RolloutEngine:
         vLLM's reload path (start -> update -> finish). Returns the new weight version."""
         worker = self._in_process_worker()
         self._run_update(worker, lambda rx: rx.receive_shards(named_tensors))
-        return self._version
-
-    def load_bucket(self, flat: torch.Tensor, entries: Sequence[BucketEntry]) -> int:
-        """Colocated: ``load_shards`` for one flat packed bucket."""
-        worker = self._in_process_worker()
-        self._run_update(worker, lambda rx: rx.receive_bucket(flat, entries))
         return self._version
 
     def begin_weight_update(self, record_checksums: bool = True) -> ShardReceiver:

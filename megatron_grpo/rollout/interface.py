@@ -3,10 +3,10 @@
 The trainer sees ``Rollout`` and a weight sender, never the placement:
 
 - ``colocated`` (``rollout.colocated.ColocatedRollout``): each trainer rank hosts a TP rank
-  of an in-process vLLM engine; the sender writes into it (``bridge.weight_sync``);
+  of an in-process vLLM engine; the sender writes into it (``bridge.weight_sync.colocated_sender``);
 - ``disaggregated`` (``rollout.server.RolloutClient``): the last ranks of the world serve
   standalone engines; the sender runs the same plan over a transfer group
-  (``bridge.remote_sync``) and the control messages start and end each update.
+  (``bridge.weight_sync.remote_sender``) and the control messages start and end each update.
 
 Both split a step's prompts over the engines the same way and return every sample on every
 trainer rank, prompt-major. ``launch`` starts several steps' generation at once (the sync

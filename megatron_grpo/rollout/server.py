@@ -20,8 +20,8 @@ Three channels, each with one job:
   (heartbeat counters both ways), so a dead peer ends in a clear error, never a hang.
   Trainer rank 0 shares results with the other trainer ranks over the sub-world.
 - **weights**: the transfer group of trainer ranks + engine workers
-  (``bridge.receiver.init_transfer_group``), running the bridge's plan and transport on
-  both sides (``bridge.remote_sync``).
+  (``bridge.weight_sync.init_transfer_group``), running the bridge's plan and transport on
+  both sides (``bridge.weight_sync``).
 """
 
 from __future__ import annotations
@@ -419,7 +419,7 @@ class RolloutClient:
 
     def init_transfer(self, inputs: Any, backend: str, timeout_s: float) -> Any:
         """Build the transfer group (trainer ranks + every engine worker); returns it."""
-        from megatron_grpo.bridge.receiver import init_transfer_group
+        from megatron_grpo.bridge.weight_sync import init_transfer_group
 
         def address() -> tuple[str, int]:
             addr = _my_address(self.world.placement.world_size)
@@ -475,26 +475,18 @@ def _my_address(world_size: int) -> str:
 
 def connect_rollout(cfg: Config, world: DisaggregatedWorld, ctx: Any, hf_dir: Any, policy: Any):
     """Trainer ranks: wait for the engines, build the transfer group and the bridge.
-    Returns ``(RolloutClient, RemoteWeightSync)``: the colocated ``(engine, WeightSync)``'s
+    Returns ``(RolloutClient, WeightSender)``: the colocated ``(engine, WeightSender)``'s
     faces."""
-    from megatron_grpo.bridge.remote_sync import PlanInputs, RemoteWeightSync
-    from megatron_grpo.bridge.weight_sync import norm_style
+    from megatron_grpo.bridge.weight_sync import PlanInputs, remote_sender
 
     client = RolloutClient(world, ctx)
     client.wait_ready()
-    shards = dict(policy.named_shards())
-    dtype = next(iter(shards.values())).dtype
-    inputs = PlanInputs(
-        model_dir=str(hf_dir), tp=ctx.tp, pp=ctx.pp, vpp=ctx.vpp or 1, dp=ctx.dp,
-        norm_style=norm_style(list(shards)), padded_vocab=policy.vocab_per_rank * ctx.tp,
-        rollout_tp=cfg.rollout.tp, engines=world.placement.engines,
-        dtype=str(dtype).removeprefix("torch."), bucket_mb=cfg.sync.bucket_mb,
-        timeout_s=cfg.sync.timeout_s,
-    )  # fmt: skip
+    engines = world.placement.engines
+    inputs = PlanInputs.of(hf_dir, ctx, policy, cfg.sync, cfg.rollout.tp, engines)
     group = client.init_transfer(inputs, ctx.backend, cfg.sync.timeout_s)
     rank0 = ctx.rank == 0
-    sync = RemoteWeightSync(
-        inputs, ctx.rank, group, ctx.device,
+    sync = remote_sender(
+        inputs, ctx, group,
         begin=client.begin_update if rank0 else None, end=client.end_update if rank0 else None,
     )  # fmt: skip
     return client, sync

@@ -1,7 +1,7 @@
 """``megatron-grpo eval``: generate from a model through the trainer's own path and score it.
 
 The weights go exactly where a training run's go: into the Megatron policy (TP x PP), then
-through the resharding bridge (``bridge.weight_sync.WeightSync``) into colocated vLLM
+through the resharding bridge (``bridge.weight_sync.colocated_sender``) into colocated vLLM
 engines, which generate. So an evaluation also checks the bridge: with ``--greedy`` the
 responses must equal those of vLLM loading the same HF weights itself
 (``tests/test_eval.py``).

@@ -147,7 +147,7 @@ def _trainer_sources(spec, tp, tp_rank, device, dtype):
     from megatron_grpo.layouts import megatron as mg
     from megatron_grpo.models.spec import megatron_padded_vocab
 
-    ml = mg.MegatronLayout(tp, 1, 1, megatron_padded_vocab(spec.vocab_size, tp, 128))
+    ml = mg.MegatronLayout(tp, padded_vocab=megatron_padded_vocab(spec.vocab_size, tp, 128))
     g = torch.Generator(device=device).manual_seed(tp_rank)
     return {
         s.name: torch.randn(s.shape, generator=g, device=device).to(dtype)
@@ -156,13 +156,14 @@ def _trainer_sources(spec, tp, tp_rank, device, dtype):
 
 
 def _bridge_plan(spec, tp, engines, element_size):
-    from megatron_grpo.bridge.plan import TrainerPlacement, build_plan
+    from megatron_grpo.bridge.plan import build_plan
+    from megatron_grpo.layouts.megatron import MegatronLayout
     from megatron_grpo.models.spec import megatron_padded_vocab
 
-    placement = TrainerPlacement(
-        tp=tp, pp=1, vpp=1, dp=1, padded_vocab=megatron_padded_vocab(spec.vocab_size, tp, 128)
+    layout = MegatronLayout(
+        tp, 1, 1, 1, padded_vocab=megatron_padded_vocab(spec.vocab_size, tp, 128)
     )
-    return build_plan(spec, placement, 1, engines, element_size=element_size)
+    return build_plan(spec, layout, 1, engines, element_size=element_size)
 
 
 def test_bridge_pack_unpack_bandwidth(device, figures):
