@@ -20,18 +20,30 @@ def main():
     req = json.loads(open(prompts_file).read())
     llm = LLM(model=hf, dtype="float32", enforce_eager=True, max_model_len=128,
               kv_cache_memory_bytes=2**28, seed=0)
-    sp = SamplingParams(temperature=0.0, max_tokens=req["max_new_tokens"],
-                        stop_token_ids=[req["eos"]])
-    outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], sp, use_tqdm=False)
-    result = {"responses": [list(o.outputs[0].token_ids) for o in outs]}
-    seqs = req.get("logprob_seqs") or []
-    if seqs:
-        lp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-        res = llm.generate([{"prompt_token_ids": s} for s in seqs], lp, use_tqdm=False)
-        result["prompt_logprobs"] = [
-            [d[t].logprob for d, t in zip(r.prompt_logprobs[1:], s[1:])]
-            for r, s in zip(res, seqs)
-        ]
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=req["max_new_tokens"],
+                            stop_token_ids=[req["eos"]])
+        outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], sp,
+                            use_tqdm=False)
+        result = {"responses": [list(o.outputs[0].token_ids) for o in outs]}
+        seqs = req.get("logprob_seqs") or []
+        if seqs:
+            lp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+            res = llm.generate([{"prompt_token_ids": s} for s in seqs], lp, use_tqdm=False)
+            result["prompt_logprobs"] = [
+                [d[t].logprob for d, t in zip(r.prompt_logprobs[1:], s[1:])]
+                for r, s in zip(res, seqs)
+            ]
+    finally:
+        # Stop the engine now, as RolloutEngine.shutdown does, not at interpreter exit.
+        # `llm` would live until then: vLLM keeps the ImportError of its optional torchcodec
+        # (vllm/multimodal/media/audio.py, _torchcodec_import_exc), whose traceback's frames
+        # lead back through the import above to this frame. At exit, vLLM's atexit
+        # finalizers stop the engine-core process before its client; the client's monitor
+        # thread then reports "engine core exited unexpectedly" and cleans up while the
+        # interpreter tears down, which at times aborts the process ("terminate called
+        # without an active exception") after the result was written.
+        llm.llm_engine.engine_core.shutdown()
     open(out, "w").write(json.dumps(result))
 
 if __name__ == "__main__":
@@ -64,7 +76,7 @@ def vllm_reference(hf: Path, prompts: list[list[int]], eos: int, max_new_tokens:
     req.write_text(json.dumps({"prompts": prompts, "eos": eos, "max_new_tokens": max_new_tokens,
                                "logprob_seqs": logprob_seqs or []}))  # fmt: skip
     rc, log = run([sys.executable, str(script), str(hf), str(req), str(out)], 300)
-    assert rc == 0, log[-3000:]
+    assert rc == 0, f"rc={rc}\n{log[-3000:]}"
     return json.loads(out.read_text())
 
 
