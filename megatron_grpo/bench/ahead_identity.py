@@ -17,16 +17,16 @@ import json
 import os
 import tempfile
 
+from megatron_grpo.models.tiny import build_hf_model
+from megatron_grpo.rollout.ahead import step_seed
+from megatron_grpo.rollout.engine import RolloutEngine
+
 
 def measure(steps: int, prompts: int, group: int, max_new_tokens: int, seed: int = 0) -> dict:
     """Serial vs merged generation of ``steps`` steps of ``prompts`` x ``group`` samples."""
     import random
 
     import torch.distributed as dist
-
-    from megatron_grpo.models.tiny import build_hf_model
-    from megatron_grpo.rollout.ahead import step_seed
-    from megatron_grpo.rollout.engine import RolloutEngine
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))

@@ -32,6 +32,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from megatron_grpo.bridge.plan import build_plan, plan_report
+from megatron_grpo.bridge.weight_sync import colocated_engine_ranks
+from megatron_grpo.layouts.megatron import MegatronLayout
+from megatron_grpo.models.spec import megatron_padded_vocab
+from megatron_grpo.plan.model import preset_spec
+
 GB = 1e9
 GiB = float(1 << 30)
 
@@ -248,12 +254,6 @@ def plan_bytes(a: Assumptions) -> PlanBytes:
     """Direct bridge bytes from ``build_plan`` on the preset shape; baseline by construction:
     gather every shard the root (rank 0) does not hold, then broadcast the full model to all
     vLLM ranks (``bridge/baseline.py``)."""
-    from megatron_grpo.bridge.plan import build_plan, plan_report
-    from megatron_grpo.bridge.weight_sync import colocated_engine_ranks
-    from megatron_grpo.layouts.megatron import MegatronLayout
-    from megatron_grpo.models.spec import megatron_padded_vocab
-    from megatron_grpo.plan.model import preset_spec
-
     spec = preset_spec(a.model)
     if a.gpus % (a.trainer_tp * a.trainer_pp) or a.gpus % a.rollout_tp:
         raise ValueError(

@@ -24,6 +24,32 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megatron_grpo.bench.raw import RawTransfer
+from megatron_grpo.bridge.accounting import SyncReport
+from megatron_grpo.bridge.baseline import BaselineSync
+from megatron_grpo.bridge.checksum import checksum
+from megatron_grpo.bridge.plan import build_plan
+from megatron_grpo.bridge.transport import Transport
+from megatron_grpo.bridge.verify import (
+    compare_checksums,
+    fixed_sequences,
+    logprob_parity,
+    pad_batch,
+)
+from megatron_grpo.bridge.weight_sync import colocated_engine_ranks
+from megatron_grpo.config import ConfigError
+from megatron_grpo.config.schema import ModelConfig, ParallelConfig
+from megatron_grpo.distributed import init_distributed, spawn
+from megatron_grpo.layouts import vllm as vl
+from megatron_grpo.layouts.io import HFCheckpointReader, load_hf_into_megatron
+from megatron_grpo.layouts.megatron import MegatronLayout
+from megatron_grpo.layouts.pieces import assemble
+from megatron_grpo.models.spec import check_heads, load_spec
+from megatron_grpo.models.tiny import PRESETS, build_hf_model
+from megatron_grpo.platform.cpu import device_mode_suspended
+from megatron_grpo.policy.policy import build_policy
+from megatron_grpo.rollout.engine import RolloutEngine
+
 MiB = 1 << 20
 
 
@@ -62,8 +88,6 @@ class BenchSyncArgs:
 
 
 def resolve_model(args: BenchSyncArgs) -> Path:
-    from megatron_grpo.models.tiny import PRESETS, build_hf_model
-
     if args.model in PRESETS:
         target = Path(args.cache_dir) / "hf_model" / args.model
         if not (target / "config.json").is_file():
@@ -94,10 +118,6 @@ def _expected_shards(spec, hf_dir: Path, rollout_tp: int, tp_rank: int, scale: f
     """This vLLM rank's shards assembled from the HF checkpoint by the layouts (no plan)."""
     import torch
 
-    from megatron_grpo.layouts import vllm as vl
-    from megatron_grpo.layouts.io import HFCheckpointReader
-    from megatron_grpo.layouts.pieces import assemble
-
     reader = HFCheckpointReader(hf_dir)
 
     def read(name, dim, start, length):
@@ -118,8 +138,6 @@ def _scale_policy(policy, factor: float) -> None:
 
 
 def _parity(policy, engine, seqs, tol):
-    from megatron_grpo.bridge.verify import logprob_parity, pad_batch
-
     logp = policy.compute_logprobs(pad_batch(seqs), micro_batch_size=len(seqs))["logp"]
     return logprob_parity(logp, engine.prompt_logprobs(seqs), [len(s) for s in seqs], tol)
 
@@ -130,22 +148,6 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
 
     torch.set_num_threads(a.threads)
     from functools import partial
-
-    from megatron_grpo.bench.raw import RawTransfer
-    from megatron_grpo.bridge.accounting import SyncReport
-    from megatron_grpo.bridge.baseline import BaselineSync
-    from megatron_grpo.bridge.checksum import checksum
-    from megatron_grpo.bridge.plan import build_plan
-    from megatron_grpo.bridge.transport import Transport
-    from megatron_grpo.bridge.verify import compare_checksums, fixed_sequences
-    from megatron_grpo.bridge.weight_sync import colocated_engine_ranks
-    from megatron_grpo.config.schema import ModelConfig, ParallelConfig
-    from megatron_grpo.distributed import init_distributed
-    from megatron_grpo.layouts.io import load_hf_into_megatron
-    from megatron_grpo.layouts.megatron import MegatronLayout
-    from megatron_grpo.models.spec import load_spec
-    from megatron_grpo.platform.cpu import device_mode_suspended
-    from megatron_grpo.policy.policy import build_policy
 
     spec = load_spec(hf_dir)
     ctx = init_distributed(
@@ -162,8 +164,6 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
     setup = {"policy_s": time.perf_counter() - t0}
     engine = None
     if a.sink in ("vllm", "vllm-fresh"):
-        from megatron_grpo.rollout.engine import RolloutEngine
-
         t0 = time.perf_counter()
         engine = RolloutEngine(
             hf_dir, tp=a.rollout_tp, max_model_len=64, cpu_kv_cache_gb=0.05, enforce_eager=True,
@@ -333,8 +333,6 @@ def _median(xs: list[float]) -> float:
 
 
 def summarize(a: BenchSyncArgs, per_rank: list[dict], hf_dir: Path) -> dict:
-    from megatron_grpo.models.spec import load_spec
-
     r0 = per_rank[0]
     spec = load_spec(hf_dir)
 
@@ -496,20 +494,15 @@ def format_table(res: dict) -> str:
 
 
 def run_bench_sync(a: BenchSyncArgs) -> dict:
-    from megatron_grpo.distributed.spawn import spawn_ranks
-
     hf_dir = resolve_model(a)
-    from megatron_grpo.models.spec import check_heads, load_spec
-
     try:  # before any rank starts, not vLLM's pydantic error from a spawned rank
         check_heads(load_spec(hf_dir), a.train_tp, a.rollout_tp)
     except ValueError as e:
-        from megatron_grpo.config import ConfigError
-
         raise ConfigError(str(e)) from None
     env = {"OMP_NUM_THREADS": str(a.threads)}
     t0 = time.perf_counter()
-    per_rank = spawn_ranks(bench_rank, a.world, a, str(hf_dir), timeout_s=3600.0, env=env)
+    # through the module: tests/bad_inputs.py stubs spawn_ranks out there
+    per_rank = spawn.spawn_ranks(bench_rank, a.world, a, str(hf_dir), timeout_s=3600.0, env=env)
     res = summarize(a, per_rank, hf_dir)
     res["wall_s"] = time.perf_counter() - t0
     res["args"] = asdict(a)

@@ -17,6 +17,7 @@ from megatron_grpo.plan.memory import (
     MemoryReport,
     distributed_optimizer_on,
     estimate_memory,
+    kv_bytes_per_token,
     plan_dtype,
 )
 from megatron_grpo.plan.placement import RankPlacement, place_ranks
@@ -263,8 +264,6 @@ def _check_memory(
     spec: ModelSpec,
     warnings: list[str],
 ) -> None:
-    from megatron_grpo.plan.memory import kv_bytes_per_token
-
     r = cfg.rollout
     one_seq = r.max_model_len * kv_bytes_per_token(spec, r.tp, DTYPE_BYTES[plan_dtype(cfg)])
     if mem.kv_cache_reserved < one_seq:

@@ -40,8 +40,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.bridge.weight_sync import PlanInputs, init_transfer_group, remote_sender
 from megatron_grpo.config import Config
 from megatron_grpo.plan.placement import RankPlacement, place_ranks
+from megatron_grpo.rollout.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +193,8 @@ def _engine_beat(e: int) -> str:
 # ------------------------------------------------------------------------------ server
 def serve(cfg: Config, world: DisaggregatedWorld) -> dict[str, Any]:
     """A rollout rank's whole life: host (driver) or idle beside an engine until ``stop``."""
+    # Here, not at the top: models.prepare loads the prompt datasets and rewards, and every
+    # command's error handler (cli/errors.py) imports this module through rollout.interface.
     from megatron_grpo.models.prepare import prepare_model_dir
 
     pl = world.placement
@@ -239,8 +243,6 @@ def engine_devices(visible: str | None, local_rank: int, tp: int, device_count: 
 
 
 def _start_engine(cfg: Config, hf_dir: Any, e: int, ch: Channel) -> Any:
-    from megatron_grpo.rollout.engine import RolloutEngine
-
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     for k in _TORCHRUN_ENV:
         os.environ.pop(k, None)
@@ -419,7 +421,6 @@ class RolloutClient:
 
     def init_transfer(self, inputs: Any, backend: str, timeout_s: float) -> Any:
         """Build the transfer group (trainer ranks + every engine worker); returns it."""
-        from megatron_grpo.bridge.weight_sync import init_transfer_group
 
         def address() -> tuple[str, int]:
             addr = _my_address(self.world.placement.world_size)
@@ -477,8 +478,6 @@ def connect_rollout(cfg: Config, world: DisaggregatedWorld, ctx: Any, hf_dir: An
     """Trainer ranks: wait for the engines, build the transfer group and the bridge.
     Returns ``(RolloutClient, WeightSender)``: the colocated ``(engine, WeightSender)``'s
     faces."""
-    from megatron_grpo.bridge.weight_sync import PlanInputs, remote_sender
-
     client = RolloutClient(world, ctx)
     client.wait_ready()
     engines = world.placement.engines

@@ -30,6 +30,7 @@ from megatron_grpo.rewards import build_reward
 from megatron_grpo.rewards.scoring import GroupScorer
 from megatron_grpo.rollout.ahead import AheadRollout
 from megatron_grpo.rollout.interface import build_rollout
+from megatron_grpo.rollout.server import join_world, serve
 from megatron_grpo.trainer.checkpointer import Checkpointer, Preemption
 from megatron_grpo.trainer.loop import GRPOTrainer
 from megatron_grpo.trainer.memory import ColocatedMemory
@@ -137,8 +138,6 @@ def train(cfg: Config, resume: bool = False) -> dict[str, Any]:
     until trainer rank 0 says stop) and the others train."""
     world = None
     if cfg.rollout.placement == "disaggregated":
-        from megatron_grpo.rollout.server import join_world, serve
-
         validate_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         world = join_world(cfg)
         if not world.is_trainer:

@@ -45,7 +45,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from checkpoints_tools.common import HF_SUBDIR, INFO_FILE, CheckpointInfo
+from megatron_grpo.checkpoint import load_checkpoint
+from megatron_grpo.checkpoint.core import is_complete, resolve_checkpoint
 from megatron_grpo.config import Config, ConfigError, load_config, parse_overrides
+from megatron_grpo.data import build_prompt_source
+from megatron_grpo.distributed import destroy_distributed, init_distributed, spawn
+from megatron_grpo.layouts.io import load_hf_into_megatron
+from megatron_grpo.models.spec import check_heads, load_spec
+from megatron_grpo.models.tiny import PRESETS
+from megatron_grpo.policy.policy import build_policy
+from megatron_grpo.rewards import build_reward
+from megatron_grpo.rollout.colocated import build_colocated
+from megatron_grpo.trainer.batch import collate
 
 SourceKind = Literal["hf", "training", "converted"]
 
@@ -117,8 +129,6 @@ def mean_pass_at_k(correct_PK: list[list[bool]], k: int) -> float:
 # ----------------------------------------------------------------------------- sources
 def _run_dir_hf(run_dir: Path) -> Path:
     """The HF directory a training run trained from (its ``config.yaml``'s model.hf_path)."""
-    from megatron_grpo.models.tiny import PRESETS
-
     cfg_file = run_dir / "config.yaml"
     if not cfg_file.is_file():
         raise ConfigError(
@@ -137,10 +147,6 @@ def _run_dir_hf(run_dir: Path) -> Path:
 
 def resolve_model(model: str, hf_config: str | None = None) -> ModelSource:
     """Classify ``--model`` (see the module docstring); errors name the path and the fix."""
-    from checkpoints_tools.common import HF_SUBDIR, INFO_FILE, CheckpointInfo
-    from megatron_grpo.checkpoint.core import is_complete, resolve_checkpoint
-    from megatron_grpo.models.spec import load_spec
-
     path = Path(model)
     override = Path(hf_config) if hf_config else None
     if override is not None and not (override / "config.json").is_file():
@@ -185,8 +191,6 @@ def load_megatron_weights(policy, source: ModelSource) -> None:
     dist_checkpointing stores global tensors and the vocabulary rows allow a different
     padding, so the saving layout does not matter (docs/convert.md)."""
     if source.kind == "training":
-        from megatron_grpo.checkpoint import load_checkpoint
-
         # Only the model: the template has no optimizer entries, and dist_checkpointing's
         # default strictness (ASSUME_OK_UNEXPECTED) skips the checkpoint's extra keys.
         loaded = load_checkpoint(
@@ -238,8 +242,6 @@ def prepare(
     """Validate the command and load the prompts (no process groups, no vLLM)."""
     from transformers import AutoTokenizer
 
-    from megatron_grpo.data import build_prompt_source
-
     overrides = list(overrides or [])
     for flag, v in (("--train-tp", train_tp), ("--train-pp", train_pp),
                     ("--rollout-tp", rollout_tp), ("--max-new-tokens", max_new_tokens),
@@ -258,8 +260,6 @@ def prepare(
             "reward.name=gsm8k (or gsm8k_flexible, math, synthetic, package.module:function)."
         )
     source = resolve_model(model, hf_config)
-    from megatron_grpo.models.spec import check_heads, load_spec
-
     try:  # before any rank starts: a spawned rank's traceback is not an answer
         check_heads(load_spec(source.hf_dir), train_tp, rollout_tp)
     except ValueError as e:
@@ -304,12 +304,6 @@ def eval_rank(rank: int, world: int, s: EvalSettings) -> dict[str, Any] | None:
 
     import torch
 
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
-    from megatron_grpo.layouts.io import load_hf_into_megatron
-    from megatron_grpo.models.spec import load_spec
-    from megatron_grpo.policy.policy import build_policy
-    from megatron_grpo.rollout.colocated import build_colocated
-
     if s.threads:
         torch.set_num_threads(s.threads)
     cfg, src = s.cfg, s.source
@@ -353,8 +347,6 @@ def eval_rank(rank: int, world: int, s: EvalSettings) -> dict[str, Any] | None:
 def _policy_logprobs(policy, samples, micro_batch_size: int) -> list[list[float]]:
     """The policy's log-probs of each sample's response tokens (collective; every rank holds
     all samples, so every DP replica scores the whole list)."""
-    from megatron_grpo.trainer.batch import collate
-
     logp = policy.compute_logprobs(collate(samples, 0), micro_batch_size)["logp"]
     out = []
     for i, x in enumerate(samples):
@@ -371,19 +363,16 @@ def generate(s: EvalSettings, timeout_s: float = 1800.0) -> dict[str, Any] | Non
     world = eval_world(p.tp, p.pp, r.tp)
     if world == 1:
         return eval_rank(0, 1, s)
-    from megatron_grpo.distributed.spawn import spawn_ranks
 
     threads = max(1, (os.cpu_count() or 1) // world)
-    return spawn_ranks(eval_rank, world, replace(s, threads=threads), timeout_s=timeout_s)[0]
+    # through the module: tests/bad_inputs.py stubs spawn_ranks out there
+    return spawn.spawn_ranks(eval_rank, world, replace(s, threads=threads), timeout_s=timeout_s)[0]
 
 
 # ----------------------------------------------------------------------------- scoring
 def score(s: EvalSettings, out: dict[str, Any]) -> EvalResult:
     """Rewards, pass@{1,K} and the dump rows of rank 0's samples."""
     from transformers import AutoTokenizer
-
-    from megatron_grpo.data import build_prompt_source
-    from megatron_grpo.rewards import build_reward
 
     cfg = s.cfg
     tok = AutoTokenizer.from_pretrained(s.source.hf_dir)

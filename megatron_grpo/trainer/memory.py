@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from megatron_grpo.policy.offload import TrainerOffload
+
 GIB = float(1 << 30)
 
 
@@ -83,8 +85,6 @@ class ColocatedMemory:
     @classmethod
     def from_config(cls, cfg, engine, policy, device: torch.device) -> ColocatedMemory:
         """The dance ``cfg`` asks for; inactive (no calls at all) on CPU or disaggregated."""
-        from megatron_grpo.policy.offload import TrainerOffload
-
         r = cfg.rollout
         if device.type != "cuda" or r.placement != "colocated":
             return cls(None, sleep_level=0)

@@ -13,21 +13,19 @@ import logging
 from pathlib import Path
 
 from megatron_grpo.config import Config, ConfigError
+from megatron_grpo.data import build_prompt_source
+from megatron_grpo.models.prepare import check_model_path
+from megatron_grpo.models.spec import check_heads, load_spec
+from megatron_grpo.plan.placement import validate_world
+from megatron_grpo.rewards import check_reward
 
 
 def check_run(cfg: Config, world_size: int) -> int:
     """Raise ConfigError for a run that cannot start; return the number of vLLM engines."""
-    from megatron_grpo.data import build_prompt_source
-    from megatron_grpo.models.prepare import check_model_path
-    from megatron_grpo.plan.placement import validate_world
-    from megatron_grpo.rewards import check_reward
-
     engines = validate_world(cfg, world_size)
     check_model_path(cfg)
     hf = Path(cfg.model.hf_path)
     if (hf / "config.json").is_file():  # a preset's shape is checked when it is built
-        from megatron_grpo.models.spec import check_heads, load_spec
-
         try:
             check_heads(load_spec(hf), cfg.parallel.tp, cfg.rollout.tp)
         except ValueError as e:

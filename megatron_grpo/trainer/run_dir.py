@@ -16,6 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
+from megatron_grpo.checkpoint import list_checkpoints
 from megatron_grpo.config.schema import ConfigError
 
 # Left by a start that failed before training, and reused only when still valid:
@@ -54,8 +55,6 @@ def prepare_run_dir(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool
             "--run-dir a directory you can write to."
         )
     if resume:
-        from megatron_grpo.checkpoint import list_checkpoints
-
         if not list_checkpoints(run_dir):
             raise ConfigError(
                 f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}; start "

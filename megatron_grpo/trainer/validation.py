@@ -16,14 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_grpo.config import Config
+from megatron_grpo.data import build_prompt_source
+from megatron_grpo.trainer.evaluate import mean_pass_at_k
 
 
 class Validator:
     """Holds the held-out prompts; ``run(generate, policy_version)`` returns the metrics."""
 
     def __init__(self, cfg: Config, tokenizer, reward_fn) -> None:
-        from megatron_grpo.data import build_prompt_source
-
         e = cfg.eval
         data = dataclasses.replace(cfg.data, source=e.data, split="train") if e.data else (
             dataclasses.replace(cfg.data, split="test")
@@ -36,8 +36,6 @@ class Validator:
         return bool(self.cfg.eval.interval) and step % self.cfg.eval.interval == 0
 
     def run(self, generate: Callable[..., list], policy_version: int) -> dict[str, Any]:
-        from megatron_grpo.trainer.evaluate import mean_pass_at_k
-
         e, r, k = self.cfg.eval, self.cfg.rollout, self.cfg.eval.samples
         samples = generate(
             [p.prompt_ids for p in self.prompts], n=k, temperature=e.temperature, top_p=1.0,

@@ -17,6 +17,8 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from megatron_grpo.metrics.console import console_err, log_path
+
 EXIT_TIMEOUT = 3
 
 
@@ -25,8 +27,6 @@ class PhaseTimeout(RuntimeError):
 
 
 def _exit(message: str) -> None:
-    from megatron_grpo.metrics.console import console_err, log_path
-
     if log_path() is not None:
         print(message, file=sys.stderr, flush=True)
     print(message, file=console_err(), flush=True)
