@@ -60,6 +60,7 @@ def _e2e(rank: int, world: int, root: str) -> dict:
     from megatron_grpo.distributed import init_distributed
     from megatron_grpo.layouts.io import load_hf_into_megatron
     from megatron_grpo.models.spec import load_spec
+    from megatron_grpo.plan.placement import colocated_engines
     from megatron_grpo.policy.policy import build_policy
     from megatron_grpo.rollout import RolloutEngine
 
@@ -84,7 +85,8 @@ def _e2e(rank: int, world: int, root: str) -> dict:
                     None, init_weights=partial(load_hf_into_megatron, hf_dir=b, spec=spec, ctx=ctx),
                 )  # fmt: skip
                 sync = SyncConfig(bucket_mb=0.05, timeout_s=60)
-                ws = colocated_sender(b, spec, ctx, policy, eng, sync, rtp)
+                engines = colocated_engines(ctx.world_size, rtp)
+                ws = colocated_sender(b, spec, ctx, policy, eng, sync, engines)
                 eng.reload_from_hf(a)  # the engine must really receive B from the bridge
                 before = eng.export_shards()[0]
                 report = ws.sync(policy)

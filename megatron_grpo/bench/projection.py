@@ -33,10 +33,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatron_grpo.bridge.plan import build_plan, plan_report
-from megatron_grpo.bridge.weight_sync import colocated_engine_ranks
 from megatron_grpo.layouts.megatron import MegatronLayout
 from megatron_grpo.models.spec import megatron_padded_vocab
 from megatron_grpo.plan.model import preset_spec
+from megatron_grpo.plan.placement import colocated_engines
 
 GB = 1e9
 GiB = float(1 << 30)
@@ -265,7 +265,7 @@ def plan_bytes(a: Assumptions) -> PlanBytes:
         a.trainer_tp, a.trainer_pp, dp=dp,
         padded_vocab=megatron_padded_vocab(spec.vocab_size, a.trainer_tp),
     )  # fmt: skip
-    engines = colocated_engine_ranks(a.gpus, a.rollout_tp)
+    engines = colocated_engines(a.gpus, a.rollout_tp)
     rep = plan_report(build_plan(spec, layout, a.rollout_tp, engines, a.dtype_bytes))
     links = rep.bytes_per_link
     in_proc: dict[int, int] = {}

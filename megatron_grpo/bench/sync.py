@@ -36,7 +36,6 @@ from megatron_grpo.bridge.verify import (
     logprob_parity,
     pad_batch,
 )
-from megatron_grpo.bridge.weight_sync import colocated_engine_ranks
 from megatron_grpo.config import ConfigError
 from megatron_grpo.config.schema import ModelConfig, ParallelConfig
 from megatron_grpo.distributed import init_distributed, spawn
@@ -46,6 +45,7 @@ from megatron_grpo.layouts.megatron import MegatronLayout
 from megatron_grpo.layouts.pieces import assemble
 from megatron_grpo.models.spec import check_heads, load_spec
 from megatron_grpo.models.tiny import PRESETS, build_hf_model
+from megatron_grpo.plan.placement import colocated_engines
 from megatron_grpo.platform.cpu import device_mode_suspended
 from megatron_grpo.policy.policy import build_policy
 from megatron_grpo.rollout.engine import RolloutEngine
@@ -176,7 +176,7 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
     layout = MegatronLayout.of(ctx, shards, padded_vocab)
     t0 = time.perf_counter()
     plan = build_plan(
-        spec, layout, a.rollout_tp, colocated_engine_ranks(world, a.rollout_tp),
+        spec, layout, a.rollout_tp, colocated_engines(world, a.rollout_tp),
         element_size=torch.empty((), dtype=dtype).element_size(),
     )  # fmt: skip
     setup["plan_s"] = time.perf_counter() - t0

@@ -58,18 +58,6 @@ Verify = Callable[[Any, dict | None], dict]
 ``sync.verify`` checks (``bridge.verify.verify_sync``); raises when a check fails."""
 
 
-def colocated_engine_ranks(world_size: int, rollout_tp: int) -> list[list[int]]:
-    """Global ranks of each colocated engine's TP ranks (vLLM's external_launcher layout)."""
-    if world_size % rollout_tp:
-        raise ValueError(
-            f"rollout.tp={rollout_tp} does not divide the world size {world_size}: colocated "
-            "engines take consecutive groups of rollout.tp ranks. Pick a divisor."
-        )
-    return [
-        list(range(e * rollout_tp, (e + 1) * rollout_tp)) for e in range(world_size // rollout_tp)
-    ]
-
-
 # ---------------------------------------------------------------------------- plan inputs
 @dataclass(frozen=True)
 class PlanInputs:
@@ -280,11 +268,11 @@ def colocated_sender(
     policy: Any,
     engine: Any,
     sync: SyncConfig,
-    rollout_tp: int,
+    engines: list[list[int]],
 ) -> WeightSender:
-    """This rank's sender into its colocated ``engine`` (``sync.method``, ``sync.verify``)."""
-    engines = colocated_engine_ranks(ctx.world_size, rollout_tp)
-    inputs = PlanInputs.of(model_dir, ctx, policy, sync, rollout_tp, engines)
+    """This rank's sender into its colocated ``engine`` (``sync.method``, ``sync.verify``);
+    ``engines[e]``: the global ranks of engine ``e``'s TP ranks (``plan.placement``)."""
+    inputs = PlanInputs.of(model_dir, ctx, policy, sync, len(engines[0]), engines)
 
     def verify(policy: Any, sent: dict[str, Checksum] | None) -> dict:
         return verify_sync(ctx, policy, engine, sent)

@@ -1,8 +1,7 @@
 """Which global ranks train and which serve vLLM, from the config and the world size.
 
 - ``colocated``: every rank trains and hosts one vLLM TP rank in-process (external_launcher);
-  engine ``e`` is the consecutive ranks ``[e*tp, (e+1)*tp)`` (``bridge.weight_sync``'s
-  ``colocated_engine_ranks``).
+  engine ``e`` is the consecutive ranks ``[e*tp, (e+1)*tp)`` (``colocated_engines``).
 - ``disaggregated``: the LAST ``rollout.num_engines * rollout.tp`` ranks serve, engine ``e``
   being consecutive ranks again; every rank before them trains. With torchrun on Slurm the
   ranks of one node are consecutive, so when the rollout ranks are a multiple of the GPUs
@@ -29,17 +28,22 @@ class RankPlacement:
     """``engines[e][r]``: global rank hosting TP rank ``r`` of vLLM engine ``e``."""
 
 
+def colocated_engines(world_size: int, tp: int) -> list[list[int]]:
+    """Global ranks of each colocated engine's TP ranks (vLLM's external_launcher layout)."""
+    if world_size % tp:
+        raise ConfigError(
+            f"rollout.tp({tp}) does not divide the world size {world_size}: colocated "
+            f"engines take consecutive groups of rollout.tp ranks; pick a divisor of "
+            f"{world_size}."
+        )
+    return [list(range(e * tp, (e + 1) * tp)) for e in range(world_size // tp)]
+
+
 def place_ranks(rollout: RolloutConfig, world_size: int) -> RankPlacement:
     tp = rollout.tp
     if rollout.placement == "colocated":
-        if world_size % tp:
-            raise ConfigError(
-                f"rollout.tp({tp}) does not divide the world size {world_size}: colocated "
-                f"engines take consecutive groups of rollout.tp ranks; pick a divisor of "
-                f"{world_size}."
-            )
         ranks = list(range(world_size))
-        engines = [ranks[e * tp : (e + 1) * tp] for e in range(world_size // tp)]
+        engines = colocated_engines(world_size, tp)
         return RankPlacement("colocated", world_size, ranks, ranks, engines)
     if rollout.num_engines < 1:
         raise ConfigError(
