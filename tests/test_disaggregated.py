@@ -76,7 +76,7 @@ def test_disaggregated_trains_syncs_every_v_and_serves_the_trainers_weights(tmp_
     t0 = time.perf_counter()
     rc, out, left = torchrun_train(
         run, "--steps", "4", "--sync-interval", "2", "rollout.placement=disaggregated",
-        "rollout.num_engines=1", *FAST, timeout=840,
+        "rollout.num_engines=1", "eval.interval=2", "eval.num_prompts=4", *FAST, timeout=840,
     )  # fmt: skip
     elapsed = time.perf_counter() - t0
     assert rc == 0, out[-4000:]
@@ -86,6 +86,9 @@ def test_disaggregated_trains_syncs_every_v_and_serves_the_trainers_weights(tmp_
     assert [x["synced"] for x in rows] == [False, True, False, True]
     assert [x["policy_version"] for x in rows] == [0, 0, 2, 2]
     assert [x["lag"] for x in rows] == [0, 1, 0, 1]
+    # Validation through the engines (RolloutClient.generate) after each sync.
+    assert [x.get("eval_policy_version") for x in rows] == [None, 2, None, 4]
+    assert all(0.0 <= rows[i]["eval_pass@1"] <= 1.0 for i in (1, 3))
     minimal = rows[1]["sync_minimal_bytes"]
     assert minimal > 0
     assert [x["sync_bytes"] for x in rows] == [0, minimal, 0, minimal]

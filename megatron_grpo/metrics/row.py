@@ -51,7 +51,7 @@ def step_row(
     extra.update(eval_metrics or {})  # validation of this step (eval.interval), if any
     if "time_eval" in times:
         extra["time_eval"] = times["time_eval"]
-    extra.update({k: mean(k) for k in _TRAIN_EXTRAS if mean(k) is not None})
+    extra.update({k: v for k in _TRAIN_EXTRAS if (v := mean(k)) is not None})
     if sync_report is not None:
         extra.update(sync_seconds=sync_report.seconds, sync_minimal_bytes=sync_report.minimal_bytes,
                      sync_wire_bytes=sync_report.wire_bytes)  # fmt: skip

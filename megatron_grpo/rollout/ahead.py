@@ -148,11 +148,11 @@ class AheadRollout:
 
     def _arrive(self, window: list[_Buffered], thunks: list[Callable[[], Any]]) -> None:
         """In step order: wait for a step's samples, publish them, score them."""
-        for entry, thunk in zip(window, thunks, strict=True):
+        for i, (entry, thunk) in enumerate(zip(window, thunks, strict=True)):
             try:
                 samples = thunk()
             except BaseException as e:  # noqa: BLE001 - raised in the loop by take()
-                for rest in window[window.index(entry) :]:
+                for rest in window[i:]:
                     rest.samples.set_exception(e)
                     rest.scores.set_exception(e)
                 return

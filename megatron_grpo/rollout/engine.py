@@ -231,10 +231,11 @@ class RolloutEngine:
         """
         from vllm import SamplingParams
 
-        base = self.seed if seed is None else seed
         replica = self.replica_index * 1_000_003
-        base += replica
-        if seeds is not None and len(seeds) != len(prompt_token_ids):
+        if seeds is None:
+            base = self.seed if seed is None else seed
+            seeds = [base + i * n for i in range(len(prompt_token_ids))]
+        elif len(seeds) != len(prompt_token_ids):
             raise ValueError(
                 f"generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts; pass one "
                 "seed per prompt."
@@ -249,7 +250,7 @@ class RolloutEngine:
                     top_p=top_p,
                     top_k=top_k if top_k and top_k > 0 else 0,
                     max_tokens=max_new_tokens,
-                    seed=base + i * n if seeds is None else seeds[i] + replica,
+                    seed=seeds[i] + replica,
                     logprobs=0,  # the sampled token's logprob only
                     stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
                 )

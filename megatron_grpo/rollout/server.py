@@ -43,6 +43,7 @@ import torch.distributed as dist
 from megatron_grpo.bridge.weight_sync import PlanInputs, init_transfer_group, remote_sender
 from megatron_grpo.config import Config
 from megatron_grpo.plan.placement import RankPlacement, place_ranks
+from megatron_grpo.rollout.colocated import engine_slice
 from megatron_grpo.rollout.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,10 @@ def join_world(cfg: Config) -> DisaggregatedWorld:
     return out
 
 
+PIN_ENV = ("MEGATRON_GRPO_TRAINER_CPUS", "MEGATRON_GRPO_ROLLOUT_CPUS")
+"""The variables naming the CPUs of the trainer ranks and of the rollout ranks."""
+
+
 def pin_role(is_trainer: bool, rollout_tp: int) -> None:
     """Pin this rank to the CPUs of its role when ``MEGATRON_GRPO_TRAINER_CPUS`` /
     ``MEGATRON_GRPO_ROLLOUT_CPUS`` name them (``0``, ``0-3``, ``1,3``; ``bench throughput``
@@ -108,7 +113,7 @@ def pin_role(is_trainer: bool, rollout_tp: int) -> None:
     inherit the rollout rank's affinity; with rollout.tp=1 its OpenMP threads are bound to
     the same CPUs (VLLM_CPU_OMP_THREADS_BIND, vllm/utils/ompmultiprocessing.py), with tp > 1
     ``RolloutEngine`` gives each worker one of them."""
-    key = "MEGATRON_GRPO_TRAINER_CPUS" if is_trainer else "MEGATRON_GRPO_ROLLOUT_CPUS"
+    key = PIN_ENV[0] if is_trainer else PIN_ENV[1]
     spec = os.environ.get(key, "").strip()
     if not spec:
         return
@@ -288,11 +293,10 @@ def _serve_loop(cfg: Config, ch: Channel, engine: Any, e: int, rank: int) -> dic
 
 def _run(engine: Any, cmd: dict[str, Any], e: int) -> Any:
     op = cmd["op"]
-    if op == "generate":
-        prompts, engines = cmd["prompts"], cmd["engines"]
-        p = len(prompts)
+    if op == "generate":  # this engine's share, split as the colocated engines split
+        prompts = cmd["prompts"]
         return engine.generate(
-            prompts[e * p // engines : (e + 1) * p // engines], **cmd["sampling"]
+            prompts[engine_slice(len(prompts), cmd["engines"], e)], **cmd["sampling"]
         )
     if op == "init_transfer":
         info = dict(cmd["info"], rank_offset=cmd["rank_offsets"][e])
@@ -343,8 +347,9 @@ class RolloutClient:
             out.append(r)
         return out
 
-    def _shared(self, fn: Any) -> Any:
-        """``fn()`` on rank 0, its result (or its error) on every trainer rank."""
+    def share(self, fn: Any) -> Any:
+        """``fn()`` on trainer rank 0, its result (or its error) on every trainer rank
+        (``Rollout.share``)."""
         box: list[Any] = [None]
         if self.ctx.rank == 0:
             try:
@@ -374,38 +379,30 @@ class RolloutClient:
                 secs.append(r["seconds"])
             return max(secs)
 
-        return self._shared(ready)
+        return self.share(ready)
 
-    def generate(self, prompt_ids: list, **sampling: Any) -> list:
-        """All prompts' samples, prompt-major: engine e samples prompts
-        ``[e*P//E, (e+1)*P//E)``, as colocated engines do (``rollout.colocated``)."""
+    def generate(self, prompt_ids: list, seed: int, **sampling: Any) -> list:
+        """All prompts' samples, prompt-major, on every trainer rank: engine e samples
+        prompts ``[e*P//E, (e+1)*P//E)``, as colocated engines do (``rollout.colocated``).
+        One step's ``launch``, posted and received on rank 0 inside ``share`` (an error
+        there reaches every trainer rank)."""
+        return self.share(lambda: self.launch([(prompt_ids, seed)], **sampling)[0]())
 
-        def run() -> list:
-            seq = self._post("generate", prompts=[list(p) for p in prompt_ids],
-                             engines=self.engines, sampling=sampling)  # fmt: skip
-            return [s for part in self._collect(seq, "generate") for s in part]
-
-        return self._shared(run)
-
-    def submit(self, prompt_ids: list, **sampling: Any) -> int | None:
+    def _submit(self, prompt_ids: list, **sampling: Any) -> int | None:
         """Queue a ``generate`` without waiting (rollout.ahead): the engines run queued
-        commands back to back, in order; ``collect(ticket)`` returns the samples. The ticket
-        is meaningful on trainer rank 0 only (other ranks get theirs from rank 0)."""
+        commands back to back, in order; ``_receive(ticket)`` waits for the samples. The
+        ticket is meaningful on trainer rank 0 only (other ranks get theirs from rank 0)."""
         if self.ctx.rank != 0:
             return None
         return self._post("generate", prompts=[list(p) for p in prompt_ids],
                           engines=self.engines, sampling=sampling)  # fmt: skip
-
-    def collect(self, ticket: int | None) -> list:
-        """The samples of a ``submit``ted generate, on every trainer rank (blocks until done)."""
-        return self._shared(lambda: [s for part in self._collect(ticket, "generate") for s in part])
 
     def launch(self, steps: list[tuple[list, int]], **sampling: Any) -> list:
         """Queue one generate per step (``[(prompt_ids, seed)]``) on the engines, which run
         them back to back while the trainer trains; returns one thunk per step that collects
         its samples (rollout.ahead). Each step is its own vLLM call with its own seed, so
         the samples are the serial schedule's, bit for bit."""
-        tickets = [self.submit(ids, seed=seed, **sampling) for ids, seed in steps]
+        tickets = [self._submit(ids, seed=seed, **sampling) for ids, seed in steps]
         return [(lambda t=t: self._receive(t)) for t in tickets]
 
     def _receive(self, ticket: int | None) -> list | None:
@@ -414,10 +411,6 @@ class RolloutClient:
         if self.ch is None:
             return None
         return [s for part in self._collect(ticket, "generate") for s in part]
-
-    def share(self, fn: Any) -> Any:
-        """``fn()`` on trainer rank 0, its result (or its error) on every trainer rank."""
-        return self._shared(fn)
 
     def init_transfer(self, inputs: Any, backend: str, timeout_s: float) -> Any:
         """Build the transfer group (trainer ranks + every engine worker); returns it."""
@@ -429,7 +422,7 @@ class RolloutClient:
                 port = s.getsockname()[1]
             return addr, port
 
-        addr, port = self._shared(address)
+        addr, port = self.share(address)
         world = self.world.placement.world_size
         seq = None
         if self.ctx.rank == 0:
@@ -440,7 +433,7 @@ class RolloutClient:
         # Gloo/NCCL group construction blocks until all WORLD ranks joined (drivers' workers
         # join inside the init_weight_transfer_engine RPC).
         group = init_transfer_group(addr, port, self.ctx.rank, world, backend, timeout_s)
-        self._shared(lambda: self._collect(seq, "init_transfer"))
+        self.share(lambda: self._collect(seq, "init_transfer"))
         return group
 
     def begin_update(self) -> None:
