@@ -17,6 +17,7 @@ import json
 import os
 import tempfile
 
+from megatron_grpo.distributed.spawn import free_port
 from megatron_grpo.models.tiny import build_hf_model
 from megatron_grpo.rollout.ahead import step_seed
 from megatron_grpo.rollout.engine import RolloutEngine
@@ -29,7 +30,7 @@ def measure(steps: int, prompts: int, group: int, max_new_tokens: int, seed: int
     import torch.distributed as dist
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     rng = random.Random(seed)
     batches = [

@@ -143,11 +143,10 @@ def _parity(policy, engine, seqs, tol):
 
 
 def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
+    from functools import partial
+
     import torch
     import torch.distributed as dist
-
-    torch.set_num_threads(a.threads)
-    from functools import partial
 
     spec = load_spec(hf_dir)
     ctx = init_distributed(
@@ -499,10 +498,10 @@ def run_bench_sync(a: BenchSyncArgs) -> dict:
         check_heads(load_spec(hf_dir), a.train_tp, a.rollout_tp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    env = {"OMP_NUM_THREADS": str(a.threads)}
     t0 = time.perf_counter()
     # through the module: tests/bad_inputs.py stubs spawn_ranks out there
-    per_rank = spawn.spawn_ranks(bench_rank, a.world, a, str(hf_dir), timeout_s=3600.0, env=env)
+    per_rank = spawn.spawn_ranks(bench_rank, a.world, a, str(hf_dir), timeout_s=3600.0,
+                                 threads=a.threads)  # fmt: skip
     res = summarize(a, per_rank, hf_dir)
     res["wall_s"] = time.perf_counter() - t0
     res["args"] = asdict(a)

@@ -41,6 +41,7 @@ from megatron_grpo.bench.projection import schedule_step_time
 from megatron_grpo.bench.report import write_throughput_report
 from megatron_grpo.config import load_config
 from megatron_grpo.metrics.logger import read_metrics
+from megatron_grpo.rollout.server import PIN_ENV
 
 PHASES = ("rollout", "reward", "logprobs", "train", "sync")
 
@@ -132,7 +133,6 @@ def train_command(a: ThroughputArgs, v: int, run_dir: Path, ahead: int = 0) -> l
     return train_argv(a.nproc, a.config, run_dir, a.steps, v, [*a.overrides, *extra])
 
 
-PIN_ENV = ("MEGATRON_GRPO_TRAINER_CPUS", "MEGATRON_GRPO_ROLLOUT_CPUS")
 """CPU lists (``0``, ``0-3``, ``0,2``) that ``rollout.server.join_world`` applies with
 ``os.sched_setaffinity`` to trainer and rollout ranks (vLLM's processes inherit theirs)."""
 

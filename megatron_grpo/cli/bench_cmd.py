@@ -23,22 +23,23 @@ from megatron_grpo.cli.command import add_command, from_args
 T = TypeVar("T")
 
 
-def _comma_list(convert: Callable[[str], T], option: str, what: str, example: str):
-    """An argparse ``type``: ``text`` split at commas, each piece ``convert``-ed."""
+def _comma_list(convert: Callable[[str], T], what: str, example: str):
+    """An argparse ``type``: ``text`` split at commas, each piece ``convert``-ed (argparse
+    names the option in front of the error)."""
 
     def parse(text: str) -> list[T]:
         try:
             return [convert(x) for x in text.split(",") if x.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"{option} {text!r}: expected {what} separated by commas, e.g. {example}"
+                f"{text!r}: expected {what} separated by commas, e.g. {example}"
             ) from None
 
     return parse
 
 
-_floats = _comma_list(float, "--bucket-mb", "sizes in MB", "16,64")
-_ints = _comma_list(int, "--v", "sync periods", "1,2,5,10")
+_floats = _comma_list(float, "numbers", "16,64")
+_ints = _comma_list(int, "integers", "1,2,5,10")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -244,14 +245,11 @@ def run_sync(args: argparse.Namespace) -> int:
     colocated vLLM TP rank; runs the bridge, the baseline and a raw flat transfer of the
     same bytes over the same gloo group; prints a table, writes JSON."""
     from megatron_grpo.bench.sync import BenchSyncArgs, format_table, run_bench_sync
-    from megatron_grpo.cli.errors import exit_on_user_error
+    from megatron_grpo.cli.errors import exit_on, exit_on_user_error
 
+    with exit_on(ValueError, 2):  # ConfigError is a ValueError
+        a = from_args(BenchSyncArgs, args)
     with exit_on_user_error():
-        try:
-            a = from_args(BenchSyncArgs, args)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
         res = run_bench_sync(a)
     print(format_table(res))
     if args.json_out:
