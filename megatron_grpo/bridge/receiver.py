@@ -148,8 +148,7 @@ class ShardReceiver:
         omits those parameters until a session records them again (``sync.verify``)."""
         self.timings: dict[str, float] = {}
         """The latest session's vLLM-side seconds: ``post_s`` (post-load processing,
-        ``process_weights_after_loading``) and ``start_s``/``finish_s`` (session setup and
-        close, post-processing excluded)."""
+        ``process_weights_after_loading``), the sync breakdown's ``vllm_post`` phase."""
         self._build_index()
 
     # -- index of the logical (loadable) parameters
@@ -217,14 +216,12 @@ class ShardReceiver:
 
         if self._session is not None:
             raise RuntimeError("ShardReceiver.start() called twice; call finish() first.")
-        t0 = time.perf_counter()
         self.timings = {"post_s": 0.0}
         if presharded and self.direct:
             self._session = _DirectSession(self)
         else:
             initialize_layerwise_reload(self.model)
             self._session = _Session(self, presharded)
-        self.timings["start_s"] = time.perf_counter() - t0
 
     def receive_shard(self, name: str, tensor: torch.Tensor) -> None:
         """Load one shard (usable as the transport's ``sink(name, tensor)``)."""
@@ -242,8 +239,6 @@ class ShardReceiver:
 
         if self._session is None:
             raise RuntimeError("ShardReceiver.finish() without start().")
-        t0 = time.perf_counter()
-        post0 = self.timings["post_s"]
         session, self._session = self._session, None
         if isinstance(session, _DirectSession):
             session.finish()
@@ -265,7 +260,6 @@ class ShardReceiver:
                     missing[:8],
                 )
         self.version += 1
-        self.timings["finish_s"] = time.perf_counter() - t0 - (self.timings["post_s"] - post0)
         return self.version
 
     def _process(self, module: torch.nn.Module) -> None:

@@ -261,6 +261,11 @@ class _Waiters:
                 self._idle += 1
 
 
+_WAITERS = _Waiters()
+"""One pool for the process: a job carries its own callback and queue, so every transport
+(a run's, a benchmark's one per bucket size) shares the same threads."""
+
+
 class _Link:
     """Mutable per-sync state of one network link, seen from one side."""
 
@@ -347,8 +352,6 @@ class Transport:
         self._buffers: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._handshaken = False
         self._syncs = 0
-        self._wait_s = 0.0  # seconds ``_poll`` spent blocked on the network
-        self._waiters = _Waiters()
 
     # -- metadata ---------------------------------------------------------------------
 
@@ -475,15 +478,16 @@ class Transport:
 
     # -- the sync ---------------------------------------------------------------------
 
-    def _poll(self, ops: list, describe: Callable[..., str], on_done) -> None:
-        """Wait for every op in ``ops`` (``on_done`` may post more), never blocking a post.
+    def _poll(self, ops: list, describe: Callable[..., str], on_done) -> float:
+        """Wait for every op in ``ops`` (``on_done`` may post more), never blocking a post;
+        returns the seconds spent blocked on the network.
 
         ``ops`` holds tuples whose third item is a torch ``Work``. Gloo's point-to-point
         works do not implement ``is_completed`` (c10d ``ProcessGroupGloo::SendWork`` only
         overrides ``wait``), so each op is waited on by a daemon thread (``Work.wait``
         releases the GIL) that reports to a queue; the main thread stays free to post new
         operations while others are pending, which the windowed schedule needs (the threads
-        are reused across syncs, ``_Waiters``). Each thread waits with ``timeout=timeout_s``: under NCCL a plain ``wait()`` returns once
+        are one pool for the process, ``_WAITERS``). Each thread waits with ``timeout=timeout_s``: under NCCL a plain ``wait()`` returns once
         the op is enqueued on the stream (and a later ``.tolist()`` would block without
         bound), while ``wait(timeout)`` blocks the thread until the op is done or raises;
         under gloo it raises on timeout too (tearing the connection down, as any failed
@@ -503,11 +507,12 @@ class Transport:
                 done_q.put((op, exc))
 
         pending: dict[int, tuple] = {}
+        waited = 0.0
 
         def watch(new_ops: list) -> None:
             for op in new_ops:
                 pending[id(op)] = op
-                self._waiters.submit(waiter, op)
+                _WAITERS.submit(waiter, op)
 
         watch(ops)
         ops.clear()
@@ -524,7 +529,7 @@ class Transport:
                     "and called sync with the same plan; the process group is now unusable "
                     "and must be destroyed."
                 ) from None
-            self._wait_s += time.perf_counter() - t_wait
+            waited += time.perf_counter() - t_wait
             del pending[id(op)]
             if exc is not None:  # a dead peer, or the op's own timeout
                 raise SyncError(
@@ -536,6 +541,7 @@ class Transport:
                 on_done(op, ops)
                 watch(ops)
                 ops.clear()
+        return waited
 
     def _source(self, sources: Mapping[str, torch.Tensor], e: Entry) -> torch.Tensor:
         c = e.copy
@@ -718,9 +724,7 @@ class Transport:
                 f"{b.entries[0].copy.dst_name!r})"
             )
 
-        wait0 = self._wait_s
-        self._poll(ops, describe, on_done)
-        st.transfer_s = self._wait_s - wait0
+        st.transfer_s = self._poll(ops, describe, on_done)
 
         missing = [n for n, k in remaining.items() if k != 0]
         if missing:  # cannot happen with a consistent schedule; guard the invariant anyway
