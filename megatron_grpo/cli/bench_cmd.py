@@ -245,11 +245,14 @@ def run_sync(args: argparse.Namespace) -> int:
     colocated vLLM TP rank; runs the bridge, the baseline and a raw flat transfer of the
     same bytes over the same gloo group; prints a table, writes JSON."""
     from megatron_grpo.bench.sync import BenchSyncArgs, format_table, run_bench_sync
-    from megatron_grpo.cli.errors import exit_on, exit_on_user_error
+    from megatron_grpo.cli.errors import exit_on_user_error
 
-    with exit_on(ValueError, 2):  # ConfigError is a ValueError
-        a = from_args(BenchSyncArgs, args)
     with exit_on_user_error():
+        try:
+            a = from_args(BenchSyncArgs, args)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         res = run_bench_sync(a)
     print(format_table(res))
     if args.json_out:
