@@ -344,6 +344,9 @@ class OptimConfig:
             raise ConfigError(f"optim.min_lr={self.min_lr} exceeds optim.lr={self.lr}.")
         _check_choice("optim.lr_schedule", self.lr_schedule, ("constant", "cosine"))
         _non_negative("optim", self, "warmup_steps", "clip_grad")
+        if isinstance(self.distributed_optimizer, bool):
+            # YAML 1.1 reads a bare on/off (optim.distributed_optimizer=on) as a boolean.
+            self.distributed_optimizer = "on" if self.distributed_optimizer else "off"
         _check_choice(
             "optim.distributed_optimizer", self.distributed_optimizer, ("auto", "on", "off")
         )

@@ -266,9 +266,11 @@ def init_distributed(
         virtual_pipeline_model_parallel_size=parallel.vpp,
         context_parallel_size=parallel.cp,
         distributed_timeout_minutes=max(1, math.ceil(parallel.timeout_s / 60)),
-        # The default groups are already gloo on CPU; the extra gloo groups only serve the
-        # distributed optimizer's CPU-side checkpointing on GPU runs.
-        create_gloo_process_groups=backend == "nccl",
+        # No extra gloo groups, on either backend: every group is created with the run's
+        # backend string, "cpu:gloo,cuda:nccl" on GPU (process_group_backend), so CPU tensors
+        # already have a gloo path, and the optimizer takes megatron's pg_collection, with
+        # which it refuses gloo groups (policy/policy.py _setup_training).
+        create_gloo_process_groups=False,
     )
     # Megatron's layers fork the "model-parallel-rng" stream (tensor_parallel/random.py);
     # it must exist before any model is built.

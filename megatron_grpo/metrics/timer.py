@@ -1,6 +1,6 @@
 """Wall-clock timing of named step phases.
 
-    timer = PhaseTimer(sync=torch.cuda.synchronize if on_gpu else None)
+    timer = PhaseTimer.for_device(ctx.device)   # synchronizes CUDA at phase boundaries
     with timer.phase("rollout"):
         ...
     metrics.update(timer.times())      # {"time_rollout": 1.2, ...}
@@ -16,6 +16,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
+
+import torch
 
 
 class PhaseTimer:
@@ -25,6 +28,14 @@ class PhaseTimer:
         self._sync = sync
         self._totals: dict[str, float] = {}
         self._open: set[str] = set()
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> PhaseTimer:
+        """A timer that waits for ``device`` at every phase boundary: CUDA's
+        ``synchronize`` of that device on a GPU, nothing on CPU."""
+        if device.type == "cuda":
+            return cls(sync=partial(torch.cuda.synchronize, device))
+        return cls()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -79,6 +79,15 @@ PATCHES: tuple[Patch, ...] = (
         "models/gpt/gpt_model.py, ...): the device argument is rewritten to 'cpu'.",
     ),
     Patch(
+        "torch.Tensor.type() without arguments (TorchFunctionMode)",
+        "optimizer/optimizer.py Float16OptimizerWithFloat16Params.__init__ and "
+        "optimizer/distrib_optimizer.py _build_model_and_main_param_groups file each parameter "
+        "by `param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']` / "
+        "`== 'torch.cuda.FloatTensor'` and raise on anything else: a CPU tensor answers with "
+        "the CUDA type name of its dtype ('torch.FloatTensor' -> 'torch.cuda.FloatTensor'), so "
+        "bf16 params with fp32 main params and the distributed optimizer build on CPU.",
+    ),
+    Patch(
         "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
         "optimizer/clip_grads.py asserts `param.grad.type() == 'torch.cuda.FloatTensor'`; the "
         "replacement asserts float32 grads and scales them in place (also rebound in "
@@ -104,7 +113,8 @@ class CudaToCpuDeviceMode(TorchFunctionMode):
 
     Catches factory functions (``torch.empty(..., device='cuda')``, ``device=0``) and
     ``Tensor.to('cuda')`` wherever megatron-core makes them, without patching each call site.
-    Only device arguments change; everything else passes through.
+    Only device arguments change, and ``Tensor.type()`` (no argument) names a CPU tensor's
+    type the way it would name it on the CUDA device; everything else passes through.
 
     Limitation (torch semantics): a mode is switched off while its own ``__torch_function__``
     runs, so calls made *inside* an intercepted call -- notably everything autograd runs
@@ -120,6 +130,13 @@ class CudaToCpuDeviceMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             # Tensor.to(device, ...) with a positional device, e.g. t.to(0) or t.to("cuda").
             args = (args[0], "cpu", *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # t.type() names the tensor's type; megatron's optimizers compare it with the
+            # CUDA names (see PATCHES). t.type(dtype) converts and passes through unchanged.
+            name = func(*args)
+            return (
+                name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
+            )
         return func(*args, **kwargs)
 
 

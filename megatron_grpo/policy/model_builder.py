@@ -36,16 +36,14 @@ FUSIONS_OFF = dict.fromkeys(
 
 
 def resolve_dtype(model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    """``model.dtype``, with ``auto`` = float32 on CPU and bfloat16 on GPU."""
+    """``model.dtype``, with ``auto`` = float32 on CPU and bfloat16 on GPU.
+
+    Every dtype runs on both devices: in bfloat16/float16 megatron's optimizer keeps fp32
+    main params (``Float16OptimizerWithFloat16Params`` or the ``DistributedOptimizer``), which
+    the CPU platform layer lets build on CPU, so the suite trains the GPU configuration too."""
     if model_cfg.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtype = _DTYPES[model_cfg.dtype]
-    if device.type == "cpu" and dtype != torch.float32:
-        raise ConfigError(
-            f"model.dtype={model_cfg.dtype} on CPU: megatron's optimizer keeps fp32 main "
-            "params only on GPU; set model.dtype=auto (float32 on CPU)."
-        )
-    return dtype
+    return _DTYPES[model_cfg.dtype]
 
 
 def te_available() -> bool:
@@ -65,6 +63,19 @@ def resolve_transformer_impl(model_cfg: ModelConfig, device: torch.device) -> st
             "model.transformer_impl=auto or local."
         )
     return impl
+
+
+def check_sequence_parallel(sequence_parallel: bool, impl: str) -> None:
+    """Sequence parallelism needs norms that handle a sequence-sharded input: TE's. The local
+    spec's RMSNorm is always ``WrappedTorchNorm`` (Apex's FusedLayerNorm has no RMSNorm), which
+    asserts ``not config.sequence_parallel`` (megatron/core/transformer/torch_norm.py)."""
+    if sequence_parallel and impl != "transformer_engine":
+        raise ConfigError(
+            f"parallel.sequence_parallel=true needs Transformer-Engine layers, but "
+            f"model.transformer_impl resolves to {impl!r} (megatron's local RMSNorm refuses "
+            "sequence parallelism): install transformer-engine (pip install -e '.[gpu]') or "
+            "set parallel.sequence_parallel=false."
+        )
 
 
 def padded_vocab_size(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig) -> int:
@@ -114,6 +125,24 @@ def transformer_config(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelCo
     )
 
 
+def cast_params_(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Put every floating-point parameter of ``model`` in ``dtype``, in place.
+
+    megatron builds its linear layers in ``params_dtype``, but the local spec's norms without
+    Apex are ``torch.nn.RMSNorm`` (megatron/core/transformer/torch_norm.py ``WrappedTorchNorm``),
+    built without a dtype: a "bf16" model would keep fp32 norm weights. Mixed dtypes cost a
+    cast per norm per step, and they break the optimizers' checkpoints: the fp32 norms land in
+    ``fp32_from_fp32_groups``, which ``Float16OptimizerWithFloat16Params.sharded_state_dict``
+    does not map (megatron/core/optimizer/optimizer.py), shifting every state id after them.
+    megatron-LM's ``Float16Module`` casts the whole module for the same reason; only the
+    parameters are cast here (buffers such as RoPE's frequencies stay as built). Must run
+    before DDP, which builds its buffers from the parameters' dtypes."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
+
 def layer_spec(spec: ModelSpec, impl: str):
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -134,8 +163,9 @@ def build_model(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig) -
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
 
-    config = transformer_config(spec, ctx, model_cfg)
     impl = resolve_transformer_impl(model_cfg, ctx.device)
+    check_sequence_parallel(ctx.sequence_parallel, impl)
+    config = transformer_config(spec, ctx, model_cfg)
     layers = layer_spec(spec, impl)
     vocab = padded_vocab_size(spec, ctx, model_cfg)
     chunks = []
@@ -158,5 +188,6 @@ def build_model(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig) -
             vp_stage=vp,
         )
         model.to(ctx.device)
+        cast_params_(model, config.params_dtype)
         chunks.append(model)
     return chunks

@@ -65,6 +65,10 @@ from megatron_grpo.policy.logprob import token_logprobs
 from megatron_grpo.policy.model_builder import build_model, padded_vocab_size
 
 Batch = dict[str, torch.Tensor]
+
+OPTIMIZER_CKPT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+"""``metadata`` for megatron's optimizer ``sharded_state_dict`` (read by the distributed
+optimizer; the plain optimizers take and ignore it): see ``Policy.sharded_state_dict``."""
 LossFn = Callable[[torch.Tensor, torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -154,6 +158,53 @@ def _micro_batches(
     return out
 
 
+@contextlib.contextmanager
+def _torch_adam_step_kept(optimizer) -> Iterator[None]:
+    """Let megatron-core 0.16.1's DistributedOptimizer load a ``fully_reshardable`` state into
+    torch's Adam (the optimizer megatron uses without TE or Apex) exactly. Two faults of its
+    distrib_optimizer.py are answered, both only while the block runs:
+
+    - ``load_parameter_state_from_fully_reshardable`` drops each parameter's ``step`` from the
+      loaded tensors, and ``_set_main_param_and_optimizer_states`` then copies every key of
+      the live state, ``step`` included, from them: ``KeyError: 'step'``. ``step`` was
+      already restored by ``load_state_dict`` (from the param groups, before the parameter
+      state), so the live ``step`` is handed back to that copy, which leaves it as restored.
+    - that ``load_state_dict`` gives every parameter the SAME ``step`` tensor; torch's Adam
+      increments each parameter's ``step`` in place, so the shared counter would advance once
+      per parameter per step and skew Adam's bias correction after a resume. Each parameter
+      gets its own copy at the end (the plain optimizer deep-copies it the same way:
+      optimizer.py ``_restore_common_per_param_step``)."""
+    subs = [
+        s
+        for s in getattr(optimizer, "chained_optimizers", [optimizer])
+        if hasattr(s, "_set_main_param_and_optimizer_states")
+    ]
+
+    def keep_step(sub, original):
+        def set_states(model_param, tensors):
+            if "step" not in tensors:
+                group, order = sub.model_param_group_index_map[model_param]
+                live = sub.optimizer.state[sub.optimizer.param_groups[group]["params"][order]]
+                if "step" in live:
+                    tensors = {**tensors, "step": live["step"]}
+            return original(model_param, tensors)
+
+        return set_states
+
+    for sub in subs:
+        sub._set_main_param_and_optimizer_states = keep_step(
+            sub, sub._set_main_param_and_optimizer_states
+        )
+    try:
+        yield
+    finally:
+        for sub in subs:
+            del sub._set_main_param_and_optimizer_states  # the class's method again
+            for st in sub.optimizer.state.values():
+                if torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].clone()
+
+
 class Policy:
     """Model chunks + ParallelContext (+ DDP, optimizer and LR schedule when trainable).
 
@@ -213,18 +264,15 @@ class Policy:
                 m.requires_grad_(False)
             self.optimizer = None
             self.scheduler = None
+            self.distributed_optimizer = False
 
     # ----------------------------------------------------------------------------- setup
     def _use_distributed_optimizer(self, optim_cfg: OptimConfig) -> bool:
-        on_gpu = self.ctx.device.type == "cuda"
-        if optim_cfg.distributed_optimizer == "on" and not on_gpu:
-            raise ConfigError(
-                "optim.distributed_optimizer=on needs CUDA (megatron's DistributedOptimizer "
-                "is not exercised on CPU here): set optim.distributed_optimizer=auto or off."
-            )
-        return optim_cfg.distributed_optimizer == "on" or (
-            optim_cfg.distributed_optimizer == "auto" and on_gpu
-        )
+        """``optim.distributed_optimizer``: ``auto`` is on with CUDA and off on CPU; ``on`` runs
+        megatron's DistributedOptimizer on either device (the CPU suite trains with it)."""
+        if optim_cfg.distributed_optimizer == "auto":
+            return self.ctx.device.type == "cuda"
+        return optim_cfg.distributed_optimizer == "on"
 
     def _setup_training(self, optim_cfg: OptimConfig, total_steps: int) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -264,10 +312,16 @@ class Policy:
             params_dtype=dtype,
             use_distributed_optimizer=dist_opt,
         )
+        self.distributed_optimizer = dist_opt
+        # One rule for the optimizer's groups: megatron's own (pg_collection), no extra gloo
+        # groups. megatron refuses gloo groups together with a pg_collection
+        # (process_groups_config.py, setup_process_groups_for_optimizer), and none is needed:
+        # every group of a run is created "cpu:gloo,cuda:nccl" (distributed/setup.py
+        # process_group_backend), so CPU-side collectives already have a gloo backend.
         self.optimizer = get_megatron_optimizer(
             opt_cfg,
             self.chunks,
-            use_gloo_process_groups=self.ctx.backend == "nccl",
+            use_gloo_process_groups=False,
             pg_collection=self.ctx.pg_collection,
         )
         # schedules.py backward_step applies grad_scale_func to the last stage's loss (loss
@@ -487,7 +541,14 @@ class Policy:
         ``for_loading=True`` builds the template to load into: a fresh optimizer has no Adam
         moments yet, and megatron's ``sharded_state_dict(..., is_loading=True)`` creates
         their entries so they are restored (without it they are silently skipped and a
-        resumed step drifts; megatron/core/optimizer/optimizer.py)."""
+        resumed step drifts; megatron/core/optimizer/optimizer.py).
+
+        The distributed optimizer saves in megatron's ``fully_reshardable`` format
+        (``OPTIMIZER_CKPT_FORMAT``): its state in model space, one tensor per parameter and
+        moment like the plain optimizer's, so a checkpoint reshards across TP, PP and DP
+        alike (docs/checkpointing.md). megatron's default without ``metadata``,
+        ``fully_sharded_model_space``, is deprecated and refused by 0.16.1's own
+        dist_checkpointing ("ShardedTensor.flattened_range is not supported")."""
         state: dict[str, Any] = {}
         if len(self.models) == 1:
             state["model"] = self.models[0].sharded_state_dict()
@@ -498,12 +559,42 @@ class Policy:
             model_sd: dict[str, Any] = {}
             for k in [k for k in state if k.startswith("model")]:
                 model_sd.update(state[k])
-            state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=for_loading)
+            if for_loading and self.distributed_optimizer:
+                self._init_distributed_optimizer_state()
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                model_sd, is_loading=for_loading, metadata=OPTIMIZER_CKPT_FORMAT
+            )
             state["lr_schedule"] = self.scheduler.state_dict()
         return state
 
+    @torch.no_grad()
+    def _init_distributed_optimizer_state(self) -> None:
+        """Give a fresh DistributedOptimizer's inner optimizer zero Adam state and step 0.
+
+        Its ``sharded_state_dict(is_loading=True)`` calls its own ``state_dict()``, which
+        reads one common ``step`` from the inner optimizer's per-parameter state and asserts
+        there is exactly one (megatron/core/optimizer/distrib_optimizer.py ``state_dict``);
+        torch's Adam has no state before its first step. The values are placeholders that
+        the load overwrites (megatron's ``_init_optimizer_states_with_dummy_values`` would
+        run a real step instead, which weight decay turns into a change of the weights)."""
+        for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(sub, "optimizer", None)
+            if inner is None:
+                continue
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    st = inner.state[p]
+                    if not st:
+                        st["step"] = torch.tensor(0.0)
+                        st["exp_avg"] = torch.zeros_like(p)
+                        st["exp_avg_sq"] = torch.zeros_like(p)
+
+    @torch.no_grad()
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
-        """Apply a state loaded by ``dist_checkpointing.load(self.sharded_state_dict(), ...)``."""
+        """Apply a state loaded by ``dist_checkpointing.load(self.sharded_state_dict(), ...)``.
+
+        Under ``no_grad``: the distributed optimizer copies into its main params, which are
+        views of leaf parameters in fp32 (an in-place op autograd refuses otherwise)."""
         if len(self.models) == 1:
             self.models[0].load_state_dict(state["model"], strict=True)
         else:
@@ -511,14 +602,19 @@ class Policy:
                 m.load_state_dict(state[f"model{i}"], strict=True)
         if self.trainable:
             if "optimizer" in state:
-                self.optimizer.load_state_dict(state["optimizer"])
+                with _torch_adam_step_kept(self.optimizer):
+                    self.optimizer.load_state_dict(state["optimizer"])
+            else:
+                # Weights only: the fp32 main params must follow the loaded model params.
+                self.optimizer.reload_model_params()
             if "lr_schedule" in state:
                 self.scheduler.load_state_dict(state["lr_schedule"])
                 self._set_lr(self.scheduler.lr_at(self.scheduler.step_count))
 
     @torch.no_grad()
     def copy_weights_from(self, other: Policy) -> None:
-        """Copy ``other``'s local shards into this policy (same spec and layout)."""
+        """Copy ``other``'s local shards into this policy (same spec and layout); a trainable
+        policy's optimizer main params follow (its moments are kept as they are)."""
         mine = dict(self.named_shards())
         theirs = dict(other.named_shards())
         if mine.keys() != theirs.keys():
@@ -526,6 +622,11 @@ class Policy:
             raise ValueError(f"policies have different parameters (e.g. {diff})")
         for name, p in mine.items():
             p.copy_(theirs[name])
+        if self.trainable:
+            # In bf16/fp16 (and with the distributed optimizer) the optimizer steps fp32 main
+            # params, not these: without this the next step would continue from the old
+            # weights (megatron/core/optimizer/optimizer.py ``reload_model_params``).
+            self.optimizer.reload_model_params()
 
     def make_reference(self) -> Policy:
         """A forward-only copy of this policy's current weights (pi_ref). Reset it later with

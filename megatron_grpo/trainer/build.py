@@ -38,9 +38,15 @@ from megatron_grpo.trainer.preflight import check_run
 from megatron_grpo.trainer.validation import Validator
 
 
-def build_trainer(cfg: Config, resume: bool = False, world: Any = None) -> GRPOTrainer:
+def build_trainer(
+    cfg: Config, resume: bool = False, world: Any = None, rollout_factory: Any = None
+) -> GRPOTrainer:
     """``world``: this trainer rank's ``rollout.server.DisaggregatedWorld`` when
-    ``rollout.placement=disaggregated`` (None: colocated)."""
+    ``rollout.placement=disaggregated`` (None: colocated). ``rollout_factory``: what builds
+    the engines and the weight sender, ``(cfg, world, ctx, hf_dir, policy) -> (Rollout,
+    WeightSender)``; None is vLLM's (``rollout.interface.build_rollout``). The GPU suite
+    passes one whose engine samples with transformers behind the same bridge
+    (tests/gpu/hf_engine.py), where vLLM's CUDA build is not installed."""
     preemption = Preemption()  # first: a signal during start-up must not kill the process
     from transformers import AutoTokenizer  # heavy
 
@@ -70,7 +76,7 @@ def build_trainer(cfg: Config, resume: bool = False, world: Any = None) -> GRPOT
     keep_served = cfg.checkpoint.exact_resume and cfg.sync.interval > 1
     served = policy.make_reference() if keep_served else None
     t0 = time.perf_counter()
-    rollout, sender = build_rollout(cfg, world, ctx, hf_dir, policy)
+    rollout, sender = (rollout_factory or build_rollout)(cfg, world, ctx, hf_dir, policy)
     say_rank0(ctx, f"vLLM engine up in {time.perf_counter() - t0:.1f}s")
     # vLLM sleeps / the trainer offloads in turns on a colocated GPU (inactive on CPU).
     memory = ColocatedMemory.from_config(cfg, getattr(rollout, "engine", None), policy, ctx.device)
@@ -84,7 +90,7 @@ def build_trainer(cfg: Config, resume: bool = False, world: Any = None) -> GRPOT
         sender=sender,
         batches=batch_source(cfg, prompts, rollout, memory, tokenizer.eos_token_id, scorer),
         advantage_fn=build_advantage_fn(g), loss_fn=make_loss_fn(g, cfg.rollout.max_new_tokens),
-        memory=memory, checkpointer=checkpointer, logger=None, timer=PhaseTimer(),
+        memory=memory, checkpointer=checkpointer, logger=None, timer=PhaseTimer.for_device(ctx.device),
         validator=Validator(cfg, tokenizer, reward_fn) if cfg.eval.interval else None,
         closers=[reward_fn.close, rollout.shutdown, destroy_distributed],
     )  # fmt: skip

@@ -1,0 +1,296 @@
+"""The GPU configuration, run on CPU: every ``auto`` forced to the value it takes on a GPU.
+
+On a GPU ``model.dtype=auto`` is bfloat16 (fp32 main params in megatron's optimizer) and
+``optim.distributed_optimizer=auto`` is on; the CPU suite used to run only the CPU values, so
+the configuration every user runs was never executed before a user ran it. The CPU platform
+layer (platform/cpu.py) lets both megatron optimizers build on CPU, so this tier runs them:
+
+- train, checkpoint, resume and continue **bit for bit** at world 1, DP2 and TP2, with the
+  distributed optimizer in bf16 (plus the plain bf16 optimizer, and the distributed one in
+  fp32, whose resume used to fail with an in-place error on a leaf view);
+- the distributed optimizer's checkpoint loads at another layout (DP2 -> TP2): it is
+  saved in megatron's ``fully_reshardable`` format;
+- offload -> reload -> step equals the step without it;
+- ``copy_weights_from`` reaches the optimizer's fp32 main params: a zero-gradient step
+  afterwards leaves exactly the source's weights;
+- the nccl branch's backend-independent arguments (no extra gloo groups, the optimizer's
+  ``use_gloo_process_groups=False``) are the ones every run uses;
+- a fixed-seed end-to-end ``train`` of the tiny job in the GPU configuration (bf16,
+  distributed optimizer, 2 ranks, real vLLM), interrupted and resumed, against its golden
+  numbers.
+
+Only CUDA kernels stay for tests/gpu (docs/gpu-census.md lists every branch and its test).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
+from tests.dist_utils import run_distributed
+
+GPU_MODEL = ModelConfig(dtype="bfloat16")
+
+
+def _batch(vocab: int, seed: int, rows: int = 4, length: int = 16) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (rows, length), generator=g)
+    attn = torch.ones(rows, length)
+    attn[1, length - 5 :] = 0
+    mask = attn.clone()
+    mask[:, :4] = 0
+    adv = torch.linspace(-1.0, 1.0, rows)
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask, "advantages": adv}
+
+
+def _loss(logp, entropy, mb):
+    return -(mb["advantages"][:, None] * logp * mb["loss_mask"]).sum() / 100.0, {}
+
+
+def _zero_loss(logp, entropy, mb):
+    return (logp * 0.0).sum(), {}
+
+
+def _build(hf_dir, ctx, dtype: str, dist_opt: str):
+    from functools import partial
+
+    from megatron_grpo.layouts.io import load_hf_into_megatron
+    from megatron_grpo.models.spec import load_spec
+    from megatron_grpo.policy import build_policy
+
+    spec = load_spec(hf_dir)
+    init = partial(load_hf_into_megatron, hf_dir=hf_dir, spec=spec, ctx=ctx)
+    optim = OptimConfig(lr=1e-3, clip_grad=1.0, distributed_optimizer=dist_opt)
+    return build_policy(spec, ctx, ModelConfig(dtype=dtype), optim, init_weights=init)
+
+
+def _steps(policy, ctx, first: int, last: int) -> list[float]:
+    """Train steps ``first..last-1``, each DP rank on its own batch; the losses."""
+    out = []
+    for k in range(first, last):
+        batch = _batch(policy.vocab_size, seed=100 * k + ctx.dp_rank)
+        out.append(policy.train_step(batch, _loss, micro_batch_size=2)["loss"])
+    return out
+
+
+def _shards(policy) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in policy.named_shards()}
+
+
+def _resume_worker(rank, world, hf_dir, run_dir, tp, dtype, dist_opt):
+    from megatron_grpo.checkpoint import LoopState, load_checkpoint, save_checkpoint
+    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.models.spec import load_spec
+    from megatron_grpo.policy.offload import TrainerOffload
+
+    ctx = init_distributed(ParallelConfig(tp=tp), load_spec(hf_dir), seed=11)
+    try:
+        a = _build(hf_dir, ctx, dtype, dist_opt)
+        out = {
+            "optimizer": type(
+                getattr(a.optimizer, "chained_optimizers", [a.optimizer])[0]
+            ).__name__,
+            "dtypes": sorted({str(p.dtype) for _, p in a.named_shards()}),
+            "main_dtypes": sorted(
+                {str(p.dtype) for g in a.optimizer.param_groups for p in g["params"]}
+            ),
+        }
+        _steps(a, ctx, 0, 2)
+        save_checkpoint(run_dir, LoopState(step=2), {"model": a.sharded_state_dict})
+        losses_a = _steps(a, ctx, 2, 4)
+        after_a = _shards(a)
+        # A fresh policy (its own random init overwritten by the load) continues the same way.
+        b = _build(hf_dir, ctx, dtype, dist_opt)
+        ck = load_checkpoint(run_dir, {"model": b.sharded_state_dict(for_loading=True)})
+        b.load_sharded_state_dict(ck.state_dicts["model"])
+        losses_b = _steps(b, ctx, 2, 4)
+        out["resume_losses_equal"] = losses_a == losses_b
+        out["resume_weights_equal"] = all(torch.equal(after_a[n], p) for n, p in b.named_shards())
+        # offload -> reload -> step == step
+        off = TrainerOffload(b)
+        off.offload()
+        off.reload()
+        _steps(a, ctx, 4, 5)
+        _steps(b, ctx, 4, 5)
+        out["offload_weights_equal"] = all(
+            torch.equal(p, q) for (_, p), (_, q) in zip(a.named_shards(), b.named_shards())
+        )
+        return out
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "world,tp,dtype,dist_opt",
+    [
+        (1, 1, "bfloat16", "on"),
+        (2, 1, "bfloat16", "on"),  # DP2: each rank steps its half of the main params
+        (2, 2, "bfloat16", "on"),  # TP2
+        (1, 1, "bfloat16", "off"),  # the plain Float16 optimizer with fp32 main params
+        (2, 1, "float32", "on"),  # fp32 + distributed optimizer: resume loads under no_grad
+    ],
+    ids=[
+        "world1-bf16-distopt",
+        "dp2-bf16-distopt",
+        "tp2-bf16-distopt",
+        "world1-bf16-plain",
+        "dp2-fp32-distopt",
+    ],  # fmt: skip
+)
+def test_gpu_configuration_trains_checkpoints_resumes_bit_for_bit(
+    tmp_path, tiny_dir, world, tp, dtype, dist_opt
+):
+    res = run_distributed(
+        _resume_worker, world, tiny_dir, str(tmp_path / "run"), tp, dtype, dist_opt, timeout=280
+    )
+    for r in res:
+        assert r["dtypes"] == [f"torch.{dtype}"], r  # norms included: one dtype for every param
+        assert r["main_dtypes"] == ["torch.float32"], r  # the optimizer steps fp32 main params
+        want = "DistributedOptimizer" if dist_opt == "on" else (
+            "Float16OptimizerWithFloat16Params" if dtype == "bfloat16" else "FP32Optimizer"
+        )  # fmt: skip
+        assert r["optimizer"] == want, r
+        assert r["resume_losses_equal"] and r["resume_weights_equal"], r
+        assert r["offload_weights_equal"], r
+
+
+def _save_worker(rank, world, hf_dir, run_dir):
+    from megatron_grpo.checkpoint import LoopState, save_checkpoint
+    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.layouts.io import gather_hf_state_dict
+    from megatron_grpo.models.spec import load_spec
+
+    spec = load_spec(hf_dir)
+    ctx = init_distributed(ParallelConfig(), spec, seed=11)
+    try:
+        a = _build(hf_dir, ctx, "bfloat16", "on")
+        _steps(a, ctx, 0, 2)
+        save_checkpoint(run_dir, LoopState(step=2), {"model": a.sharded_state_dict})
+        full = gather_hf_state_dict(a.models, spec, ctx)
+        loss = _steps(a, ctx, 2, 3)
+        return {k: v.clone() for k, v in full.items()} if rank == 0 else None, loss
+    finally:
+        destroy_distributed()
+
+
+def _load_tp2_worker(rank, world, hf_dir, run_dir):
+    from megatron_grpo.checkpoint import load_checkpoint
+    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.layouts.io import gather_hf_state_dict
+    from megatron_grpo.models.spec import load_spec
+
+    spec = load_spec(hf_dir)
+    ctx = init_distributed(ParallelConfig(tp=2), spec, seed=11)
+    try:
+        b = _build(hf_dir, ctx, "bfloat16", "on")
+        ck = load_checkpoint(run_dir, {"model": b.sharded_state_dict(for_loading=True)})
+        b.load_sharded_state_dict(ck.state_dicts["model"])
+        full = gather_hf_state_dict(b.models, spec, ctx)
+        # The whole step-2 batch on the one DP rank: the same global objective as DP2's.
+        batch = {k: torch.cat([v, v2]) for (k, v), v2 in zip(
+            _batch(b.vocab_size, 200).items(), _batch(b.vocab_size, 201).values())}  # fmt: skip
+        loss = b.train_step(batch, _loss, micro_batch_size=2)["loss"]
+        return ({k: v.clone() for k, v in full.items()} if rank == 0 else None), loss
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_distributed_optimizer_checkpoint_reshards_dp2_to_tp2(tmp_path, tiny_dir):
+    run = str(tmp_path / "run")
+    saved = run_distributed(_save_worker, 2, tiny_dir, run, timeout=280)
+    loaded = run_distributed(_load_tp2_worker, 2, tiny_dir, run, timeout=280)
+    before, after = saved[0][0], loaded[0][0]
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # weights: exact
+    # The next step on the same global batch has DP2's loss (train_step reports the global
+    # objective, summed over DP ranks), to float rounding of another reduction order.
+    assert saved[0][1] == saved[1][1]
+    assert loaded[0][1] == pytest.approx(saved[0][1][0], rel=1e-3)
+
+
+def _copy_worker(rank, world, hf_dir, dist_opt):
+    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.models.spec import load_spec
+
+    ctx = init_distributed(ParallelConfig(), load_spec(hf_dir), seed=11)
+    try:
+        src = _build(hf_dir, ctx, "bfloat16", dist_opt)
+        _steps(src, ctx, 0, 2)  # the source moves away from the HF weights
+        dst = _build(hf_dir, ctx, "bfloat16", dist_opt)
+        dst.copy_weights_from(src)
+        m = dst.train_step(_batch(dst.vocab_size, 7), _zero_loss, micro_batch_size=2)
+        same = all(
+            torch.equal(p, q) for (_, p), (_, q) in zip(src.named_shards(), dst.named_shards())
+        )
+        return same, m["grad_norm"], m["skipped"]
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("dist_opt", ["on", "off"])
+def test_copy_weights_from_reaches_the_fp32_main_params(tiny_dir, dist_opt):
+    [(same, grad_norm, skipped)] = run_distributed(_copy_worker, 1, tiny_dir, dist_opt, timeout=180)
+    assert grad_norm == 0.0 and not skipped
+    assert same, "the step continued from the target's old fp32 main params"
+
+
+def test_nccl_branch_arguments_are_the_cpu_ones(monkeypatch):
+    """The optimizer and megatron's groups get the same backend-independent arguments on
+    both backends: no gloo groups beside a pg_collection (megatron refuses the pair,
+    process_groups_config.py), no extra gloo groups from initialize_model_parallel."""
+    import inspect
+
+    from megatron_grpo.distributed import setup
+    from megatron_grpo.policy import policy
+
+    src = inspect.getsource(policy.Policy._setup_training)
+    assert "use_gloo_process_groups=False" in src and "pg_collection=self.ctx.pg_collection" in src
+    src = inspect.getsource(setup.init_distributed)
+    assert "create_gloo_process_groups=False" in src
+    assert setup.process_group_backend("nccl") == "cpu:gloo,cuda:nccl"
+
+
+# ------------------------------------------------------------------ end to end, golden
+# (loss, reward_mean, grad_norm) per step of the tiny job in the GPU configuration: bf16,
+# distributed optimizer, 2 ranks (DP2), 2 colocated vLLM engines, v=2. Recorded on the 2-core
+# CPU machine when this tier was added (two runs, bit-identical); the uninterrupted run and
+# the run resumed from step 2 both produce them.
+GOLDEN_GPU_CONFIG = [
+    (0.10878019034862518, 0.46875, 2.077684398780888),
+    (0.1212417222559452, 0.34375, 2.2596336332792375),
+    (0.0889970064163208, 0.34375, 2.641181300326399),
+    (-0.07163814269006252, 0.4375, 1.6811123504446408),
+]
+GPU_CONFIG = ["model.dtype=bfloat16", "optim.distributed_optimizer=on", "checkpoint.interval=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_golden_gpu_configuration_dp2_resumed_from_step_2(tmp_path):
+    from tests.test_disaggregated import torchrun_train
+    from tests.test_trainer import FAST
+
+    run = tmp_path / "r"
+    common = ["--sync-interval", "2", *FAST, *GPU_CONFIG]
+    rc, out, left = torchrun_train(run, "--steps", "2", *common, timeout=400)
+    assert rc == 0 and not left, out[-3000:]
+    rc, out, left = torchrun_train(run, "--steps", "4", "--resume", *common, timeout=400)
+    assert rc == 0 and not left, out[-3000:]
+    assert "resumed from" in out
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    got = [(r["loss"], r["reward_mean"], r["grad_norm"]) for r in rows]
+    assert len(got) == len(GOLDEN_GPU_CONFIG), got
+    for step, (g, want) in enumerate(zip(got, GOLDEN_GPU_CONFIG), start=1):
+        assert g == pytest.approx(want, rel=1e-4, abs=1e-6), (step, got)
+    for r in rows:  # pi = alpha at lag 0: the bf16 trainer scores what vLLM sampled
+        if r["lag"] == 0:
+            assert abs(r["ratio_mean"] - 1.0) < 1e-2, r
