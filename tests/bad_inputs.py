@@ -2,9 +2,11 @@
 
 ``python -m tests.bad_inputs`` runs every case and rewrites docs/errors.md;
 tests/test_bad_inputs.py runs them too and checks the table is current, so the table stays
-true. Cases run in-process (``cli.main.main``) with every expensive step (starting ranks,
-building the trainer) replaced by a failure: a case that got that far would not be refused
-before expensive work. Paths are written relative to a scratch directory, shown as ``$TMP``.
+true. ``HAND`` and the numeric cases run in-process (``cli.main.main``) with every expensive
+step (starting ranks, building the trainer) replaced by a failure: a case that got that far
+would not be refused before expensive work. ``LAUNCHED`` cases run as a user runs them, in a
+subprocess: under torchrun with two ranks, each its own process, or as one process. Paths
+are written relative to a scratch directory, shown as ``$TMP``.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import dataclasses
 import io
 import json
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "errors.md"
 
 FILES = {
     "bad.yaml": "grpo:\n  group_size: 4\n  oops: [1, 2\nsteps: 3\n",
@@ -66,6 +71,7 @@ HAND: list[tuple[str, list[str]]] = [
     ("run dir holds a finished run", ["train", "--run-dir", "$TMP/used"]),
     ("--resume with no checkpoint", ["train", "--resume", "--run-dir", "$TMP/run"]),
     ("--resume and --overwrite", ["train", "--resume", "--overwrite", "--run-dir", "$TMP/used"]),
+    ("--overwrite with another bad input", ["train", "--overwrite", "--run-dir", "$TMP/used", "reward.name=nosuch"]),
     ("tp does not divide the world", [*T, "parallel.tp=2", "parallel.dp=1", "rollout.tp=4"]),
     ("prompts not a multiple of engines", [*T, "rollout.tp=1", "parallel.dp=2", "grpo.prompts_per_step=3"]),
     ("unknown reward", [*T, "reward.name=nosuch"]),
@@ -101,6 +107,21 @@ HAND: list[tuple[str, list[str]]] = [
     ("plan: missing --nodes", ["plan", "--gpus-per-node", "1"]),
 ]
 # fmt: on
+
+# (what the user did, launcher, argv): "torchrun" is `torchrun --standalone
+# --nproc-per-node=2 -m megatron_grpo.cli.main ARGV`; "one process" is `megatron-grpo ARGV`,
+# which starts torchrun itself once its checks pass. $TMP/ro is a read-only directory.
+# fmt: off
+LAUNCHED: list[tuple[str, str, list[str]]] = [
+    ("run dir is a file", "torchrun", ["train", "--run-dir", "$TMP/afile"]),
+    ("run dir on a read-only filesystem", "torchrun", ["train", "--run-dir", "$TMP/ro/run"]),
+    ("data file missing", "torchrun", ["train", "--run-dir", "$TMP/run", "data.source=$TMP/nope.jsonl", "reward.name=gsm8k"]),
+    ("run dir on a read-only filesystem", "one process", ["train", "--run-dir", "$TMP/ro/run"]),
+]
+# fmt: on
+# torchrun's own lines (its agent's log, then its failure report) start with a glog prefix:
+# "E1125 21:25:35.596000 4797 torch/distributed/elastic/multiprocessing/api.py:1002] ...".
+TORCHRUN_LINE = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ \S*torch/distributed/")
 
 
 def _numeric_cases() -> list[tuple[str, list[str]]]:
@@ -201,14 +222,118 @@ def run_all(tmp: Path) -> list[tuple[str, list[str], int, list[str]]]:
     return [(what, argv, *run_case(argv, tmp)) for what, argv in cases()]
 
 
+@contextlib.contextmanager
+def read_only_dir(path: Path):
+    """``path``, an empty directory nothing here can write into: mode 0o555 for a user, a
+    read-only tmpfs mount for root (whom modes do not stop). Raises OSError or
+    CalledProcessError where neither is possible (root without the right to mount)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield path
+        finally:
+            path.chmod(0o755)
+        return
+    mount = ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)]
+    subprocess.run(mount, check=True, capture_output=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True, capture_output=True)
+
+
+def launch_argv(launcher: str, argv: list[str]) -> list[str]:
+    from megatron_grpo.distributed.spawn import torchrun_argv
+
+    if launcher == "torchrun":
+        return torchrun_argv(2, *argv)
+    return [sys.executable, "-m", "megatron_grpo.cli.main", *argv]
+
+
+def snapshot(tmp: Path) -> dict[str, tuple[int, int] | None]:
+    """Every path under ``tmp``: (size, mtime) of a file, None for a directory."""
+    out: dict[str, tuple[int, int] | None] = {}
+    for d, dirs, files in os.walk(tmp):
+        for name in dirs:
+            out[os.path.relpath(os.path.join(d, name), tmp)] = None
+        for name in files:
+            st = os.stat(os.path.join(d, name))
+            out[os.path.relpath(os.path.join(d, name), tmp)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def run_launched(
+    launcher: str, argv: list[str], tmp: Path, timeout: int = 240
+) -> tuple[int, list[str], list[str]]:
+    """(exit code of the launcher, the lines the ranks print, torchrun's lines after them)
+    of ``argv`` launched by ``launcher`` in a subprocess, in ``tmp`` ($TMP)."""
+    argv = [a.replace("$TMP", str(tmp)) for a in argv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # a launch from a shell, not from inside another job
+    # Output to a file, not a pipe: a process left holding a pipe would block the reader.
+    log = tmp.parent / f"{tmp.name}.launch.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(launch_argv(launcher, argv), cwd=tmp, env=env, stdout=fh,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:  # not refused: it went on to train; stop what it started
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    lines = [x.replace(str(tmp), "$TMP") for x in log.read_text().splitlines() if x.strip()]
+    log.unlink()
+    cut = next((i for i, x in enumerate(lines) if TORCHRUN_LINE.match(x)), len(lines))
+    return proc.returncode, lines[:cut], lines[cut:]
+
+
+def run_all_launched(tmp: Path) -> list[tuple[str, str, list[str], int, list[str], list[str]]]:
+    """Each ``LAUNCHED`` case: (what, launcher, argv, exit, ranks' lines, torchrun's lines).
+    Needs ``make_files(tmp)`` and ``$TMP/ro`` made read-only (``read_only_dir``)."""
+    return [(w, how, argv, *run_launched(how, argv, tmp)) for w, how, argv in LAUNCHED]
+
+
+def launched_table(results: list[tuple[str, str, list[str], int, list[str], list[str]]]) -> str:
+    rows = [
+        "## Launched as a user launches them",
+        "",
+        "The same, in a subprocess the way a run is started: under torchrun with two ranks",
+        "(`torchrun --standalone --nproc-per-node=2 -m megatron_grpo.cli.main ...`), each rank",
+        "its own process, or `train` as one process, which starts torchrun itself once its",
+        "checks pass. Every rank makes every check and exits 2 on its own; rank 0 prints the",
+        "line. Under torchrun, torchrun's failure report follows it (not shown) and torchrun",
+        "exits 1; no rank prints a traceback, and nothing under `$TMP` is created or changed.",
+        "`$TMP/ro` is a read-only directory.",
+        "",
+        "| # | input | launch | command | exit | what the ranks print |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i, (what, how, argv, rc, lines, _) in enumerate(results, 1):
+        line = " / ".join(lines).replace("|", "\\|")
+        shown = " ".join(argv).replace("|", "\\|")
+        rows.append(f"| {i} | {what} | {how} | `{shown}` | {rc} | {line} |")
+    return "\n".join(rows) + "\n"
+
+
+def document(results: list, launched: list) -> str:
+    """docs/errors.md: the in-process table, then the launched one."""
+    return table(results) + "\n" + launched_table(launched)
+
+
 if __name__ == "__main__":
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         results = run_all(Path(d))
-    DOC.write_text(table(results))
+        with read_only_dir(Path(d) / "ro"):
+            launched = run_all_launched(Path(d))
+    DOC.write_text(document(results, launched))
     bad = [r for r in results if r[2] != 2 or len(r[3]) != 1]
-    print(f"{len(results)} inputs, {len(bad)} not one line with exit 2 -> {DOC}")
+    bad += [r for r in launched if len(r[4]) != 1]
+    print(f"{len(results) + len(launched)} inputs, {len(bad)} not one line -> {DOC}")
     for r in bad:
         print(json.dumps(r))
     sys.exit(1 if bad else 0)

@@ -1,19 +1,31 @@
 """The run directory before a run starts (trainer/run_dir.py) and the prepared model's
-recipe (models/prepare.py): nothing a failed or earlier run left is trusted blindly."""
+recipe (models/prepare.py): nothing a failed or earlier run left is trusted blindly, and
+every rank of a launch refuses a bad one by itself."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 
 from megatron_grpo.checkpoint import LoopState, save_checkpoint
 from megatron_grpo.config import ConfigError, load_config
+from megatron_grpo.distributed.spawn import free_port
 from megatron_grpo.models.prepare import COMPLETE, prepare_model_dir
-from megatron_grpo.trainer.run_dir import prepare_run_dir
+from megatron_grpo.trainer.run_dir import check_run_dir, clear_run_dir
 from tests._eval_helpers import cli
+from tests.bad_inputs import ROOT, read_only_dir, snapshot
+
+
+def prepare_run_dir(run, *, resume, overwrite):
+    """What ``train`` does with the run directory on one process: check, then clear."""
+    clear_run_dir(check_run_dir(run, resume=resume, overwrite=overwrite))
 
 
 def test_a_finished_run_is_refused_unless_resume_or_overwrite(tmp_path):
@@ -39,17 +51,61 @@ def test_unusable_run_dirs_are_one_line(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(ConfigError, match="is a file, not a directory"):
-        prepare_run_dir(f, resume=False, overwrite=False)
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o500)
+        check_run_dir(f, resume=False, overwrite=False)
+    with contextlib.ExitStack() as stack:
+        ro = _enter_read_only(stack, tmp_path / "ro")
+        with pytest.raises(ConfigError, match=re.escape(f"not writable (no write access to {ro})")):
+            check_run_dir(ro / "run", resume=False, overwrite=False)
+
+
+def _enter_read_only(stack, path):
     try:
-        if os.access(ro, os.W_OK):
-            pytest.skip("running as root: permissions are not enforced")
-        with pytest.raises(ConfigError, match="is not writable"):
-            prepare_run_dir(ro / "run", resume=False, overwrite=False)
-    finally:
-        ro.chmod(0o700)
+        return stack.enter_context(read_only_dir(path))
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot make a read-only directory here (root without mount rights): {e}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("run_dir", ["afile", "ro/run"])
+def test_every_rank_refuses_a_bad_run_dir_by_itself(tmp_path, run_dir):
+    """Both ranks as torchrun starts them (each its own process, RANK, WORLD_SIZE and
+    MASTER_* set), each run to its own end, no agent stopping the slower one: each exits 2,
+    rank 0 alone prints the one line, no traceback, nothing is created or changed."""
+    (tmp_path / "afile").write_text("x")
+    why = {
+        "afile": "is a file, not a directory: pass --run-dir a directory path (it is created "
+        "when missing).",
+        "ro/run": f"is not writable (no write access to {tmp_path / 'ro'}): pass --run-dir a "
+        "directory you can write to.",
+    }[run_dir]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "megatron_grpo.cli.main", "train", "--run-dir",
+           str(tmp_path / run_dir)]  # fmt: skip
+    logs = [tmp_path.parent / f"{tmp_path.name}.rank{r}.log" for r in range(2)]
+    with contextlib.ExitStack() as stack:
+        if run_dir.startswith("ro/"):
+            _enter_read_only(stack, tmp_path / "ro")
+        before = snapshot(tmp_path)
+        procs = []
+        for r, log in enumerate(logs):
+            with open(log, "w") as fh:
+                rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+                procs.append(subprocess.Popen(cmd, env=rank_env, stdout=fh,
+                                              stderr=subprocess.STDOUT))  # fmt: skip
+        try:
+            codes = [p.wait(timeout=240) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        after = snapshot(tmp_path)
+    out = [log.read_text() for log in logs]
+    assert codes == [2, 2], out
+    assert out == [f"error: run_dir={str(tmp_path / run_dir)!r} {why}\n", ""]
+    assert after == before
 
 
 @pytest.mark.timeout(120)

@@ -10,16 +10,21 @@ from megatron_grpo.config import ConfigError
 
 
 @contextlib.contextmanager
-def exit_on_user_error():
-    """Turn configuration and input errors into ``error: <message>`` and exit code 2."""
+def exit_on_user_error(alike_on_every_rank: bool = False):
+    """Turn configuration and input errors into ``error: <message>`` and exit code 2.
+
+    The same config on every rank gives the same ConfigError: the console shows rank 0's.
+    A missing file or an unsupported model is shown by every rank that meets it (it may
+    be missing on one node only), unless ``alike_on_every_rank``: the checks inside reach
+    the same verdict on every rank (``train``'s preflight), and rank 0 alone prints."""
     from megatron_grpo.models.spec import UnsupportedModelError
     from megatron_grpo.rollout.interface import RolloutFailure
 
     try:
         yield
     except (ConfigError, UnsupportedModelError, FileNotFoundError) as e:
-        # The same config on every rank gives the same error: the console shows rank 0's.
-        _report(e, to_console=not isinstance(e, ConfigError) or _rank() == 0)
+        alike = alike_on_every_rank or isinstance(e, ConfigError)
+        _report(e, to_console=not alike or _rank() == 0)
         sys.exit(2)
     except RolloutFailure as e:
         _report(e, to_console=True)

@@ -56,27 +56,32 @@ def run(args: argparse.Namespace) -> int:
     from megatron_grpo.cli.errors import exit_on_user_error
     from megatron_grpo.config import load_config
 
-    with exit_on_user_error():
+    rank = int(os.environ.get("RANK", "0"))
+    # Every rank makes every check and reaches the same verdict (trainer/run_dir.py) before
+    # any rank writes: a refused run exits 2 on each rank, rank 0 prints the one line, and
+    # the run directory is left as it was.
+    with exit_on_user_error(alike_on_every_rank=True):
         cfg = load_config(args.config, overrides_from_args(args))
-        if int(os.environ.get("RANK", "0")) == 0:  # one rank decides, before any model is built
-            from megatron_grpo.trainer.run_dir import prepare_run_dir
-
-            prepare_run_dir(cfg.run_dir, resume=args.resume, overwrite=args.overwrite)
         from megatron_grpo.distributed.spawn import ranks_needed, run_under_torchrun
         from megatron_grpo.trainer.preflight import check_run
+        from megatron_grpo.trainer.run_dir import check_run_dir, clear_run_dir
 
+        stale = check_run_dir(cfg.run_dir, resume=args.resume, overwrite=args.overwrite)
         spawn = "WORLD_SIZE" not in os.environ and cfg.rollout.placement == "colocated"
         nproc = ranks_needed(cfg) if spawn else int(os.environ.get("WORLD_SIZE", "1"))
         if cfg.rollout.placement == "colocated":
             check_run(cfg, nproc)  # every check that can fail, before any rank or model
+    with exit_on_user_error():
+        if rank == 0:
+            clear_run_dir(stale)  # --overwrite, once everything else has been checked
         if spawn and nproc > 1:  # one process asked for a layout of several ranks: start them
             print(f"[megatron-grpo] starting {nproc} ranks under torchrun", flush=True)
             return run_under_torchrun(_rank_argv(args), nproc)
         if not args.verbose:
             from megatron_grpo.metrics.console import LOG_FILE, capture, say
 
-            capture(Path(cfg.run_dir) / LOG_FILE, int(os.environ.get("RANK", "0")))
-            if int(os.environ.get("RANK", "0")) == 0:
+            capture(Path(cfg.run_dir) / LOG_FILE, rank)
+            if rank == 0:
                 say(f"library output goes to {Path(cfg.run_dir) / LOG_FILE} (--verbose shows it)")
         from megatron_grpo.trainer.build import train
 

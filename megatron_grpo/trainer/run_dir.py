@@ -6,8 +6,14 @@ which clears it first). Without the refusal a second run into the same directory
 first run's metrics lines, rewrites its summary, and leaves its later checkpoints beside the
 new ones, where a later ``--resume`` would pick them up.
 
-Checked by global rank 0 only (the other ranks of a torchrun see the same shared directory,
-and rank 0 may already be writing into it when they look), before any model is built.
+Every rank checks for itself (``check_run_dir`` only reads) and global rank 0 alone clears
+(``clear_run_dir``), once every other check of the run has passed too. Under torchrun each
+rank is its own process, so a check that rank 0 alone made would leave the other ranks to
+find a bad directory by crashing on it. The ranks reach the same verdict whichever looks
+first: what a start writes before the process groups are up (the directory itself,
+train.log, hf_model/) turns no verdict, and what a refusal is about (a run's config.yaml,
+metrics.jsonl, checkpoints, ...) is written only after them, which no rank joins before its
+own check. The directory is on a filesystem every rank sees (docs/install.md).
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ def run_contents(run_dir: Path) -> list[str]:
     return sorted(p.name for p in run_dir.iterdir() if p.name not in _NOT_A_RUN)
 
 
-def prepare_run_dir(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool) -> None:
-    """Refuse a run directory this run cannot or must not use; clear it for ``overwrite``.
+def check_run_dir(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool) -> list[Path]:
+    """Refuse a run directory this run cannot or must not use; return what ``overwrite``
+    deletes ([] without it). Reads only: every rank calls it.
 
     Raises ConfigError (one line naming the directory and the fix) when the path is a file,
     is not writable, or holds a run and neither ``resume`` nor ``overwrite`` is given.
@@ -49,9 +56,9 @@ def prepare_run_dir(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool
             "path (it is created when missing)."
         )
     existing = next((p for p in [run_dir, *run_dir.parents] if p.exists()), Path("."))
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if not os.access(existing, os.W_OK | os.X_OK):  # False on a read-only mount, even for root
         raise ConfigError(
-            f"run_dir={str(run_dir)!r} is not writable ({existing} denies this user): pass "
+            f"run_dir={str(run_dir)!r} is not writable (no write access to {existing}): pass "
             "--run-dir a directory you can write to."
         )
     if resume:
@@ -60,18 +67,20 @@ def prepare_run_dir(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool
                 f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}; start "
                 "without --resume, or point --run-dir at the run to continue."
             )
-        return
+        return []
     found = run_contents(run_dir)
-    if not found:
-        return
-    if not overwrite:
+    if found and not overwrite:
         shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
         raise ConfigError(
             f"run_dir={str(run_dir)!r} already holds a run ({shown}): continue it with "
             "--resume, replace it with --overwrite, or pass another --run-dir."
         )
-    for name in found:
-        p = run_dir / name
+    return [run_dir / name for name in found]
+
+
+def clear_run_dir(paths: list[Path]) -> None:
+    """Delete ``paths`` (``check_run_dir``'s answer): one process only, after every check."""
+    for p in paths:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         else:
