@@ -22,6 +22,7 @@ from megatron_grpo.bench.train import (
     largest_trainable,
     make_batch,
     micro_batches,
+    one_sequence,
 )
 from megatron_grpo.cli.main import main
 from megatron_grpo.plan.model import preset_spec
@@ -58,20 +59,10 @@ RUNNER = textwrap.dedent(
 
 
 def _argv(json_out: Path) -> list[str]:
-    argv = [
-        "bench",
-        "train",
-        "--preset",
-        "tiny",
-        "--device",
-        "cpu",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-        "--json",
-        str(json_out),
-    ]
+    # --search on with the smallest cap: one 1024-token train step per side (CPU has no OOM
+    # to find; the doubling itself is tested below).
+    argv = "bench train --preset tiny --device cpu --steps 2 --warmup 1 --search on".split()
+    argv += ["--search-cap", "1024", "--json", str(json_out)]
     for k, v in ARGS.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     return argv
@@ -100,7 +91,8 @@ def test_bench_train_tiny_on_cpu_without_vllm(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = json.loads(proc.stdout.split("BLOCKED_LOADED=")[1].splitlines()[0])
     assert loaded == [], f"bench train imported {loaded}"
-    assert "project/hf" in proc.stdout and "log-prob parity" in proc.stdout
+    for line in ("project/hf", "log-prob parity", "largest sequence that trains: project 1,024"):
+        assert line in proc.stdout
 
     res = json.loads(out.read_text())
     spec = preset_spec("tiny")
@@ -113,7 +105,7 @@ def test_bench_train_tiny_on_cpu_without_vllm(tmp_path: Path) -> None:
     assert b["seq_len"] == batch["input_ids"].shape[1]
     mbs = micro_batches(batch, ARGS["micro_batch_size"])
     assert b["padded_tokens"] == sum(len(mb["input_ids"]) * n for _, n, mb in mbs)
-    assert res["device"] == "cpu" and res["dtype"] == "float32" and res["search"] is False
+    assert res["device"] == "cpu" and res["dtype"] == "float32" and res["search"] is True
     assert res["flop_params"] == flop_params(spec)
     assert res["flops_per_token"] == {
         "train": 6 * flop_params(spec),
@@ -132,6 +124,8 @@ def test_bench_train_tiny_on_cpu_without_vllm(tmp_path: Path) -> None:
             assert p["useful_tokens"] == b["useful_tokens"]
             assert p["useful_tokens_per_s"] == pytest.approx(b["useful_tokens"] / p["median_s"])
             assert p["mfu"] is None and p["peak_gib"] is None  # CPU: no peak, no device memory
+        tried = [{"length": 1024, "ok": True, "peak_gib": None}]
+        assert side["largest_trainable"] == {"largest": 1024, "cap": 1024, "tried": tried}
     for phase in ("train", "logprob"):
         rate = {n: s[phase]["useful_tokens_per_s"] for n, s in sides.items()}
         assert res["ratio"][phase] == pytest.approx(rate["project"] / rate["hf"])
@@ -179,6 +173,9 @@ def test_batch_is_right_padded_and_lengths_stay_in_range() -> None:
     assert batch["input_ids"][attn == 1].min() >= 3 and (batch["input_ids"][attn == 0] == 0).all()
     for rows, n, mb in micro_batches(batch, 3):
         assert mb["input_ids"].shape[1] == n == int(lengths[rows].max())
+    one = one_sequence(64, 1024, prompt_len=256, seed=0)  # what the length search trains
+    assert one["input_ids"].shape == (1, 1024) and int(one["attention_mask"].sum()) == 1024
+    assert int(one["loss_mask"].sum()) == 1024 - 256
     # seeded: the same arguments give the same batch
     assert torch.equal(make_batch(64, 16, 32, 8, 48, 0)["input_ids"], batch["input_ids"])
 

@@ -481,9 +481,20 @@ def largest_trainable(
     return {"largest": largest, "cap": cap, "tried": tried}
 
 
-def _one_sequence(vocab: int, length: int, prompt_len: int, seed: int) -> dict:
-    p = min(prompt_len, length // 2)
-    return make_batch(vocab, 1, p, length - p, length - p, seed)
+def one_sequence(vocab_size: int, length: int, prompt_len: int, seed: int) -> dict:
+    """A batch of one sequence of exactly ``length`` tokens, its first
+    ``min(prompt_len, length // 2)`` the prompt (what the length search trains)."""
+    g = torch.Generator().manual_seed(seed)
+    resp = torch.zeros(1, length)
+    resp[:, min(prompt_len, length // 2) :] = 1
+    ids = torch.randint(3, vocab_size, (1, length), generator=g)
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones(1, length),
+        "loss_mask": resp,
+        "response_mask": resp.clone(),
+        "advantages": torch.ones(1),
+    }
 
 
 def measure_side(
@@ -531,7 +542,7 @@ def measure_side(
     if search:
 
         def try_length(n: int) -> float | None:
-            one = _one_sequence(side.spec.vocab_size, n, args.prompt_len, args.seed)
+            one = one_sequence(side.spec.vocab_size, n, args.prompt_len, args.seed)
             logp = torch.zeros(one["input_ids"].shape)
             one = add_loss_inputs(one, logp, args.seed)
             if device.type == "cuda":
