@@ -5,6 +5,8 @@ megatron-grpo bench sync --model HF_DIR|PRESET --train-tp A --train-pp B --rollo
 megatron-grpo bench throughput [--config FILE] --v 1,2,5,10 [--ahead 0,3] --steps N [--warmup W]
     [--nproc P] [--out-dir DIR] --json OUT.json [key=value ...]
 megatron-grpo bench project [--json OUT.json] [--plot OUT.png]
+megatron-grpo bench train [--preset P] [--rows R] [--max-len N] [--micro-batch-size M]
+    [--steps S] [--device auto|cuda|cpu] --json OUT.json
 megatron-grpo bench reproduce [--claims 1,2,3,4] [--seeds N] [--steps S] [--out-dir DIR]
     [key=value ...]
 """
@@ -43,7 +45,9 @@ _ints = _comma_list(int, "integers", "1,2,5,10")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks (weight sync, throughput vs v, projection)")
+    p = sub.add_parser(
+        "bench", help="benchmarks (weight sync, throughput vs v, projection, train step vs HF)"
+    )
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     s = add_command(bsub, "sync", run_sync)
     s.add_argument(
@@ -71,6 +75,53 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_throughput(bsub)
     _add_project(bsub)
     _add_reproduce(bsub)
+    _add_train(bsub)
+
+
+def _add_train(bsub: argparse._SubParsersAction) -> None:
+    t = add_command(bsub, "train", run_train)
+    t.add_argument("--preset", default="tiny",
+                   help="model shape: tiny, Qwen2.5-0.5B, Qwen2.5-1.5B, Qwen2.5-7B")  # fmt: skip
+    t.add_argument("--rows", type=int, default=32, help="sequences in the batch")
+    t.add_argument("--prompt-len", type=int, default=256,
+                   help="longest prompt (prompts are 7/8 of it to all of it)")  # fmt: skip
+    t.add_argument("--min-len", type=int, default=64, help="shortest response")
+    t.add_argument("--max-len", type=int, default=1024, help="longest response")
+    t.add_argument("--micro-batch-size", type=int, default=4, help="rows per micro-batch")
+    t.add_argument("--steps", type=int, default=5, help="timed repeats per phase (median)")
+    t.add_argument("--warmup", type=int, default=2, help="untimed repeats before them")
+    t.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    t.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="both sides; auto: bf16 on GPU, fp32 on CPU")  # fmt: skip
+    t.add_argument("--peak-tflops", type=float, default=None,
+                   help="device peak for MFU (default: H100/H200 989, H100 PCIe 756, A100 "
+                   "312 by device name; n/a on CPU)")  # fmt: skip
+    t.add_argument("--search", choices=("auto", "on", "off"), default="auto",
+                   help="find the longest sequence that trains, per side (auto: on GPU only)")  # fmt: skip
+    t.add_argument("--search-cap", type=int, default=32768, help="longest length tried")
+    t.add_argument("--seed", type=int, default=0, help="seed of the batch and the weights")
+    t.add_argument("--json", dest="json_out", help="write the results here")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """the project's policy vs a plain Hugging Face model: train step and log-prob pass
+
+    Builds the project's Policy (megatron-core, world size 1) and a transformers model of the
+    same shape (SDPA attention, AdamW, fused on CUDA) from the same initial weights, and
+    times both on one GRPO batch (prompts ~--prompt-len tokens, responses between --min-len
+    and --max-len, right-padded): useful tokens/s, MFU, peak memory, their ratio, the
+    log-prob difference of the two on the same weights, and (on GPU) the longest sequence
+    each side trains. Prints a table, writes JSON (docs/benchmarks.md)."""
+    from megatron_grpo.bench.train import BenchTrainArgs, format_table, run_bench_train
+    from megatron_grpo.cli.errors import exit_on
+
+    with exit_on(ValueError, 2):  # ConfigError is a ValueError
+        a = from_args(BenchTrainArgs, args)
+    res = run_bench_train(a)
+    print(format_table(res))
+    if args.json_out:
+        _write_json(res, args.json_out)
+    return 0
 
 
 def _add_throughput(bsub: argparse._SubParsersAction) -> None:
