@@ -37,11 +37,11 @@ SAME = ["reward_mean", "synced", "policy_version", "lag", "loss", "grad_norm", "
 def _run(rank: int, world: int, run_dir: str, steps: int, resume: bool) -> dict:
     from megatron_grpo.config import load_config
     from megatron_grpo.trainer.build import build_trainer
-    from megatron_grpo.trainer.run_dir import prepare_run_dir
+    from megatron_grpo.trainer.run_dir import check_run_dir
     from tests.gpu.hf_engine import hf_rollout_factory
 
     cfg = load_config(None, [*OVERRIDES, f"run_dir={run_dir}", f"steps={steps}"])
-    prepare_run_dir(cfg.run_dir, resume=resume, overwrite=False)
+    check_run_dir(cfg.run_dir, resume=resume, overwrite=False)
     t0 = time.perf_counter()
     trainer = build_trainer(cfg, resume=resume, rollout_factory=hf_rollout_factory)
     try:
