@@ -56,6 +56,13 @@ class ModelConfig:
     """Training parameter dtype. ``auto``: float32 on CPU, bfloat16 on GPU."""
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     """Megatron layer spec. ``auto``: Transformer-Engine when installed and on GPU, else local."""
+    local_attention: Literal["sdpa", "unfused"] = "sdpa"
+    """Core attention of the local layer spec (ignored by the Transformer-Engine spec).
+    ``sdpa``: torch's ``scaled_dot_product_attention`` (flash / cuDNN / memory-efficient on
+    GPU; no [heads, s, s] scores held; packed sequences supported;
+    ``policy.attention.SDPAttention``); ``unfused``: megatron's ``DotProductAttention``, which
+    materializes the fp32 scores of every layer and cannot pack sequences (the parity
+    reference)."""
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this times the tensor-parallel size."""
     warm_start_steps: int = 15
@@ -70,6 +77,7 @@ class ModelConfig:
         _check_choice(
             "model.transformer_impl", self.transformer_impl, ("auto", "local", "transformer_engine")
         )
+        _check_choice("model.local_attention", self.local_attention, ("sdpa", "unfused"))
         _positive("model", self, "make_vocab_size_divisible_by")
         _non_negative("model", self, "warm_start_steps")
         _positive("model", self, "warm_start_lr", "warm_start_batch_size")
