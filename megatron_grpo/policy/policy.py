@@ -44,8 +44,17 @@ it twice, and both are undone here:
 - ``distributed/finalize_model_grads.py::finalize_model_grads`` would then divide by the
   all-reduced ``num_tokens``; our ``finalize_model_grads_func`` passes ``num_tokens=None``.
 
-Sequence packing (``packed_seq_params``, THD layout) is a GPU/Transformer-Engine feature
-and is not implemented: micro-batches are padded (to their own max length) instead.
+Micro-batches
+-------------
+- ``micro_batch_size`` rows, each micro-batch right-padded to its own longest row (the
+  default, and what megatron's unfused attention supports);
+- or, with ``token_budget``, consecutive rows holding at most that many real tokens, packed
+  end to end into one sequence (megatron's ``thd`` format, ``PackedRows``): no compute on
+  padding, and short rows share a micro-batch (the dynamic batch size of verl / NeMo-RL).
+  Documents attend only within themselves (``policy.attention``, or TE's THD attention) and
+  RoPE restarts in each, so log-probs equal the padded ones and a step's gradient does not
+  depend on the packing (tests/test_packing.py). ``loss_fn`` still sees padded [n, L] rows:
+  the pack's log-probs are scattered back to them.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,7 +72,11 @@ from megatron_grpo.config.schema import ConfigError, ModelConfig, OptimConfig
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.policy.logprob import token_logprobs
-from megatron_grpo.policy.model_builder import build_model, padded_vocab_size
+from megatron_grpo.policy.model_builder import (
+    build_model,
+    padded_vocab_size,
+    resolve_transformer_impl,
+)
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -106,6 +120,49 @@ def _finalize_grads_without_token_scaling(model, num_tokens, pg_collection=None,
     return finalize_model_grads(model, None, pg_collection=pg_collection, **kwargs)
 
 
+def _check_batch(batch: Batch) -> tuple[int, int]:
+    ids = batch["input_ids"]
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, L], got shape {tuple(ids.shape)}")
+    b, seq = ids.shape
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] != b:
+            raise ValueError(
+                f"batch[{k!r}] has leading dim {v.shape[0]}, input_ids has B={b}: every "
+                "per-sequence tensor must have the batch as its first dim."
+            )
+    return b, seq
+
+
+def _row_lengths(batch: Batch) -> list[int]:
+    """Each row's length: its last position with ``attention_mask`` 1, plus one (at least 1);
+    the full width without a mask."""
+    b, seq = batch["input_ids"].shape
+    if "attention_mask" not in batch:
+        return [seq] * b
+    am = batch["attention_mask"] != 0
+    last = torch.where(am.any(1), seq - am.flip(1).int().argmax(1), 1)
+    return last.tolist()
+
+
+def _slice_rows(batch: Batch, rows: slice, padded: int) -> Batch:
+    """``batch``'s rows ``rows``, every [B, L, ...] tensor cut (or right-padded with zeros)
+    to ``padded`` positions."""
+    seq = batch["input_ids"].shape[1]
+    mb = {}
+    for k, v in batch.items():
+        if not isinstance(v, torch.Tensor) or v.dim() == 0:
+            mb[k] = v
+            continue
+        t = v[rows]
+        if t.dim() >= 2 and t.shape[1] == seq:
+            t = t[:, :padded]
+            if t.shape[1] < padded:  # right padding is invisible to causal attention
+                t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, padded - seq))
+        mb[k] = t.contiguous()
+    return mb
+
+
 def _micro_batches(
     batch: Batch, micro_batch_size: int, multiple: int = 1
 ) -> list[tuple[slice, int, Batch]]:
@@ -117,40 +174,112 @@ def _micro_batches(
     megatron/core/tensor_parallel/mappings.py ``_split_along_first_dim``). The returned
     length stays the unpadded one: the positions callers read back.
     """
-    ids = batch["input_ids"]
-    if ids.dim() != 2:
-        raise ValueError(f"input_ids must be [B, L], got shape {tuple(ids.shape)}")
+    b, _ = _check_batch(batch)
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
-    b, seq = ids.shape
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] != b:
-            raise ValueError(
-                f"batch[{k!r}] has leading dim {v.shape[0]}, input_ids has B={b}: every "
-                "per-sequence tensor must have the batch as its first dim."
-            )
+    lengths = _row_lengths(batch)
     out = []
     for start in range(0, b, micro_batch_size):
         rows = slice(start, min(start + micro_batch_size, b))
-        length = seq
-        if "attention_mask" in batch:
-            am = batch["attention_mask"][rows]
-            nz = am.nonzero()
-            length = int(nz[:, 1].max()) + 1 if len(nz) else 1
-            length = max(length, 2)
+        length = max(max(lengths[rows]), 2)
         padded = -(-length // multiple) * multiple
-        mb = {}
-        for k, v in batch.items():
-            if not isinstance(v, torch.Tensor) or v.dim() == 0:
-                mb[k] = v
-                continue
-            t = v[rows]
-            if t.dim() >= 2 and t.shape[1] == seq:
-                t = t[:, :padded]
-                if t.shape[1] < padded:  # right padding is invisible to causal attention
-                    t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, padded - seq))
-            mb[k] = t.contiguous()
-        out.append((rows, length, mb))
+        out.append((rows, length, _slice_rows(batch, rows, padded)))
+    return out
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """A micro-batch's rows packed end to end into one sequence (megatron's ``thd`` format).
+
+    Row i contributes its first ``lengths[i]`` tokens as document i; a filler document of
+    token 0 follows when the pack must be a multiple of ``multiple`` tokens (sequence
+    parallelism). Documents attend only within themselves (``policy.attention``) and RoPE
+    restarts at 0 in each (megatron's ``_apply_rotary_pos_emb_thd``), so a document's
+    log-probs are those it has alone, whatever is packed around it.
+    """
+
+    input_ids: torch.Tensor
+    """[1, T] the documents end to end."""
+    cu_seqlens: torch.Tensor
+    """int32 [documents + 1], filler included."""
+    max_len: int
+    rows: torch.Tensor
+    """long [N]: the row of each scored token (positions t >= 1 of every real document)."""
+    cols: torch.Tensor
+    """long [N]: its position in the row."""
+    src: torch.Tensor
+    """long [N]: its position in the pack."""
+
+    @classmethod
+    def build(cls, ids: torch.Tensor, lengths: list[int], multiple: int = 1) -> PackedRows:
+        docs = [ids[i, :n] for i, n in enumerate(lengths)]
+        total = sum(lengths)
+        size = -(-max(total, 2) // multiple) * multiple
+        doc_lens = list(lengths) + ([size - total] if size > total else [])
+        if size > total:
+            docs.append(ids.new_zeros(size - total))
+        starts = [0]
+        for n in doc_lens:
+            starts.append(starts[-1] + n)
+        scored = [(i, n, s) for i, (n, s) in enumerate(zip(lengths, starts)) if n > 1]
+        cat = (
+            (lambda xs: torch.cat(xs)) if scored else (lambda xs: torch.zeros(0, dtype=torch.long))
+        )
+        return cls(
+            input_ids=torch.cat(docs).unsqueeze(0),
+            cu_seqlens=torch.tensor(starts, dtype=torch.int32),
+            max_len=max(doc_lens),
+            rows=cat([torch.full((n - 1,), i) for i, n, _ in scored]),
+            cols=cat([torch.arange(1, n) for _, n, _ in scored]),
+            src=cat([torch.arange(s + 1, s + n) for _, n, s in scored]),
+        )
+
+    def packed_seq_params(self, device: torch.device):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = self.cu_seqlens.to(device)
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=self.max_len,
+            max_seqlen_kv=self.max_len,
+        )
+
+    def unpack(self, packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """[1, T] position-aligned per-token values -> [rows, L]: each document's values at
+        its row's positions, 0 at t = 0 and past the document (differentiable)."""
+        dev = packed.device
+        out = packed.new_zeros(shape)
+        return out.index_put((self.rows.to(dev), self.cols.to(dev)), packed[0, self.src.to(dev)])
+
+
+def _packed_micro_batches(
+    batch: Batch, token_budget: int, multiple: int = 1
+) -> list[tuple[slice, int, Batch, PackedRows]]:
+    """Split ``batch`` into micro-batches of consecutive rows holding at most
+    ``token_budget`` real tokens each (a row longer than the budget is a micro-batch of its
+    own), packed end to end (``PackedRows``): no compute on padding, and the number of rows
+    per micro-batch follows their lengths (verl's / NeMo-RL's dynamic batch size).
+
+    Returns (row slice, trimmed length, rows dict for ``loss_fn`` [n, length], pack).
+    """
+    b, _ = _check_batch(batch)
+    if token_budget < 1:
+        raise ValueError(f"token_budget={token_budget} must be >= 1")
+    lengths = _row_lengths(batch)
+    groups, start, tokens = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and tokens + n > token_budget:
+            groups.append(slice(start, i))
+            start, tokens = i, 0
+        tokens += n
+    groups.append(slice(start, b))
+    out = []
+    for rows in groups:
+        length = max(lengths[rows])
+        pack = PackedRows.build(batch["input_ids"][rows], lengths[rows], multiple)
+        out.append((rows, length, _slice_rows(batch, rows, length), pack))
     return out
 
 
@@ -194,6 +323,11 @@ class Policy:
         self.nan_steps_in_row = 0
         # Sequence parallelism splits every micro-batch's sequence dim over the TP ranks.
         self._length_multiple = ctx.tp if ctx.sequence_parallel else 1
+        # megatron's unfused DotProductAttention refuses packed sequences; SDPA and TE take them
+        self.can_pack = (
+            resolve_transformer_impl(model_cfg, ctx.device) == "transformer_engine"
+            or model_cfg.local_attention == "sdpa"
+        )
         if self.trainable and ctx.vpp:
             # Seen with megatron-core 0.16.1 on gloo (pp=2, vpp=2): the forward-only
             # interleaved schedule works, but the training one deadlocks with
@@ -281,6 +415,25 @@ class Policy:
             group["lr"] = lr
 
     # ------------------------------------------------------------------- forward plumbing
+    def _split(
+        self, batch: Batch, micro_batch_size: int, token_budget: int | None
+    ) -> list[tuple[slice, int, Batch, PackedRows | None]]:
+        """Micro-batches of ``batch``: packed under ``token_budget`` when it is given, else
+        ``micro_batch_size`` padded rows (module docstring)."""
+        if token_budget is None:
+            return [
+                (rows, n, mb, None)
+                for rows, n, mb in _micro_batches(batch, micro_batch_size, self._length_multiple)
+            ]
+        if not self.can_pack:
+            raise ConfigError(
+                "packed micro-batches (a token budget) need the SDPA or Transformer-Engine "
+                "attention, but model.local_attention=unfused (megatron's DotProductAttention "
+                "refuses packed sequences): set model.local_attention=sdpa or "
+                "grpo.pack_sequences=false."
+            )
+        return _packed_micro_batches(batch, token_budget, self._length_multiple)
+
     def _run_schedule(self, mbs: list, step_fn: Callable, forward_only: bool) -> list:
         num_mb = len(mbs)
         if self.ctx.vpp and num_mb % self.ctx.pp:
@@ -289,14 +442,16 @@ class Policy:
                 f"interleaved schedule needs a multiple of pp({self.ctx.pp}); change "
                 "micro_batch_size or the batch size."
             )
-        iters: list[Iterator] = [iter([mb for _, _, mb in mbs]) for _ in self.chunks]
+        shapes = [(mb["input_ids"] if pack is None else pack.input_ids).shape
+                  for _, _, mb, pack in mbs]  # fmt: skip
+        iters: list[Iterator] = [iter([(mb, pack) for _, _, mb, pack in mbs]) for _ in self.chunks]
         return self._forward_backward(
             forward_step_func=step_fn,
             data_iterator=iters if len(iters) > 1 else iters[0],
             model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
             num_microbatches=num_mb,
-            seq_length=max(mb["input_ids"].shape[1] for _, _, mb in mbs),
-            micro_batch_size=max(mb["input_ids"].shape[0] for _, _, mb in mbs),
+            seq_length=max(shape[1] for shape in shapes),
+            micro_batch_size=max(shape[0] for shape in shapes),
             forward_only=forward_only,
         )
 
@@ -311,12 +466,28 @@ class Policy:
             group=self.ctx.tp_group,
         )
 
-    def _model_forward(self, model, mb: Batch) -> torch.Tensor:
+    def _model_forward(self, model, mb: Batch, pack: PackedRows | None) -> torch.Tensor:
+        """Logits [n, L, V/tp] of the padded rows, or [1, T, V/tp] of the pack."""
+        if pack is not None:
+            ids = pack.input_ids.to(self.ctx.device)
+            # position_ids feed only learned absolute embeddings; RoPE takes each document's
+            # positions from cu_seqlens (megatron/core/transformer/attention.py).
+            positions = torch.zeros_like(ids)
+            params = pack.packed_seq_params(self.ctx.device)
+            return model(ids, positions, None, packed_seq_params=params)
         ids = mb["input_ids"].to(self.ctx.device)
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         # attention_mask=None: the local/TE core attention applies its causal mask
         # (AttnMaskType.causal in the GPT layer spec).
         return model(ids, positions, None)
+
+    def _row_logp_entropy(self, logits: torch.Tensor, mb: Batch, pack: PackedRows | None):
+        """``logp``, ``entropy`` [n, L] of the micro-batch's rows, position-aligned."""
+        ids = mb["input_ids"].to(logits.device)
+        if pack is None:
+            return self._logp_entropy(logits, ids)
+        logp, ent = self._logp_entropy(logits, pack.input_ids.to(logits.device))
+        return pack.unpack(logp, ids.shape), pack.unpack(ent, ids.shape)
 
     def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         if self.ctx.pp > 1:
@@ -335,23 +506,27 @@ class Policy:
             self.temperature = saved
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: Batch, micro_batch_size: int) -> dict[str, torch.Tensor]:
+    def compute_logprobs(
+        self, batch: Batch, micro_batch_size: int, *, token_budget: int | None = None
+    ) -> dict[str, torch.Tensor]:
         """Per-token ``logp`` and ``entropy`` [B, L] (fp32, on CPU), on every rank.
 
-        Forward-only through megatron's pipeline schedule, ``micro_batch_size`` sequences
-        per micro-batch; the last pipeline stage computes them and broadcasts to the others.
+        Forward-only through megatron's pipeline schedule, ``micro_batch_size`` padded
+        sequences per micro-batch, or with ``token_budget`` packed micro-batches of at most
+        that many real tokens (``micro_batch_size`` is then not used); the last pipeline
+        stage computes them and broadcasts to the others.
         """
-        mbs = _micro_batches(batch, micro_batch_size, self._length_multiple)
+        mbs = self._split(batch, micro_batch_size, token_budget)
         ids = batch["input_ids"]
         for m in self.models:
             m.eval()
 
         def step(data_iterator, model):
-            mb = next(data_iterator)
-            out = self._model_forward(model, mb)
+            mb, pack = next(data_iterator)
+            out = self._model_forward(model, mb, pack)
 
             def reduce(logits):
-                logp, ent = self._logp_entropy(logits, mb["input_ids"].to(logits.device))
+                logp, ent = self._row_logp_entropy(logits, mb, pack)
                 zero = logits.new_zeros(())
                 return zero, torch.tensor(1, dtype=torch.int), {"logp": logp, "entropy": ent}
 
@@ -360,7 +535,7 @@ class Policy:
         results = self._run_schedule(mbs, step, forward_only=True)
         out = torch.zeros(2, *ids.shape, dtype=torch.float32, device=self.ctx.device)
         if self.ctx.is_last_stage:
-            for (rows, length, _), r in zip(mbs, results):
+            for (rows, length, _, _), r in zip(mbs, results):
                 out[0, rows, :length] = r["logp"][:, :length].float()
                 out[1, rows, :length] = r["entropy"][:, :length].float()
         self._broadcast_from_last_stage(out)
@@ -369,8 +544,18 @@ class Policy:
         out = out.cpu()
         return {"logp": out[0], "entropy": out[1]}
 
-    def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, Any]:
+    def train_step(
+        self,
+        batch: Batch,
+        loss_fn: LossFn,
+        micro_batch_size: int,
+        *,
+        token_budget: int | None = None,
+    ) -> dict[str, Any]:
         """One optimizer step on ``batch``; returns metrics (same on every rank).
+
+        Micro-batches as in ``compute_logprobs``: ``micro_batch_size`` padded rows, or
+        packed under ``token_budget`` tokens. ``loss_fn`` sees padded rows either way.
 
         Metrics: ``loss`` (sum of loss_fn's losses over micro-batches and DP ranks, i.e. the
         global objective), ``grad_norm`` (before clipping), ``lr``, ``skipped`` (True when
@@ -382,22 +567,22 @@ class Policy:
                 "train_step on a forward-only Policy (built without optim_cfg): build it "
                 "with build_policy(..., optim_cfg=...)."
             )
-        mbs = _micro_batches(batch, micro_batch_size, self._length_multiple)
+        mbs = self._split(batch, micro_batch_size, token_budget)
         for m in self.chunks:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
 
         def step(data_iterator, model):
-            mb = next(data_iterator)
-            out = self._model_forward(model, mb)
+            mb, pack = next(data_iterator)
+            out = self._model_forward(model, mb, pack)
 
             def reduce(logits):
                 dev_mb = {
                     k: (v.to(logits.device) if isinstance(v, torch.Tensor) else v)
                     for k, v in mb.items()
                 }
-                logp, ent = self._logp_entropy(logits, dev_mb["input_ids"])
+                logp, ent = self._row_logp_entropy(logits, dev_mb, pack)
                 loss, metrics = loss_fn(logp, ent, dev_mb)
                 if loss.dim() != 0:
                     raise ValueError(f"loss_fn must return a scalar loss, got {tuple(loss.shape)}")
