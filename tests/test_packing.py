@@ -17,7 +17,7 @@ from functools import partial
 import pytest
 import torch
 
-from megatron_grpo.policy.policy import PackedRows, _packed_micro_batches
+from megatron_grpo.policy.batching import PackedRows, packed_micro_batches
 from tests.dist_utils import run_distributed
 
 LOGP_TOL = 1e-5
@@ -39,7 +39,7 @@ def _batch(vocab: int, lengths=(14, 6, 10, 1, 9, 3), width: int = 16):
 
 def test_rows_are_grouped_by_token_budget():
     batch = _batch(50)
-    mbs = _packed_micro_batches(batch, token_budget=16)
+    mbs = packed_micro_batches(batch, token_budget=16)
     # lengths 14 | 6 10 | 1 9 3 : consecutive rows while the real tokens fit the budget
     assert [(rows, n) for rows, n, _, _ in mbs] == [
         (slice(0, 1), 14), (slice(1, 3), 10), (slice(3, 6), 9),
@@ -55,11 +55,11 @@ def test_rows_are_grouped_by_token_budget():
     )
     assert torch.equal(pack.input_ids[0], expect)
     # a row longer than the budget is a micro-batch of its own
-    assert [rows for rows, *_ in _packed_micro_batches(batch, token_budget=5)][:2] == [
+    assert [rows for rows, *_ in packed_micro_batches(batch, token_budget=5)][:2] == [
         slice(0, 1), slice(1, 2),
     ]  # fmt: skip
     with pytest.raises(ValueError, match="token_budget=0"):
-        _packed_micro_batches(batch, token_budget=0)
+        packed_micro_batches(batch, token_budget=0)
 
 
 def test_pack_is_padded_to_a_multiple_with_a_filler_document():
