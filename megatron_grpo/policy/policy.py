@@ -21,9 +21,9 @@ distribution. Both are computed from the TP-sharded logits without gathering the
 
 Temperature: a policy built with ``temperature=T`` scores ``softmax(logits / T)``, the
 distribution vLLM samples from at ``rollout.temperature = T`` (before top-k/top-p, which the
-config refuses for training), as TRL's and verl's trainers do. The division happens here,
-on this rank's logits shard, before the vocab-parallel log-prob function; T=1 leaves the
-logits untouched.
+config refuses for training), as TRL's and verl's trainers do. The vocab-parallel log-prob
+function divides each fp32 chunk of this rank's logits shard by T (``policy.logprob``), so
+no divided copy of the [tokens, vocab/tp] logits is made; T=1 divides nothing.
 
 Loss contract
 -------------
@@ -293,14 +293,14 @@ class Policy:
         )
 
     def _logp_entropy(self, logits: torch.Tensor, input_ids: torch.Tensor):
-        if self.temperature != 1.0:  # a new tensor: the model's logits stay as they are
-            logits = logits / self.temperature
+        # the temperature divides each fp32 chunk inside: no divided copy of the logits
         return token_logprobs(
             logits,
             input_ids,
             vocab_start=self.ctx.tp_rank * self.vocab_per_rank,
             vocab_size=self.vocab_size,
             group=self.ctx.tp_group,
+            temperature=self.temperature,
         )
 
     def _model_forward(self, model, mb: Batch, pack: PackedRows | None) -> torch.Tensor:
