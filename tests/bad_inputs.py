@@ -105,6 +105,7 @@ HAND: list[tuple[str, list[str]]] = [
     ("plan: unknown key", [*P, "grpo.nope=1"]),
     ("plan: tp does not divide the GPUs", ["plan", "--nodes", "1", "--gpus-per-node", "3", "parallel.tp=2"]),
     ("plan: missing --nodes", ["plan", "--gpus-per-node", "1"]),
+    ("train: packing with megatron's unfused attention", [*T, "model.local_attention=unfused"]),
 ]
 # fmt: on
 

@@ -106,3 +106,45 @@ def test_peak_memory_is_bounded_by_the_chunk():
     bound = 2 * full + logprob_peak_bytes(n, vl, chunk) + 32 * n * 4
     assert peaks[chunk] <= bound, (peaks, bound)
     assert peaks[n] > 2 * full + logprob_peak_bytes(n, vl, chunk)  # one piece: several full
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_temperature_inside_equals_dividing_the_logits(dtype):
+    """``temperature=T`` divides each fp32 chunk: the same values and gradients, bit for bit,
+    as dividing the whole logits first (what the policy did before), without that copy."""
+    g = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(41, PADDED, generator=g)).to(dtype)
+    target = torch.randint(0, VOCAB, (41,), generator=g)
+    w = torch.linspace(-1, 1, 41, dtype=dtype)
+    out = {}
+    for inside in (True, False):
+        x = logits.clone().requires_grad_(True)
+        logp, ent = vocab_parallel_logprob_entropy(
+            x if inside else x / 0.7, target, vocab_start=0, vocab_size=VOCAB, chunk_tokens=8,
+            temperature=0.7 if inside else 1.0,
+        )  # fmt: skip
+        ((w * logp).sum() + (w.flip(0) * ent).sum()).backward()
+        out[inside] = (logp.detach(), ent.detach(), x.grad)
+    for a, b in zip(out[True], out[False]):
+        assert torch.equal(a, b)
+    assert not torch.equal(out[True][0], _run(logits, target, chunk=8)[0])  # T did act
+    with pytest.raises(ValueError, match="temperature=0"):
+        vocab_parallel_logprob_entropy(
+            logits, target, vocab_start=0, vocab_size=VOCAB, temperature=0
+        )
+
+
+def test_temperature_adds_no_copy_of_the_logits():
+    n, vl, chunk = 1024, 1000, 64
+    logits = torch.randn(n, vl)
+    target = torch.randint(0, vl, (n,))
+    peaks = {}
+    for t in (1.0, 0.7):
+        x = logits.clone().requires_grad_(True)
+        with PeakBytes() as m:
+            lp, en = vocab_parallel_logprob_entropy(
+                x, target, vocab_start=0, vocab_size=vl, chunk_tokens=chunk, temperature=t
+            )
+            (lp.sum() + en.sum()).backward()
+        peaks[t] = m.peak
+    assert peaks[0.7] <= peaks[1.0] + 4 * chunk * vl * 4, peaks  # a chunk, not n x vl

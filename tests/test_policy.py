@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from megatron_grpo.config.schema import OptimConfig
+from megatron_grpo.policy.batching import micro_batches
 from megatron_grpo.policy.logprob import token_logprobs, vocab_parallel_logprob_entropy
-from megatron_grpo.policy.policy import LRSchedule, _micro_batches
+from megatron_grpo.policy.policy import LRSchedule
 from tests.dist_utils import run_distributed
 
 VOCAB, PADDED = 10, 16  # 6 padding columns, like megatron's padded vocabulary
@@ -109,13 +110,13 @@ def test_lr_schedule_warmup_then_cosine():
 def test_micro_batches_trim_to_their_own_longest_sequence():
     ids = torch.arange(24).view(4, 6)
     attn = torch.tensor([[1] * 6, [1] * 2 + [0] * 4, [1] * 3 + [0] * 3, [1] * 2 + [0] * 4])
-    mbs = _micro_batches(
+    mbs = micro_batches(
         {"input_ids": ids, "attention_mask": attn, "adv": torch.arange(4.0)}, micro_batch_size=2
     )
     assert [(rows, length) for rows, length, _ in mbs] == [(slice(0, 2), 6), (slice(2, 4), 3)]
     assert mbs[1][2]["input_ids"].shape == (2, 3) and mbs[1][2]["adv"].tolist() == [2.0, 3.0]
     with pytest.raises(ValueError, match="leading dim 3"):
-        _micro_batches({"input_ids": ids, "adv": torch.zeros(3)}, 2)
+        micro_batches({"input_ids": ids, "adv": torch.zeros(3)}, 2)
 
 
 # ------------------------------------------------------------------ train step at DP=2

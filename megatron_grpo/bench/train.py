@@ -95,6 +95,10 @@ class BenchTrainArgs:
     max_len: int = 1024
     """Longest response."""
     micro_batch_size: int = 4
+    micro_batch_tokens: int | None = None
+    """The project side's token budget per packed micro-batch (``grpo.micro_batch_tokens``);
+    None: the trainer's default, ``micro_batch_size * (prompt_len + max_len)``; 0: padded
+    rows of ``micro_batch_size`` like the HF side (``grpo.pack_sequences=false``)."""
     steps: int = 5
     """Timed repeats per phase (the median is reported)."""
     warmup: int = 2
@@ -118,6 +122,10 @@ class BenchTrainArgs:
                 raise ValueError(f"--{k.replace('_', '-')}={getattr(self, k)} must be >= 1.")
         if self.warmup < 0:
             raise ValueError(f"--warmup={self.warmup} must be >= 0.")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 0:
+            raise ValueError(
+                f"--micro-batch-tokens={self.micro_batch_tokens} must be >= 0 (0: padded rows)."
+            )
         if self.min_len > self.max_len:
             raise ValueError(
                 f"--min-len={self.min_len} > --max-len={self.max_len}: responses are drawn "
@@ -271,8 +279,20 @@ class ProjectSide:
         self.ctx = ctx
 
     def sizes(self) -> dict[str, Any]:
-        """How the policy splits a batch: the one place a token budget would be passed."""
-        return {"micro_batch_size": self.args.micro_batch_size}
+        """How the policy splits a batch: packed micro-batches of at most
+        ``token_budget`` real tokens, as the trainer runs it (or padded rows, budget 0)."""
+        return {"micro_batch_size": self.args.micro_batch_size, "token_budget": self.token_budget}
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.budget_of(self.args)
+
+    @staticmethod
+    def budget_of(a: BenchTrainArgs) -> int | None:
+        """The project side's token budget (None: padded rows of ``micro_batch_size``)."""
+        if a.micro_batch_tokens is None:
+            return a.micro_batch_size * (a.prompt_len + a.max_len)
+        return a.micro_batch_tokens or None
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The current weights under HF names, as full CPU tensors."""
@@ -666,6 +686,7 @@ def run_bench_train(args: BenchTrainArgs) -> dict:
             "response_tokens": int(batch["loss_mask"].sum()),
             "padded_tokens": padded,
             "micro_batch_size": args.micro_batch_size,
+            "project_micro_batch_tokens": ProjectSide.budget_of(args),
             "seed": args.seed,
         },
         "warmup": args.warmup,
@@ -680,6 +701,10 @@ def run_bench_train(args: BenchTrainArgs) -> dict:
 
 
 # --------------------------------------------------------------------------------- table
+def _packing(budget: int | None) -> str:
+    return f"packed, {budget:,} tokens per micro-batch" if budget else "padded rows"
+
+
 def _num(x: float | None, fmt: str, na: str = "n/a") -> str:
     return na if x is None else format(x, fmt)
 
@@ -693,7 +718,8 @@ def format_table(res: dict) -> str:
         f"{_num(peak, '.0f')} TFLOP/s",
         f"batch: {b['rows']} rows, prompts ~{b['prompt_len']}, responses {b['min_len']}.."
         f"{b['max_len']} (seed {b['seed']}): {b['useful_tokens']:,} useful tokens, "
-        f"{b['padded_tokens']:,} padded; micro-batch {b['micro_batch_size']}; median of "
+        f"{b['padded_tokens']:,} padded; micro-batch {b['micro_batch_size']} rows (project: "
+        f"{_packing(b['project_micro_batch_tokens'])}); median of "
         f"{res['steps']} after {res['warmup']} warm-up",
         f"{'':<12}{'train step':^40}{'log-prob pass':^40}",
         f"{'side':<12}"

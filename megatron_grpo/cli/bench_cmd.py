@@ -88,6 +88,13 @@ def _add_train(bsub: argparse._SubParsersAction) -> None:
     t.add_argument("--min-len", type=int, default=64, help="shortest response")
     t.add_argument("--max-len", type=int, default=1024, help="longest response")
     t.add_argument("--micro-batch-size", type=int, default=4, help="rows per micro-batch")
+    t.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        help="project side: tokens per packed micro-batch (default micro-batch-size x "
+        "(prompt-len + max-len), as the trainer; 0: padded rows like the HF side)",
+    )
     t.add_argument("--steps", type=int, default=5, help="timed repeats per phase (median)")
     t.add_argument("--warmup", type=int, default=2, help="untimed repeats before them")
     t.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")

@@ -56,6 +56,13 @@ class ModelConfig:
     """Training parameter dtype. ``auto``: float32 on CPU, bfloat16 on GPU."""
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     """Megatron layer spec. ``auto``: Transformer-Engine when installed and on GPU, else local."""
+    local_attention: Literal["sdpa", "unfused"] = "sdpa"
+    """Core attention of the local layer spec (ignored by the Transformer-Engine spec).
+    ``sdpa``: torch's ``scaled_dot_product_attention`` (flash / cuDNN / memory-efficient on
+    GPU; no [heads, s, s] scores held; packed sequences supported;
+    ``policy.attention.SDPAttention``); ``unfused``: megatron's ``DotProductAttention``, which
+    materializes the fp32 scores of every layer and cannot pack sequences (the parity
+    reference)."""
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this times the tensor-parallel size."""
     warm_start_steps: int = 15
@@ -70,6 +77,7 @@ class ModelConfig:
         _check_choice(
             "model.transformer_impl", self.transformer_impl, ("auto", "local", "transformer_engine")
         )
+        _check_choice("model.local_attention", self.local_attention, ("sdpa", "unfused"))
         _positive("model", self, "make_vocab_size_divisible_by")
         _non_negative("model", self, "warm_start_steps")
         _positive("model", self, "warm_start_lr", "warm_start_batch_size")
@@ -213,7 +221,18 @@ class GRPOConfig:
     mini_batch_size: int = 0
     """Sequences per optimizer step within one SGD pass; 0 = the whole batch."""
     micro_batch_size: int = 64
-    """Sequences per forward/backward micro-batch."""
+    """Sequences per forward/backward micro-batch when ``pack_sequences=false``; with packing
+    it only sets the default ``micro_batch_tokens``."""
+    pack_sequences: bool = True
+    """Pack each micro-batch's sequences end to end under a token budget
+    (``micro_batch_tokens``) for the train step and the log-prob passes: no compute on padding,
+    and as many short sequences per micro-batch as the budget holds (``policy.policy``
+    ``PackedRows``). ``false``: ``micro_batch_size`` rows, each micro-batch padded to its
+    longest (megatron's unfused attention, ``model.local_attention=unfused``, needs this)."""
+    micro_batch_tokens: int = 0
+    """Real tokens per packed micro-batch (a longer sequence is a micro-batch of its own).
+    0 = ``micro_batch_size * (data.max_prompt_tokens + rollout.max_new_tokens)``: the
+    activation memory of ``micro_batch_size`` full-length sequences, what ``plan`` counts."""
     advantage: Literal["grpo", "drgrpo", "red_weight"] = "grpo"
     """``grpo``: (r - mean)/sqrt(std^2 + eps); ``drgrpo``: r - mean; ``red_weight``:
     A * exp(A / tau) on unnormalized advantages."""
@@ -280,6 +299,7 @@ class GRPOConfig:
         _positive("grpo", self, "prompts_per_step", "sgd_iterations")
         _non_negative("grpo", self, "mini_batch_size")
         _positive("grpo", self, "micro_batch_size")
+        _non_negative("grpo", self, "micro_batch_tokens")
         _check_choice("grpo.advantage", self.advantage, ("grpo", "drgrpo", "red_weight"))
         _check_choice("grpo.policy_loss", self.policy_loss, ("off_policy_clip", "rec", "gspo"))
         _check_choice("grpo.ratio_mode", self.ratio_mode, ("one", "exact"))
@@ -510,6 +530,17 @@ class Config:
                 f"grpo.overlong_buffer({self.grpo.overlong_buffer}) exceeds rollout.max_new_tokens"
                 f"({self.rollout.max_new_tokens}): the penalty ramps over the last buffer tokens of "
                 "the response; lower it (0 disables)."
+            )
+        m = self.model
+        if (
+            self.grpo.pack_sequences
+            and m.local_attention == "unfused"
+            and (m.transformer_impl != "transformer_engine")
+        ):
+            raise ConfigError(
+                "grpo.pack_sequences=true needs an attention that keeps packed sequences apart, "
+                "but model.local_attention=unfused (megatron's DotProductAttention refuses "
+                "them): set model.local_attention=sdpa or grpo.pack_sequences=false."
             )
         r = self.rollout
         if r.sleep_between_rollouts and r.sleep_level == 2 and self.sync.interval > 1:

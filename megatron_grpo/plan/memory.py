@@ -12,17 +12,27 @@ Trainer (per rank, the largest (pipeline stage, TP rank) shard set, read from
 - ``reference``: a weight copy for pi_ref when ``grpo.kl_coef > 0``; ``served``: the copy of
   the weights vLLM serves, kept for exact resume when ``checkpoint.exact_resume`` and
   ``sync.interval > 1`` (``trainer.loop``).
-- ``activations``: Korthikanti et al. (arXiv 2205.05198, Table 2) with flash attention (no
-  s^2 term): per layer ``s*b*h*(10 + 24/t)`` bytes in 16 bit (``34*s*b*h/t`` with sequence
-  parallelism); with full recompute only each layer's input (``2*s*b*h``, /t with sequence
-  parallelism) plus one layer's full activations. ``s = data.max_prompt_tokens +
-  rollout.max_new_tokens``, ``b = grpo.micro_batch_size``, layers of one stage, times the
-  micro-batches in flight on the first stage of a 1F1B pipeline (min(pp, micro-batches)),
-  plus the vocab-parallel output: the logits (kept for the log-prob recompute), their
-  gradient and its transpose in the training dtype (``3*elem*s*b*V/t``), and the chunked
-  log-prob's fp32 temporaries (``policy.logprob.logprob_peak_bytes``: a bound that does not
-  grow with s*b). The formula is for GPT's 4h MLP: SwiGLU models with a wider MLP use
-  somewhat more.
+- ``activations``: Korthikanti et al. (arXiv 2205.05198, Table 2) with a fused attention
+  that holds no [heads, s, s] scores (SDPA, ``policy.attention``, or Transformer-Engine):
+  per layer ``n*h*(10 + 24/t)`` bytes in 16 bit (``34*n*h/t`` with sequence parallelism)
+  for the ``n`` tokens of one micro-batch; with full recompute only each layer's input
+  (``2*n*h``, /t with sequence parallelism) plus one layer's full activations. ``n`` is
+  ``policy.batching.micro_batch_token_budget`` with packing (``grpo.pack_sequences``; at
+  least one full sequence, which never splits), else ``s*b`` padded tokens (``s =
+  data.max_prompt_tokens + rollout.max_new_tokens``, ``b = grpo.micro_batch_size``). Layers
+  of one stage, times the micro-batches in flight on the first stage of a 1F1B pipeline
+  (min(pp, micro-batches)), plus the vocab-parallel output: the logits (kept for the
+  log-prob recompute), their gradient and its transpose in the training dtype
+  (``3*elem*n*V/t``), and the chunked log-prob's fp32 temporaries
+  (``policy.logprob.logprob_peak_bytes``: a bound that does not grow with n). The formula
+  is for GPT's 4h MLP: SwiGLU models with a wider MLP use somewhat more.
+  ``model.local_attention=unfused`` on the local spec adds megatron's ``DotProductAttention``
+  scores (``attention_score_bytes``): per layer the fp32 softmax output and, in 16-bit
+  training, its 16-bit copy that the value product keeps, ``(4 + elem)*b*(a/t)*s^2`` bytes
+  (``4*b*(a/t)*s^2`` in fp32), plus one layer's transient scores, fp32 upcast and masked
+  copy while it runs (``(elem + 8)*b*(a/t)*s^2``). On one H100 (bf16, 0.5B shape, 14 heads,
+  24 layers) that path peaked at 44.7 GiB for one 4,096-token sequence per micro-batch:
+  31.5 GiB of it is this term.
 - ``runtime``: a flat 1.5 GiB for the CUDA context, NCCL buffers and allocator slack.
 
 vLLM (per rollout TP rank):
@@ -60,6 +70,7 @@ from megatron_grpo.config.schema import Config
 from megatron_grpo.layouts import megatron as mg
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.models.spec import ModelSpec, megatron_padded_vocab
+from megatron_grpo.policy.batching import micro_batch_token_budget
 from megatron_grpo.policy.logprob import logprob_peak_bytes
 
 GIB = 1 << 30
@@ -102,24 +113,54 @@ def distributed_optimizer_on(cfg: Config) -> bool:
     return cfg.optim.distributed_optimizer in ("on", "auto")  # auto = on with CUDA
 
 
+def unfused_attention(cfg: Config) -> bool:
+    """Whether the trainer runs megatron's unfused ``DotProductAttention`` (the local spec with
+    ``model.local_attention=unfused``; ``transformer_impl=auto`` is counted as local, the
+    larger of the two)."""
+    m = cfg.model
+    return m.local_attention == "unfused" and m.transformer_impl != "transformer_engine"
+
+
+def attention_score_bytes(spec: ModelSpec, cfg: Config, rows: int, recompute: bool) -> int:
+    """Bytes of megatron's unfused attention scores for ``rows`` padded sequences of ``s``
+    tokens per micro-batch (module docstring); 0 with SDPA or Transformer-Engine."""
+    if not unfused_attention(cfg):
+        return 0
+    s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    elem = DTYPE_BYTES[plan_dtype(cfg)]
+    one = rows * (spec.num_heads // cfg.parallel.tp) * s * s  # [b, a/t, s, s] elements
+    kept = (4 + (elem if elem < 4 else 0)) * one
+    transient = (elem + 8) * one
+    layers = 1 if recompute else spec.num_layers // cfg.parallel.pp
+    return layers * kept + transient
+
+
+def micro_batch_tokens(cfg: Config) -> int:
+    """Tokens one micro-batch holds at most (module docstring, ``n``)."""
+    s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    budget = micro_batch_token_budget(cfg)
+    return s * cfg.grpo.micro_batch_size if budget is None else max(budget, s)
+
+
 def activation_bytes(spec: ModelSpec, cfg: Config, dp: int, recompute: bool) -> int:
     p, g = cfg.parallel, cfg.grpo
     s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    b, h, t = g.micro_batch_size, spec.hidden_size, p.tp
+    n, h, t = micro_batch_tokens(cfg), spec.hidden_size, p.tp
     elem = DTYPE_BYTES[plan_dtype(cfg)]
     scale = elem / 2  # the formula counts 16-bit activations
-    full_layer = s * b * h * (34 / t if p.sequence_parallel else 10 + 24 / t) * scale
+    full_layer = n * h * (34 / t if p.sequence_parallel else 10 + 24 / t) * scale
     layers = spec.num_layers // p.pp
     if recompute:
-        per_micro = layers * 2 * s * b * h * scale / (t if p.sequence_parallel else 1)
+        per_micro = layers * 2 * n * h * scale / (t if p.sequence_parallel else 1)
         per_micro += full_layer
     else:
         per_micro = layers * full_layer
+    per_micro += attention_score_bytes(spec, cfg, g.micro_batch_size, recompute)
     batch = g.mini_batch_size or g.prompts_per_step * g.group_size
-    micro_batches = max(1, batch // max(dp, 1) // b)
+    micro_batches = max(1, batch * s // max(dp, 1) // n)
     in_flight = min(p.pp, micro_batches)
     padded = megatron_padded_vocab(spec.vocab_size, t, cfg.model.make_vocab_size_divisible_by)
-    logits = 3 * elem * s * b * padded // t + logprob_peak_bytes(s * b, padded // t)
+    logits = 3 * elem * n * padded // t + logprob_peak_bytes(n, padded // t)
     return int(per_micro * in_flight + logits)
 
 

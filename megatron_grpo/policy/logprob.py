@@ -13,6 +13,34 @@ group from megatron's globals instead of an explicit group; and for fp32 logits 
 subtracts the max *in place* on the caller's tensor (tensor_parallel/cross_entropy.py
 ``calculate_predicted_logits``), which would corrupt logits another consumer still needs.
 The math here is the same (max shift, sum-exp, target-logit pick).
+
+What the policy path still materializes (issue 22), per micro-batch of n tokens on the last
+pipeline stage, in the training dtype (``elem`` bytes), Vl = padded vocab / tp:
+
+- forward: the output layer's logits [s, b, Vl] (megatron ``ColumnParallelLinear``), then
+  GPTModel's ``logits.transpose(0, 1).contiguous()`` copy [b, s, Vl]
+  (megatron/core/models/gpt/gpt_model.py ``_postprocess``); the first is freed once copied
+  (the linear saves its input and weight, not its output), the copy is saved here for the
+  backward recompute. The sampling temperature divides inside the chunks (no third copy).
+- backward: the logits' gradient [n, Vl] (``grad_out`` below) and the output layer's
+  ``grad_output.contiguous()`` of its transposed view; the chunks' fp32 temporaries stay
+  bounded by ``logprob_peak_bytes``.
+
+``plan`` counts ``3 * elem * n * Vl`` for these plus the chunk bound (plan/memory.py
+``activation_bytes``): 13.9 GiB at n = 16,384 tokens of Qwen's 151,936-column vocabulary in
+bf16, tp = 1. A fused linear + log-softmax would remove them (only [chunk, Vl] fp32 at a
+time, recomputing the chunk's logits from the hidden states in backward: four output-layer
+matmuls instead of three). It is not built: megatron-core 0.16.1's ``GPTModel`` always runs
+its output layer on a post-process stage (``_postprocess`` has no switch to return the final
+hidden states), so it needs the output layer replaced by a pass-through that applies
+``ColumnParallelLinear``'s input region (``copy_to_tensor_model_parallel_region``, or the
+sequence-parallel all-gather) and hands its weight (the output weight, or the shared
+embedding weight with tied embeddings) to a chunked linear + log-prob/entropy autograd
+Function, with its weight gradient reaching megatron DDP's ``main_grad`` hooks (and the
+tied-embedding all-reduce across pipeline stages). Liger-Kernel's fused linear
+cross-entropy (Triton) does not fit as is: it folds the backward into the forward, which
+needs the loss weights at forward time, while ``loss_fn`` here is any function of the
+log-probs and entropies.
 """
 
 from __future__ import annotations
@@ -41,9 +69,16 @@ def logprob_peak_bytes(tokens: int, local_vocab: int, chunk_tokens: int = CHUNK_
     return LOGPROB_TEMPS_PER_CHUNK * 4 * min(tokens, chunk_tokens) * local_vocab
 
 
-def _chunk_stats(z_in, target, zmax, vocab_start: int, vocab_size: int):
-    """(sum exp(z - zmax), sum exp(z - zmax) * z, z[target] or 0) of one chunk of rows."""
+def _upcast(z_in: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A chunk of logits in fp32 (fp64 stays fp64), divided by the sampling temperature."""
     z = z_in if z_in.dtype in (torch.float32, torch.float64) else z_in.float()
+    return z if temperature == 1.0 else z / temperature
+
+
+def _chunk_stats(z_in, target, zmax, vocab_start: int, vocab_size: int, temperature: float):
+    """(sum exp(z - zmax), sum exp(z - zmax) * z, z[target] or 0) of one chunk of rows, with
+    z = logits / temperature."""
+    z = _upcast(z_in, temperature)
     n, vl = z.shape
     valid = torch.arange(vocab_start, vocab_start + vl, device=z.device) < vocab_size
     e = torch.exp(z.masked_fill(~valid, float("-inf")) - zmax.unsqueeze(-1))  # 0 on padding
@@ -71,13 +106,15 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, vocab_start: int, vocab_size: int, group, chunk: int):
+    def forward(
+        ctx, logits, target, vocab_start: int, vocab_size: int, group, chunk: int, temperature
+    ):
         n, vl = logits.shape
         fp = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
         valid = torch.arange(vocab_start, vocab_start + vl, device=logits.device) < vocab_size
         zmax = torch.empty(n, dtype=fp, device=logits.device)
         for a in range(0, n, chunk):
-            z = logits[a : a + chunk].to(fp)
+            z = _upcast(logits[a : a + chunk], temperature)
             zmax[a : a + chunk] = z.masked_fill(~valid, float("-inf")).max(dim=-1).values
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
@@ -85,7 +122,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         for a in range(0, n, chunk):
             e, z0, _, _, z_t = _chunk_stats(
                 logits[a : a + chunk], target[a : a + chunk], zmax[a : a + chunk],
-                vocab_start, vocab_size,
+                vocab_start, vocab_size, temperature,
             )  # fmt: skip
             stats[0, a : a + chunk] = e.sum(-1)
             stats[1, a : a + chunk] = (e * z0).sum(-1)
@@ -99,18 +136,18 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         logp = z_target - log_z
         entropy = log_z - mean_z
         ctx.save_for_backward(logits, target, zmax, sum_exp, mean_z)
-        ctx.vocab = (vocab_start, vocab_size, chunk)
+        ctx.vocab = (vocab_start, vocab_size, chunk, temperature)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
         logits, target, zmax, sum_exp, mean_z = ctx.saved_tensors
-        vocab_start, vocab_size, chunk = ctx.vocab
+        vocab_start, vocab_size, chunk, temperature = ctx.vocab
         grad_out = torch.empty_like(logits)
         for a in range(0, logits.shape[0], chunk):
             b = slice(a, a + chunk)
             e, z0, idx, in_shard, _ = _chunk_stats(
-                logits[b], target[b], zmax[b], vocab_start, vocab_size
+                logits[b], target[b], zmax[b], vocab_start, vocab_size, temperature
             )
             p = e / sum_exp[b].unsqueeze(-1)
             del e
@@ -121,8 +158,10 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
                 grad[rows, idx] += torch.where(in_shard, g_logp[b], 0.0)
             if g_entropy is not None:
                 grad -= g_entropy[b].unsqueeze(-1) * p * (z0 - mean_z[b].unsqueeze(-1))
+            if temperature != 1.0:  # z = logits / T
+                grad = grad / temperature
             grad_out[b] = grad.to(logits.dtype)
-        return grad_out, None, None, None, None, None
+        return grad_out, None, None, None, None, None, None
 
 
 def vocab_parallel_logprob_entropy(
@@ -133,8 +172,10 @@ def vocab_parallel_logprob_entropy(
     vocab_size: int,
     group=None,
     chunk_tokens: int = CHUNK_TOKENS,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of ``target`` and entropy of the softmax, from a TP shard of the logits.
+    """Log-prob of ``target`` and entropy of ``softmax(logits / temperature)``, from a TP shard
+    of the logits.
 
     logits: [..., Vl] this rank's vocabulary slice, global columns
         ``[vocab_start, vocab_start + Vl)``; any dtype (computed in fp32).
@@ -143,14 +184,18 @@ def vocab_parallel_logprob_entropy(
     group: the TP process group (None or size 1: the shard is the full vocabulary).
     chunk_tokens: rows whose fp32 temporaries exist at once (``CHUNK_TOKENS``; the result
         does not depend on it).
+    temperature: divides each fp32 chunk (and the gradient), so no divided copy of the whole
+        [..., Vl] logits is made (the caller's logits stay as they are).
     Returns (logp [...], entropy [...]) in fp32 (fp64 for fp64 logits), identical on every rank of ``group``.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1.")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0: it divides the logits.")
     shape = target.shape
     logp, entropy = _VocabParallelLogprobEntropy.apply(
         logits.reshape(-1, logits.shape[-1]), target.reshape(-1), vocab_start, vocab_size, group,
-        chunk_tokens,
+        chunk_tokens, float(temperature),
     )  # fmt: skip
     return logp.view(shape), entropy.view(shape)
 
@@ -162,8 +207,10 @@ def token_logprobs(
     vocab_start: int,
     vocab_size: int,
     group=None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position-aligned per-token log-probs and entropies of a causal LM.
+    """Position-aligned per-token log-probs and entropies of a causal LM (of
+    ``softmax(logits / temperature)``).
 
     logits [B, L, Vl] (logits at position t predict token t+1), input_ids [B, L].
     Returns logp, entropy [B, L] with ``logp[b, t] = log p(input_ids[b, t] | input_ids[b, <t])``
@@ -180,6 +227,7 @@ def token_logprobs(
         vocab_start=vocab_start,
         vocab_size=vocab_size,
         group=group,
+        temperature=temperature,
     )
     pad = logp.new_zeros(logp.shape[0], 1)
     return torch.cat([pad, logp[:, :-1]], dim=1), torch.cat([pad, entropy[:, :-1]], dim=1)

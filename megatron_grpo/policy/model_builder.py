@@ -11,7 +11,8 @@ this rank's TP shard of its layers. The mapping from the HF families:
 The vocabulary is padded to ``megatron_padded_vocab(spec.vocab_size, tp, divisible_by)``;
 the rows past ``spec.vocab_size`` are padding that the policy masks out of the softmax.
 Layer spec: megatron's local spec on CPU, Transformer-Engine's when TE is importable and
-CUDA is present (``model.transformer_impl``). Dtype ``auto``: fp32 on CPU, bf16 on GPU.
+CUDA is present (``model.transformer_impl``); the local spec's core attention is torch SDPA
+(``policy.attention``) unless ``model.local_attention=unfused``. Dtype ``auto``: fp32 on CPU, bf16 on GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from megatron_grpo.config.schema import ConfigError, ModelConfig
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec, megatron_padded_vocab
+from megatron_grpo.policy.attention import SDPAttention
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -143,7 +145,10 @@ def cast_params_(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 p.data = p.data.to(dtype)
 
 
-def layer_spec(spec: ModelSpec, impl: str):
+def layer_spec(spec: ModelSpec, impl: str, local_attention: str = "sdpa"):
+    """megatron's GPT layer spec for ``impl``; on the local spec, the core attention is
+    ``policy.attention.SDPAttention`` unless ``local_attention="unfused"`` (megatron's
+    ``DotProductAttention``)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -151,7 +156,11 @@ def layer_spec(spec: ModelSpec, impl: str):
 
     if impl == "transformer_engine":
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    return get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    layers = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    if local_attention == "sdpa":
+        # the spec is built fresh by each call: replacing its submodule touches nothing shared
+        layers.submodules.self_attention.submodules.core_attention = SDPAttention
+    return layers
 
 
 def build_model(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig) -> list:
@@ -166,7 +175,7 @@ def build_model(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig) -
     impl = resolve_transformer_impl(model_cfg, ctx.device)
     check_sequence_parallel(ctx.sequence_parallel, impl)
     config = transformer_config(spec, ctx, model_cfg)
-    layers = layer_spec(spec, impl)
+    layers = layer_spec(spec, impl, model_cfg.local_attention)
     vocab = padded_vocab_size(spec, ctx, model_cfg)
     chunks = []
     for vp_stage in range(ctx.vpp or 1):

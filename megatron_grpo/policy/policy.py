@@ -21,9 +21,9 @@ distribution. Both are computed from the TP-sharded logits without gathering the
 
 Temperature: a policy built with ``temperature=T`` scores ``softmax(logits / T)``, the
 distribution vLLM samples from at ``rollout.temperature = T`` (before top-k/top-p, which the
-config refuses for training), as TRL's and verl's trainers do. The division happens here,
-on this rank's logits shard, before the vocab-parallel log-prob function; T=1 leaves the
-logits untouched.
+config refuses for training), as TRL's and verl's trainers do. The vocab-parallel log-prob
+function divides each fp32 chunk of this rank's logits shard by T (``policy.logprob``), so
+no divided copy of the [tokens, vocab/tp] logits is made; T=1 divides nothing.
 
 Loss contract
 -------------
@@ -44,8 +44,17 @@ it twice, and both are undone here:
 - ``distributed/finalize_model_grads.py::finalize_model_grads`` would then divide by the
   all-reduced ``num_tokens``; our ``finalize_model_grads_func`` passes ``num_tokens=None``.
 
-Sequence packing (``packed_seq_params``, THD layout) is a GPU/Transformer-Engine feature
-and is not implemented: micro-batches are padded (to their own max length) instead.
+Micro-batches
+-------------
+- ``micro_batch_size`` rows, each micro-batch right-padded to its own longest row (the
+  default, and what megatron's unfused attention supports);
+- or, with ``token_budget``, consecutive rows holding at most that many real tokens, packed
+  end to end into one sequence (megatron's ``thd`` format, ``PackedRows``): no compute on
+  padding, and short rows share a micro-batch (the dynamic batch size of verl / NeMo-RL).
+  Documents attend only within themselves (``policy.attention``, or TE's THD attention) and
+  RoPE restarts in each, so log-probs equal the padded ones and a step's gradient does not
+  depend on the packing (tests/test_packing.py). ``loss_fn`` still sees padded [n, L] rows:
+  the pack's log-probs are scattered back to them.
 """
 
 from __future__ import annotations
@@ -61,8 +70,13 @@ import torch.distributed as dist
 from megatron_grpo.config.schema import ConfigError, ModelConfig, OptimConfig
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec
+from megatron_grpo.policy.batching import PackedRows, micro_batches, packed_micro_batches
 from megatron_grpo.policy.logprob import token_logprobs
-from megatron_grpo.policy.model_builder import build_model, padded_vocab_size
+from megatron_grpo.policy.model_builder import (
+    build_model,
+    padded_vocab_size,
+    resolve_transformer_impl,
+)
 
 Batch = dict[str, torch.Tensor]
 
@@ -108,54 +122,6 @@ def _finalize_grads_without_token_scaling(model, num_tokens, pg_collection=None,
     from megatron.core.distributed import finalize_model_grads
 
     return finalize_model_grads(model, None, pg_collection=pg_collection, **kwargs)
-
-
-def _micro_batches(
-    batch: Batch, micro_batch_size: int, multiple: int = 1
-) -> list[tuple[slice, int, Batch]]:
-    """Split ``batch`` into (row slice, trimmed length, micro-batch dict).
-
-    ``multiple``: the micro-batch tensors' length is the trimmed length rounded up to a
-    multiple of it, right-padded with zeros past the batch's own length (sequence
-    parallelism scatters the sequence dim over tp ranks and needs ``L % tp == 0``,
-    megatron/core/tensor_parallel/mappings.py ``_split_along_first_dim``). The returned
-    length stays the unpadded one: the positions callers read back.
-    """
-    ids = batch["input_ids"]
-    if ids.dim() != 2:
-        raise ValueError(f"input_ids must be [B, L], got shape {tuple(ids.shape)}")
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
-    b, seq = ids.shape
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] != b:
-            raise ValueError(
-                f"batch[{k!r}] has leading dim {v.shape[0]}, input_ids has B={b}: every "
-                "per-sequence tensor must have the batch as its first dim."
-            )
-    out = []
-    for start in range(0, b, micro_batch_size):
-        rows = slice(start, min(start + micro_batch_size, b))
-        length = seq
-        if "attention_mask" in batch:
-            am = batch["attention_mask"][rows]
-            nz = am.nonzero()
-            length = int(nz[:, 1].max()) + 1 if len(nz) else 1
-            length = max(length, 2)
-        padded = -(-length // multiple) * multiple
-        mb = {}
-        for k, v in batch.items():
-            if not isinstance(v, torch.Tensor) or v.dim() == 0:
-                mb[k] = v
-                continue
-            t = v[rows]
-            if t.dim() >= 2 and t.shape[1] == seq:
-                t = t[:, :padded]
-                if t.shape[1] < padded:  # right padding is invisible to causal attention
-                    t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, padded - seq))
-            mb[k] = t.contiguous()
-        out.append((rows, length, mb))
-    return out
 
 
 @contextlib.contextmanager
@@ -245,6 +211,11 @@ class Policy:
         self.nan_steps_in_row = 0
         # Sequence parallelism splits every micro-batch's sequence dim over the TP ranks.
         self._length_multiple = ctx.tp if ctx.sequence_parallel else 1
+        # megatron's unfused DotProductAttention refuses packed sequences; SDPA and TE take them
+        self.can_pack = (
+            resolve_transformer_impl(model_cfg, ctx.device) == "transformer_engine"
+            or model_cfg.local_attention == "sdpa"
+        )
         if self.trainable and ctx.vpp:
             # Seen with megatron-core 0.16.1 on gloo (pp=2, vpp=2): the forward-only
             # interleaved schedule works, but the training one deadlocks with
@@ -335,6 +306,25 @@ class Policy:
             group["lr"] = lr
 
     # ------------------------------------------------------------------- forward plumbing
+    def _split(
+        self, batch: Batch, micro_batch_size: int, token_budget: int | None
+    ) -> list[tuple[slice, int, Batch, PackedRows | None]]:
+        """Micro-batches of ``batch``: packed under ``token_budget`` when it is given, else
+        ``micro_batch_size`` padded rows (module docstring)."""
+        if token_budget is None:
+            return [
+                (rows, n, mb, None)
+                for rows, n, mb in micro_batches(batch, micro_batch_size, self._length_multiple)
+            ]
+        if not self.can_pack:
+            raise ConfigError(
+                "packed micro-batches (a token budget) need the SDPA or Transformer-Engine "
+                "attention, but model.local_attention=unfused (megatron's DotProductAttention "
+                "refuses packed sequences): set model.local_attention=sdpa or "
+                "grpo.pack_sequences=false."
+            )
+        return packed_micro_batches(batch, token_budget, self._length_multiple)
+
     def _run_schedule(self, mbs: list, step_fn: Callable, forward_only: bool) -> list:
         num_mb = len(mbs)
         if self.ctx.vpp and num_mb % self.ctx.pp:
@@ -343,34 +333,52 @@ class Policy:
                 f"interleaved schedule needs a multiple of pp({self.ctx.pp}); change "
                 "micro_batch_size or the batch size."
             )
-        iters: list[Iterator] = [iter([mb for _, _, mb in mbs]) for _ in self.chunks]
+        shapes = [(mb["input_ids"] if pack is None else pack.input_ids).shape
+                  for _, _, mb, pack in mbs]  # fmt: skip
+        iters: list[Iterator] = [iter([(mb, pack) for _, _, mb, pack in mbs]) for _ in self.chunks]
         return self._forward_backward(
             forward_step_func=step_fn,
             data_iterator=iters if len(iters) > 1 else iters[0],
             model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
             num_microbatches=num_mb,
-            seq_length=max(mb["input_ids"].shape[1] for _, _, mb in mbs),
-            micro_batch_size=max(mb["input_ids"].shape[0] for _, _, mb in mbs),
+            seq_length=max(shape[1] for shape in shapes),
+            micro_batch_size=max(shape[0] for shape in shapes),
             forward_only=forward_only,
         )
 
     def _logp_entropy(self, logits: torch.Tensor, input_ids: torch.Tensor):
-        if self.temperature != 1.0:  # a new tensor: the model's logits stay as they are
-            logits = logits / self.temperature
+        # the temperature divides each fp32 chunk inside: no divided copy of the logits
         return token_logprobs(
             logits,
             input_ids,
             vocab_start=self.ctx.tp_rank * self.vocab_per_rank,
             vocab_size=self.vocab_size,
             group=self.ctx.tp_group,
+            temperature=self.temperature,
         )
 
-    def _model_forward(self, model, mb: Batch) -> torch.Tensor:
+    def _model_forward(self, model, mb: Batch, pack: PackedRows | None) -> torch.Tensor:
+        """Logits [n, L, V/tp] of the padded rows, or [1, T, V/tp] of the pack."""
+        if pack is not None:
+            ids = pack.input_ids.to(self.ctx.device)
+            # position_ids feed only learned absolute embeddings; RoPE takes each document's
+            # positions from cu_seqlens (megatron/core/transformer/attention.py).
+            positions = torch.zeros_like(ids)
+            params = pack.packed_seq_params(self.ctx.device)
+            return model(ids, positions, None, packed_seq_params=params)
         ids = mb["input_ids"].to(self.ctx.device)
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         # attention_mask=None: the local/TE core attention applies its causal mask
         # (AttnMaskType.causal in the GPT layer spec).
         return model(ids, positions, None)
+
+    def _row_logp_entropy(self, logits: torch.Tensor, mb: Batch, pack: PackedRows | None):
+        """``logp``, ``entropy`` [n, L] of the micro-batch's rows, position-aligned."""
+        ids = mb["input_ids"].to(logits.device)
+        if pack is None:
+            return self._logp_entropy(logits, ids)
+        logp, ent = self._logp_entropy(logits, pack.input_ids.to(logits.device))
+        return pack.unpack(logp, ids.shape), pack.unpack(ent, ids.shape)
 
     def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         if self.ctx.pp > 1:
@@ -389,23 +397,27 @@ class Policy:
             self.temperature = saved
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: Batch, micro_batch_size: int) -> dict[str, torch.Tensor]:
+    def compute_logprobs(
+        self, batch: Batch, micro_batch_size: int, *, token_budget: int | None = None
+    ) -> dict[str, torch.Tensor]:
         """Per-token ``logp`` and ``entropy`` [B, L] (fp32, on CPU), on every rank.
 
-        Forward-only through megatron's pipeline schedule, ``micro_batch_size`` sequences
-        per micro-batch; the last pipeline stage computes them and broadcasts to the others.
+        Forward-only through megatron's pipeline schedule, ``micro_batch_size`` padded
+        sequences per micro-batch, or with ``token_budget`` packed micro-batches of at most
+        that many real tokens (``micro_batch_size`` is then not used); the last pipeline
+        stage computes them and broadcasts to the others.
         """
-        mbs = _micro_batches(batch, micro_batch_size, self._length_multiple)
+        mbs = self._split(batch, micro_batch_size, token_budget)
         ids = batch["input_ids"]
         for m in self.models:
             m.eval()
 
         def step(data_iterator, model):
-            mb = next(data_iterator)
-            out = self._model_forward(model, mb)
+            mb, pack = next(data_iterator)
+            out = self._model_forward(model, mb, pack)
 
             def reduce(logits):
-                logp, ent = self._logp_entropy(logits, mb["input_ids"].to(logits.device))
+                logp, ent = self._row_logp_entropy(logits, mb, pack)
                 zero = logits.new_zeros(())
                 return zero, torch.tensor(1, dtype=torch.int), {"logp": logp, "entropy": ent}
 
@@ -414,7 +426,7 @@ class Policy:
         results = self._run_schedule(mbs, step, forward_only=True)
         out = torch.zeros(2, *ids.shape, dtype=torch.float32, device=self.ctx.device)
         if self.ctx.is_last_stage:
-            for (rows, length, _), r in zip(mbs, results):
+            for (rows, length, _, _), r in zip(mbs, results):
                 out[0, rows, :length] = r["logp"][:, :length].float()
                 out[1, rows, :length] = r["entropy"][:, :length].float()
         self._broadcast_from_last_stage(out)
@@ -423,8 +435,18 @@ class Policy:
         out = out.cpu()
         return {"logp": out[0], "entropy": out[1]}
 
-    def train_step(self, batch: Batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, Any]:
+    def train_step(
+        self,
+        batch: Batch,
+        loss_fn: LossFn,
+        micro_batch_size: int,
+        *,
+        token_budget: int | None = None,
+    ) -> dict[str, Any]:
         """One optimizer step on ``batch``; returns metrics (same on every rank).
+
+        Micro-batches as in ``compute_logprobs``: ``micro_batch_size`` padded rows, or
+        packed under ``token_budget`` tokens. ``loss_fn`` sees padded rows either way.
 
         Metrics: ``loss`` (sum of loss_fn's losses over micro-batches and DP ranks, i.e. the
         global objective), ``grad_norm`` (before clipping), ``lr``, ``skipped`` (True when
@@ -436,22 +458,22 @@ class Policy:
                 "train_step on a forward-only Policy (built without optim_cfg): build it "
                 "with build_policy(..., optim_cfg=...)."
             )
-        mbs = _micro_batches(batch, micro_batch_size, self._length_multiple)
+        mbs = self._split(batch, micro_batch_size, token_budget)
         for m in self.chunks:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
 
         def step(data_iterator, model):
-            mb = next(data_iterator)
-            out = self._model_forward(model, mb)
+            mb, pack = next(data_iterator)
+            out = self._model_forward(model, mb, pack)
 
             def reduce(logits):
                 dev_mb = {
                     k: (v.to(logits.device) if isinstance(v, torch.Tensor) else v)
                     for k, v in mb.items()
                 }
-                logp, ent = self._logp_entropy(logits, dev_mb["input_ids"])
+                logp, ent = self._row_logp_entropy(logits, dev_mb, pack)
                 loss, metrics = loss_fn(logp, ent, dev_mb)
                 if loss.dim() != 0:
                     raise ValueError(f"loss_fn must return a scalar loss, got {tuple(loss.shape)}")

@@ -32,6 +32,7 @@ from megatron_grpo.checkpoint import LoopState, find_latest
 from megatron_grpo.config import Config
 from megatron_grpo.metrics.console import console_out, say_rank0
 from megatron_grpo.metrics.row import step_row
+from megatron_grpo.policy.batching import micro_batch_token_budget
 from megatron_grpo.rollout.interface import RolloutFailure
 from megatron_grpo.trainer.batch import collate, dp_shard, mini_batches
 from megatron_grpo.trainer.watchdog import bounded
@@ -59,6 +60,11 @@ class GRPOTrainer:
     start_step: int = 0
     policy_version: int = 0
     closers: list = field(default_factory=list)
+
+    @property
+    def token_budget(self) -> int | None:
+        """Tokens per packed micro-batch (None: ``micro_batch_size`` padded rows)."""
+        return micro_batch_token_budget(self.cfg)
 
     # ------------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
@@ -133,7 +139,9 @@ class GRPOTrainer:
         shard (``dp_shard``'s rows) and the shards are all-gathered over the DP group."""
         ctx = self.ctx
         shard = dp_shard(batch, ctx.dp_rank, ctx.dp)
-        logp = policy.compute_logprobs(shard, self.cfg.grpo.micro_batch_size)["logp"]
+        logp = policy.compute_logprobs(
+            shard, self.cfg.grpo.micro_batch_size, token_budget=self.token_budget
+        )["logp"]
         if ctx.dp == 1:
             return logp
         parts = [torch.empty_like(logp) for _ in range(ctx.dp)]
@@ -159,14 +167,20 @@ class GRPOTrainer:
         batch["loss_mask"] = batch["loss_mask"] * keep
         shard = dp_shard(batch, ctx.dp_rank, ctx.dp)
         if g.ratio_mode == "exact":  # pi_k's log-probs, recomputed once before the SGD passes
-            shard["old_logp"] = self.policy.compute_logprobs(shard, g.micro_batch_size)["logp"]
+            shard["old_logp"] = self.policy.compute_logprobs(
+                shard, g.micro_batch_size, token_budget=self.token_budget
+            )["logp"]
         gen = torch.Generator().manual_seed(self.cfg.seed * 7_654_321 + step)
         out = []
         for _ in range(g.sgd_iterations):
             for mb in mini_batches(shard, g.mini_batch_size, ctx.dp, gen):
                 group = ctx.dp_group if ctx.dp > 1 else None
                 mb.update(compute_global_normalizers(normalizer_mask(mb, g.loss_normalizer), group=group))  # fmt: skip
-                out.append(self.policy.train_step(mb, self.loss_fn, g.micro_batch_size))
+                out.append(
+                    self.policy.train_step(
+                        mb, self.loss_fn, g.micro_batch_size, token_budget=self.token_budget
+                    )
+                )
         return out
 
     def sync(self, step: int):

@@ -1,0 +1,227 @@
+"""Core attention on ``torch.nn.functional.scaled_dot_product_attention`` for megatron's
+local layer spec: the ``core_attention`` submodule of ``SelfAttention``, in place of
+megatron's ``DotProductAttention`` (megatron/core/transformer/dot_product_attention.py).
+
+Why: megatron's local ``DotProductAttention`` materializes the [b, heads, s, s] scores (and
+their fp32 softmax) of every layer and keeps them for backward, so memory grows with s^2 and
+the step runs as many small kernels. SDPA picks a fused kernel (flash / cuDNN /
+memory-efficient on CUDA, the flash-style CPU kernel on CPU) that never holds the scores.
+Transformer-Engine is not needed; where TE is installed the TE spec is used instead
+(``model_builder.resolve_transformer_impl``).
+
+Same contract as megatron's module, so ``SelfAttention`` needs no change:
+
+- ``forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+  packed_seq_params)`` with this rank's TP shard of the heads: query [s, b, np/tp, hn],
+  key/value [s, b, ng/tp, hn] (``bshd``), returns [s, b, np/tp * hn]. Grouped-query
+  attention: query head ``j`` reads KV head ``j // (np/ng)``, the ``repeat_interleave`` order
+  megatron expands KV in, which is what SDPA's ``enable_gqa`` does. Head counts are read
+  from the tensors: ``SelfAttention`` may hand over gathered KV heads when ng < tp.
+- Mask: with ``attention_mask=None`` a causal mask (``AttnMaskType.causal``), as megatron's
+  ``FusedScaleMaskSoftmax`` builds one; a given mask (megatron's convention: True = masked
+  out) replaces it.
+- Packed sequences (``packed_seq_params.qkv_format == "thd"``, query [t, np/tp, hn]): the
+  documents given by ``cu_seqlens_q`` attend causally within themselves only (block-diagonal
+  causal), returning [t, np/tp * hn]. ``SelfAttention`` has already applied RoPE per
+  document, positions restarting at 0 (megatron/core/models/common/embeddings/rope_utils.py
+  ``_apply_rotary_pos_emb_thd``). On CPU each document is one SDPA call (exact, no work
+  outside the documents); on CUDA one ``torch.nn.attention.varlen.varlen_attn`` call when
+  this torch has it (``_VARLEN``), the per-document calls otherwise
+  (tests/gpu/test_gpu.py ``test_sdpa_packed_attention_on_cuda`` compares the two).
+
+What it refuses (each would change the math; megatron's module stays reachable with
+``model.local_attention=unfused``): attention dropout, sliding windows, a softmax other
+than ``vanilla``, context parallelism, an attention bias.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron_grpo.config.schema import ConfigError
+
+
+def _unsupported(config) -> str | None:
+    if config.attention_dropout:
+        return f"attention_dropout={config.attention_dropout} (needs 0.0)"
+    if config.window_size is not None:
+        return f"window_size={config.window_size} (sliding-window attention)"
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        return f"softmax_type={config.softmax_type!r} (needs 'vanilla')"
+    if config.context_parallel_size != 1:
+        return f"context_parallel_size={config.context_parallel_size} (needs 1)"
+    return None
+
+
+class SDPAttention(torch.nn.Module):
+    """megatron ``DotProductAttention``'s interface on torch SDPA (module docstring)."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ) -> None:
+        super().__init__()
+        why = _unsupported(config)
+        if why is None and attention_dropout:
+            why = f"attention_dropout={attention_dropout} (needs 0.0)"
+        if why is not None:
+            raise ConfigError(
+                f"model.local_attention=sdpa does not support {why}: set "
+                "model.local_attention=unfused (megatron's DotProductAttention)."
+            )
+        self.config = config
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        # megatron divides the scale by layer_number under apply_query_key_layer_scaling and
+        # multiplies the scores back before the softmax (FusedScaleMaskSoftmax scale=coeff):
+        # the product is 1/sqrt(hn) (or config.softmax_scale) either way.
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type=None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if attention_bias is not None:
+            raise ValueError(
+                "SDPAttention got an attention_bias: set model.local_attention=unfused "
+                "(megatron's DotProductAttention refuses it as well)."
+            )
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            if attention_mask is not None:
+                raise ValueError(
+                    "SDPAttention: packed (thd) sequences take their mask from cu_seqlens; "
+                    "pass attention_mask=None."
+                )
+            return packed_attention(query, key, value, packed_seq_params, self.softmax_scale)
+        if packed_seq_params is not None:
+            raise ValueError(
+                f"SDPAttention: packed_seq_params.qkv_format={packed_seq_params.qkv_format!r} "
+                "is not supported; use 'thd' or no packing."
+            )
+        from megatron.core.transformer.enums import AttnMaskType
+
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        # [s, b, n, hn] -> [b, n, s, hn]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        if attention_mask is not None:
+            mask, causal = ~attention_mask, False  # megatron: True = masked out; SDPA: keep
+        else:
+            mask, causal = None, mask_type == AttnMaskType.causal and q.shape[2] > 1
+            if causal and q.shape[2] != k.shape[2]:
+                raise ValueError(
+                    f"SDPAttention: causal self-attention needs sq == sk, got "
+                    f"{q.shape[2]} and {k.shape[2]}."
+                )
+        out = _sdpa(q, k, v, self.softmax_scale, is_causal=causal, attn_mask=mask)
+        # [b, n, s, hn] -> [s, b, n * hn]
+        s, b = out.shape[2], out.shape[0]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def _sdpa(q, k, v, scale: float, *, is_causal: bool, attn_mask=None) -> torch.Tensor:
+    """SDPA over [b, n, s, hn] with GQA (KV heads dividing the query heads)."""
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"SDPAttention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads"
+        )
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
+    )
+
+
+def _document_bounds(packed_seq_params, total: int) -> list[int]:
+    cu = packed_seq_params.cu_seqlens_q
+    for name in ("cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        other = getattr(packed_seq_params, name)
+        if other is not None and not torch.equal(other.to(cu.device), cu):
+            raise ValueError(
+                f"SDPAttention: packed_seq_params.{name} differs from cu_seqlens_q; only "
+                "self-attention over unpadded documents is supported."
+            )
+    bounds = cu.tolist()
+    if bounds[0] != 0 or bounds[-1] != total or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(
+            f"SDPAttention: cu_seqlens_q={bounds[:8]}... must rise strictly from 0 to the "
+            f"packed length {total}."
+        )
+    return bounds
+
+
+def packed_attention(query, key, value, packed_seq_params, scale: float) -> torch.Tensor:
+    """Block-diagonal causal attention of packed documents: query [t, nq, hn], key/value
+    [t, nkv, hn], documents from ``packed_seq_params.cu_seqlens_q``; returns [t, nq * hn]."""
+    t = query.shape[0]
+    bounds = _document_bounds(packed_seq_params, t)
+    if query.is_cuda and _VARLEN is not None:
+        max_len = max(b - a for a, b in zip(bounds, bounds[1:]))
+        out = _VARLEN(query, key, value, packed_seq_params.cu_seqlens_q, max_len, scale)
+        if out is not None:
+            return out.reshape(t, -1)
+    outs = []
+    for a, b in zip(bounds, bounds[1:]):
+        # [len, n, hn] -> [1, n, len, hn]
+        q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+        outs.append(_sdpa(q, k, v, scale, is_causal=b - a > 1)[0].transpose(0, 1))
+    return torch.cat(outs).reshape(t, -1)
+
+
+def _make_varlen_cuda():
+    """``torch.nn.attention.varlen.varlen_attn`` (flash attention over cu_seqlens, CUDA only)
+    adapted to the signature this torch has, or None. Its keywords changed between releases:
+    causality is ``is_causal=True`` in some and ``window_size=(-1, 0)`` in others; GQA and
+    ``scale`` are not in every release (KV heads are then expanded, and the default scale
+    1/sqrt(hn) must be the one asked for). Covered by tests/gpu/test_gpu.py
+    ``test_sdpa_packed_attention_on_cuda``."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal_kw = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal_kw = {"is_causal": True}
+    else:
+        return None
+
+    def run(q, k, v, cu_seqlens, max_len: int, scale: float):
+        kw = dict(causal_kw)
+        if "scale" in params:
+            kw["scale"] = scale
+        elif not math.isclose(scale, 1.0 / math.sqrt(q.shape[-1])):
+            return None  # this release cannot take the scale: per-document SDPA instead
+        if q.shape[1] != k.shape[1]:
+            if "enable_gqa" in params:
+                kw["enable_gqa"] = True
+            else:
+                rep = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+
+    return run
+
+
+_VARLEN = _make_varlen_cuda() if torch.cuda.is_available() else None
+"""The CUDA varlen route of ``packed_attention`` (None: per-document SDPA calls)."""

@@ -1,0 +1,187 @@
+"""How a batch becomes micro-batches: ``micro_batch_size`` padded rows, or rows packed end to
+end under a token budget (``PackedRows``; the batch contract is in ``policy.policy``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_grpo.config.schema import Config
+
+Batch = dict[str, torch.Tensor]
+
+
+def micro_batch_token_budget(cfg: Config) -> int | None:
+    """The token budget of a packed micro-batch (``grpo.micro_batch_tokens``, 0 resolved to
+    ``micro_batch_size`` full-length sequences), or None when ``grpo.pack_sequences=false``
+    (``micro_batch_size`` padded rows). Used by the trainer and by ``plan``."""
+    g = cfg.grpo
+    if not g.pack_sequences:
+        return None
+    return g.micro_batch_tokens or g.micro_batch_size * (
+        cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    )
+
+
+def _check_batch(batch: Batch) -> tuple[int, int]:
+    ids = batch["input_ids"]
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, L], got shape {tuple(ids.shape)}")
+    b, seq = ids.shape
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] != b:
+            raise ValueError(
+                f"batch[{k!r}] has leading dim {v.shape[0]}, input_ids has B={b}: every "
+                "per-sequence tensor must have the batch as its first dim."
+            )
+    return b, seq
+
+
+def _row_lengths(batch: Batch) -> list[int]:
+    """Each row's length: its last position with ``attention_mask`` 1, plus one (at least 1);
+    the full width without a mask."""
+    b, seq = batch["input_ids"].shape
+    if "attention_mask" not in batch:
+        return [seq] * b
+    am = batch["attention_mask"] != 0
+    last = torch.where(am.any(1), seq - am.flip(1).int().argmax(1), 1)
+    return last.tolist()
+
+
+def _slice_rows(batch: Batch, rows: slice, padded: int) -> Batch:
+    """``batch``'s rows ``rows``, every [B, L, ...] tensor cut (or right-padded with zeros)
+    to ``padded`` positions."""
+    seq = batch["input_ids"].shape[1]
+    mb = {}
+    for k, v in batch.items():
+        if not isinstance(v, torch.Tensor) or v.dim() == 0:
+            mb[k] = v
+            continue
+        t = v[rows]
+        if t.dim() >= 2 and t.shape[1] == seq:
+            t = t[:, :padded]
+            if t.shape[1] < padded:  # right padding is invisible to causal attention
+                t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, padded - seq))
+        mb[k] = t.contiguous()
+    return mb
+
+
+def micro_batches(
+    batch: Batch, micro_batch_size: int, multiple: int = 1
+) -> list[tuple[slice, int, Batch]]:
+    """Split ``batch`` into (row slice, trimmed length, micro-batch dict).
+
+    ``multiple``: the micro-batch tensors' length is the trimmed length rounded up to a
+    multiple of it, right-padded with zeros past the batch's own length (sequence
+    parallelism scatters the sequence dim over tp ranks and needs ``L % tp == 0``,
+    megatron/core/tensor_parallel/mappings.py ``_split_along_first_dim``). The returned
+    length stays the unpadded one: the positions callers read back.
+    """
+    b, _ = _check_batch(batch)
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
+    lengths = _row_lengths(batch)
+    out = []
+    for start in range(0, b, micro_batch_size):
+        rows = slice(start, min(start + micro_batch_size, b))
+        length = max(max(lengths[rows]), 2)
+        padded = -(-length // multiple) * multiple
+        out.append((rows, length, _slice_rows(batch, rows, padded)))
+    return out
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """A micro-batch's rows packed end to end into one sequence (megatron's ``thd`` format).
+
+    Row i contributes its first ``lengths[i]`` tokens as document i; a filler document of
+    token 0 follows when the pack must be a multiple of ``multiple`` tokens (sequence
+    parallelism). Documents attend only within themselves (``policy.attention``) and RoPE
+    restarts at 0 in each (megatron's ``_apply_rotary_pos_emb_thd``), so a document's
+    log-probs are those it has alone, whatever is packed around it.
+    """
+
+    input_ids: torch.Tensor
+    """[1, T] the documents end to end."""
+    cu_seqlens: torch.Tensor
+    """int32 [documents + 1], filler included."""
+    max_len: int
+    rows: torch.Tensor
+    """long [N]: the row of each scored token (positions t >= 1 of every real document)."""
+    cols: torch.Tensor
+    """long [N]: its position in the row."""
+    src: torch.Tensor
+    """long [N]: its position in the pack."""
+
+    @classmethod
+    def build(cls, ids: torch.Tensor, lengths: list[int], multiple: int = 1) -> PackedRows:
+        docs = [ids[i, :n] for i, n in enumerate(lengths)]
+        total = sum(lengths)
+        size = -(-max(total, 2) // multiple) * multiple
+        doc_lens = list(lengths) + ([size - total] if size > total else [])
+        if size > total:
+            docs.append(ids.new_zeros(size - total))
+        starts = [0]
+        for n in doc_lens:
+            starts.append(starts[-1] + n)
+        scored = [(i, n, s) for i, (n, s) in enumerate(zip(lengths, starts)) if n > 1]
+        cat = (
+            (lambda xs: torch.cat(xs)) if scored else (lambda xs: torch.zeros(0, dtype=torch.long))
+        )
+        return cls(
+            input_ids=torch.cat(docs).unsqueeze(0),
+            cu_seqlens=torch.tensor(starts, dtype=torch.int32),
+            max_len=max(doc_lens),
+            rows=cat([torch.full((n - 1,), i) for i, n, _ in scored]),
+            cols=cat([torch.arange(1, n) for _, n, _ in scored]),
+            src=cat([torch.arange(s + 1, s + n) for _, n, s in scored]),
+        )
+
+    def packed_seq_params(self, device: torch.device):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = self.cu_seqlens.to(device)
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=self.max_len,
+            max_seqlen_kv=self.max_len,
+        )
+
+    def unpack(self, packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """[1, T] position-aligned per-token values -> [rows, L]: each document's values at
+        its row's positions, 0 at t = 0 and past the document (differentiable)."""
+        dev = packed.device
+        out = packed.new_zeros(shape)
+        return out.index_put((self.rows.to(dev), self.cols.to(dev)), packed[0, self.src.to(dev)])
+
+
+def packed_micro_batches(
+    batch: Batch, token_budget: int, multiple: int = 1
+) -> list[tuple[slice, int, Batch, PackedRows]]:
+    """Split ``batch`` into micro-batches of consecutive rows holding at most
+    ``token_budget`` real tokens each (a row longer than the budget is a micro-batch of its
+    own), packed end to end (``PackedRows``): no compute on padding, and the number of rows
+    per micro-batch follows their lengths (verl's / NeMo-RL's dynamic batch size).
+
+    Returns (row slice, trimmed length, rows dict for ``loss_fn`` [n, length], pack).
+    """
+    b, _ = _check_batch(batch)
+    if token_budget < 1:
+        raise ValueError(f"token_budget={token_budget} must be >= 1")
+    lengths = _row_lengths(batch)
+    groups, start, tokens = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and tokens + n > token_budget:
+            groups.append(slice(start, i))
+            start, tokens = i, 0
+        tokens += n
+    groups.append(slice(start, b))
+    out = []
+    for rows in groups:
+        length = max(lengths[rows])
+        pack = PackedRows.build(batch["input_ids"][rows], lengths[rows], multiple)
+        out.append((rows, length, _slice_rows(batch, rows, length), pack))
+    return out
