@@ -11,7 +11,7 @@ Trainer (per rank, the largest (pipeline stage, TP rank) shard set, read from
   ``on``, or ``auto``, which is on with CUDA).
 - ``reference``: a weight copy for pi_ref when ``grpo.kl_coef > 0``; ``served``: the copy of
   the weights vLLM serves, kept for exact resume when ``checkpoint.exact_resume`` and
-  ``sync.interval > 1`` (``trainer.loop``).
+  ``sync.interval > 1`` (adaptive: ``sync.max_interval > 1``; ``trainer.loop``).
 - ``activations``: Korthikanti et al. (arXiv 2205.05198, Table 2) with flash attention (no
   s^2 term): per layer ``s*b*h*(10 + 24/t)`` bytes in 16 bit (``34*s*b*h/t`` with sequence
   parallelism); with full recompute only each layer's input (``2*s*b*h``, /t with sequence
@@ -200,7 +200,7 @@ def estimate_memory(
         "grads": n * 4,
         "optimizer": opt,
         "reference": n * elem if cfg.grpo.kl_coef > 0 else 0,
-        "served": n * elem if cfg.checkpoint.exact_resume and cfg.sync.interval > 1 else 0,
+        "served": n * elem if cfg.checkpoint.exact_resume and cfg.sync.can_lag else 0,
         "activations": activation_bytes(spec, cfg, dp, recompute),
     }
     state = sum(v for k, v in trainer.items() if k != "activations")
