@@ -64,7 +64,7 @@ def _tb_tag(key: str) -> str:
         return "time/" + key[len("time_") :]
     if key.startswith("reward") or key == "pass_rate":
         return "reward/" + key
-    if key in ("synced", "policy_version", "lag", "sync_bytes"):
+    if key in ("synced", "policy_version", "lag", "sync_bytes", "drift", "interval_since_sync"):
         return "sync/" + key
     return "train/" + key
 
@@ -244,7 +244,7 @@ class MetricsLogger:
             parts.append(f"{row['time_step']:.2f} s/step")
         return ", ".join(parts)
 
-    def finish(self, sync_interval: int) -> str:
+    def finish(self, sync_interval: int, sync_mode: str = "fixed") -> str:
         """Write summary.json (and the plots when enabled), close every sink, return the summary.
 
         Covers every step in metrics.jsonl, including those before a resume. Returns "" on
@@ -252,7 +252,7 @@ class MetricsLogger:
         """
         if not self.enabled:
             return ""
-        s = write_summary(self.run_dir, self.rows, sync_interval)
+        s = write_summary(self.run_dir, self.rows, sync_interval, sync_mode)
         if self.cfg.plots and self.rows:
             write_plots(self.run_dir, self.rows)
         if self._wandb is not None and not isinstance(self._wandb, tuple):
