@@ -108,7 +108,7 @@ def _add_project(bsub: argparse._SubParsersAction) -> None:
 
 def _add_reproduce(bsub: argparse._SubParsersAction) -> None:
     r = add_command(bsub, "reproduce", run_reproduce)
-    r.add_argument("--claims", type=_ints, default=[1, 2, 3, 4], help="e.g. 1,2,3,4")
+    r.add_argument("--claims", type=_ints, default=[1, 2, 3, 4], help="e.g. 1,2,3,4,5")
     r.add_argument("--seeds", type=int, default=3, help="seeds per variant (1..N)")
     r.add_argument("--steps", type=int, default=60, help="trainer steps per run")
     r.add_argument("--window", type=int, default=10, help="final-window length in steps")
@@ -134,9 +134,10 @@ def run_reproduce(args: argparse.Namespace) -> int:
 
     Runs each claim's variants of `megatron-grpo train` (claim 1: v=1/4/8; 2: zero-variance
     mask on/off on a sparse-success task; 3: REC one-side clip (0.2,0.2) vs (0.6,2.0), with
-    and without IS; 4: RED-Weight / RED-Drop vs GRPO at v=4) for --seeds seeds, round-robin,
-    and writes claim<N>.png, reproduce.json and reproduce.md (table and verdict per claim)
-    into --out-dir. Prints the estimated wall time first."""
+    and without IS; 4: RED-Weight / RED-Drop vs GRPO at v=4; 5, only when named: adaptive
+    sync vs fixed v at the same number of syncs and vs v=1) for --seeds seeds, round-robin,
+    and writes claim<N>.png (claim 5 also claim5_sync.png: drift and interval), reproduce.json
+    and reproduce.md (table and verdict per claim) into --out-dir. Prints the estimated wall time first."""
     from megatron_grpo.bench.common import BenchRunFailed
     from megatron_grpo.bench.reproduce import (
         ReproduceArgs,
