@@ -5,6 +5,7 @@ same, a resumed run decides the same) are in tests/test_sync_adaptive_runs.py.""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,3 +192,27 @@ def test_summary_counts_the_syncs_made_and_the_mean_interval():
     text = format_summary(s)
     assert "syncs (adaptive, mean interval 3.33 steps): 3" in text
     assert "adaptive sync vs every step: 7 syncs avoided" in text
+
+
+# ------------------------------------------------------------------------------ plan, project
+def test_plan_and_projection_take_an_observed_mean_interval():
+    from megatron_grpo.bench.projection import project, throughput_ratio
+    from megatron_grpo.plan import PlanError, build_launch_plan, resolve_spec
+
+    spec, _ = resolve_spec("x", preset="Qwen2.5-7B")
+    cfg_7b = Path(__file__).resolve().parents[1] / "configs" / "qwen2.5-7b-throughput.yaml"
+    cfg = load_config(cfg_7b, ["sync.mode=adaptive"])
+    fixed = build_launch_plan(load_config(cfg_7b), spec, nodes=1, gpus_per_node=8).to_json()
+    per_sync = fixed["sync_bytes_per_sync"]
+    assert fixed["sync_bytes_per_step"] == per_sync / 10  # the config's sync.interval
+    assert build_launch_plan(cfg, spec, nodes=1, gpus_per_node=8).to_json()[
+        "sync_bytes_per_step"] is None  # fmt: skip
+    got = build_launch_plan(cfg, spec, nodes=1, gpus_per_node=8, mean_interval=2.5).to_json()
+    assert got["sync_bytes_per_step"] == per_sync / 2.5
+    with pytest.raises(PlanError, match=r"--mean-interval 0.5: an interval is >= 1 step"):
+        build_launch_plan(cfg, spec, nodes=1, gpus_per_node=8, mean_interval=0.5)
+    p = project(vs=(1, 10), mean_interval=3.5)
+    assert p["vs"] == [1, 3.5, 10]
+    t, s = p["calibration"]["t_other_s"], p["calibration"]["sync_s"]
+    assert p["scenarios"][0]["ratios"][3.5] == pytest.approx(throughput_ratio(t, s, 3.5))
+    assert (t + s) / (t + s / 3.5) == pytest.approx(throughput_ratio(t, s, 3.5))

@@ -101,6 +101,9 @@ def _add_project(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--trainer-tp", type=int, default=1, help="trainer TP of the 7B layout")
     p.add_argument("--trainer-pp", type=int, default=1, help="trainer PP of the 7B layout")
     p.add_argument("--v", dest="vs", type=_ints, default=[1, 2, 5, 10, 20])
+    p.add_argument("--mean-interval", type=float, default=None,
+                   help="also project an adaptive run's observed mean sync interval "
+                        "(summary.json mean_sync_interval)")  # fmt: skip
     p.add_argument("--throughput-json", help="also check the model on a bench throughput JSON")
     p.add_argument("--json", dest="json_out", help="write the projection here")
     p.add_argument("--plot", help="write the ratio-vs-v plot here (PNG)")
@@ -217,7 +220,7 @@ def run_project(args: argparse.Namespace) -> int:
 
     try:
         p = project(Assumptions(trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp),
-                    vs=args.vs)  # fmt: skip
+                    vs=args.vs, mean_interval=args.mean_interval)  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
