@@ -216,3 +216,51 @@ def test_plan_and_projection_take_an_observed_mean_interval():
     t, s = p["calibration"]["t_other_s"], p["calibration"]["sync_s"]
     assert p["scenarios"][0]["ratios"][3.5] == pytest.approx(throughput_ratio(t, s, 3.5))
     assert (t + s) / (t + s / 3.5) == pytest.approx(throughput_ratio(t, s, 3.5))
+
+
+# ------------------------------------------------------------------------------ agreement
+def _drift_on_rank(rank: int, world_size: int, dp: int, init_file: str) -> float:
+    """``GRPOTrainer.measure_drift`` on a gloo world: with dp=2 each rank holds its own half
+    of a batch; with dp=1 (TP-like ranks) the same batch up to a rounding difference."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_grpo.trainer.loop import GRPOTrainer
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)  # fmt: skip
+    logp, alpha, mask = _batch()
+    if dp == 2:
+        rows = slice(2 * rank, 2 * rank + 2)
+        logp, alpha, mask = logp[rows], alpha[rows], mask[rows]
+    else:
+        logp = logp + 1e-6 * rank  # ranks that should agree, but differ in the last digits
+    ctx = SimpleNamespace(dp=dp, dp_group=dist.group.WORLD, world_size=world_size)
+    trainer = SimpleNamespace(ctx=ctx)
+    shard = {"rollout_logp": alpha, "response_mask": mask}
+    try:
+        return GRPOTrainer.measure_drift(trainer, logp, shard)
+    finally:
+        dist.destroy_process_group()
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    alpha = -torch.rand(4, 6, generator=gen)
+    logp = alpha + 0.3 * torch.randn(4, 6, generator=gen)
+    mask = torch.zeros(4, 6)
+    for i, n in enumerate((5, 2, 6, 1)):  # shards with different token counts
+        mask[i, :n] = 1
+    return logp, alpha, mask
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dp", [2, 1])
+def test_every_rank_gets_the_same_drift_the_whole_batch_has(dp, tmp_path):
+    from tests.dist_utils import run_distributed
+
+    got = run_distributed(_drift_on_rank, 2, dp, str(tmp_path / "init"))
+    assert got[0] == got[1]  # bit for bit: one agreed value, so one decision
+    whole = drift_from_sums(k3_drift_sums(*_batch()))
+    assert got[0] == pytest.approx(whole, rel=1e-5)
