@@ -264,3 +264,19 @@ def test_every_rank_gets_the_same_drift_the_whole_batch_has(dp, tmp_path):
     assert got[0] == got[1]  # bit for bit: one agreed value, so one decision
     whole = drift_from_sums(k3_drift_sums(*_batch()))
     assert got[0] == pytest.approx(whole, rel=1e-5)
+
+
+def test_drift_picture_only_for_runs_that_measured_drift(tmp_path):
+    from megatron_grpo.metrics.plots import drift_axis_floor, write_plots
+
+    rows = [{"step": k, "reward_mean": 0.5, "synced": k % 3 == 0, "interval_since_sync": 1 + (k - 1) % 3,
+             "drift": [1e-14, 0.02, 0.05][(k - 1) % 3]} for k in range(1, 10)]  # fmt: skip
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    names = [p.name for p in write_plots(tmp_path / "a", rows, max_drift=0.03)]
+    assert names == ["reward.png", "step_time.png", "drift.png"]
+    assert (tmp_path / "a" / "drift.png").read_bytes()[:4] == b"\x89PNG"
+    plain = [{k: v for k, v in r.items() if k != "drift"} for r in rows]
+    assert [p.name for p in write_plots(tmp_path / "b", plain)] == ["reward.png", "step_time.png"]
+    # The axis starts a decade below the smallest drift of moved weights, not at 1e-14.
+    assert drift_axis_floor([1e-14, 0.02, 0.05], [True, False, False]) == pytest.approx(0.002)

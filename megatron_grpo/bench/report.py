@@ -11,7 +11,7 @@ from typing import Any
 
 from megatron_grpo.bench.common import trailing_mean
 from megatron_grpo.bench.projection import window_events
-from megatron_grpo.metrics.plots import _save
+from megatron_grpo.metrics.plots import _save, drift_axis_floor
 
 PHASE_COLORS = {
     "rollout": "tab:blue", "reward": "tab:green", "logprobs": "tab:purple",
@@ -299,24 +299,32 @@ def plot_sync_curves(
 
     fig = Figure(figsize=(8, 5.5))
     top, bottom = fig.subplots(2, 1, sharex=True)
+    floors = []
     for name, per_seed in sync_curves.items():
         if not per_seed:
             continue
         seed = sorted(per_seed, key=int)[0]
         c = per_seed[seed]
         steps = list(range(1, len(c["synced"]) + 1))
-        pts = [(k, d) for k, d in zip(steps, c["drift"]) if d is not None and d > 0]
+        since = intervals_since_sync(c["synced"])
+        floor = drift_axis_floor(c["drift"], [n == 1 for n in since])
+        floors += [floor] if floor else []
+        pts = [
+            (k, max(d, floor or d)) for k, d in zip(steps, c["drift"]) if d is not None and d > 0
+        ]
         if not pts:
             continue
         line = top.plot([k for k, _ in pts], [d for _, d in pts], lw=1.2,
                         label=f"{name} (seed {seed})")[0]  # fmt: skip
         at = [(k, d) for k, d in pts if c["synced"][k - 1]]
         top.plot([k for k, _ in at], [d for _, d in at], "o", ms=3, color=line.get_color())
-        bottom.step(steps, intervals_since_sync(c["synced"]), where="mid", lw=1.2,
+        bottom.step(steps, since, where="mid", lw=1.2,
                     color=line.get_color(), label=name)  # fmt: skip
     if max_drift is not None:
         top.axhline(max_drift, color="gray", ls="--", lw=0.8, label=f"max_drift {max_drift:g}")
     top.set_yscale("log")
+    if floors:  # the mismatch right after a sync (~1e-14 on CPU) is drawn on the floor
+        top.set_ylim(bottom=min(floors))
     top.set_ylabel("drift: KL(alpha || pi_k) per token")
     top.set_title(f"Claim {claim['id']}: drift and interval since the last sync (dots: syncs)",
                   fontsize=8)  # fmt: skip

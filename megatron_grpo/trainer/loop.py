@@ -232,7 +232,10 @@ class GRPOTrainer:
         )  # fmt: skip
 
     def finish(self) -> dict[str, Any]:
-        summary = self.logger.finish(self.cfg.sync.interval, self.cfg.sync.mode)
+        s = self.cfg.sync
+        summary = self.logger.finish(
+            s.interval, s.mode, s.max_drift if s.mode == "adaptive" else None
+        )
         if self.ctx.rank == 0 and summary:
             print(summary, file=console_out(), flush=True)
         return {"preempted": False, "step": self.cfg.steps}
