@@ -343,13 +343,17 @@ def _sync_table(c: Mapping[str, Any], steps: int) -> list[str]:
     if not rows:
         return []
     lines = ["", f"| variant | syncs per run (mean +- std) | v per seed | syncs saved vs v=1 "
-                 f"({steps} syncs) | wall s/run |", "|---|---|---|---|---|"]  # fmt: skip
+                 f"({steps} syncs) | drift per token: run mean / run max (mean over seeds) "
+                 "| wall s/run |", "|---|---|---|---|---|---|"]  # fmt: skip
     for name, v in rows:
-        per = v.get("v_per_seed") or {}
-        vtxt = ", ".join(f"{per[k]}" for k in sorted(per, key=int)) if per else "-"
+        per = {k: x for k, x in (v.get("v_per_seed") or {}).items() if x is not None}
+        vtxt = ", ".join(f"{per[k]}" for k in sorted(per, key=int)) if per else "- (adaptive)"
         wall = v["wall_s_mean"]
+        drift = (f"{v['drift_mean']:.2g} / {v['drift_max']:.2g}" if v.get("drift_mean") is not None
+                 else "-")  # fmt: skip
         lines.append(f"| {name} | {_pm(v['syncs_mean'], v['syncs_std'])} | {vtxt} | "
-                     f"{steps - v['syncs_mean']:.1f} | {'-' if wall is None else f'{wall:.0f}'} |")  # fmt: skip
+                     f"{steps - v['syncs_mean']:.1f} | {drift} | "
+                     f"{'-' if wall is None else f'{wall:.0f}'} |")  # fmt: skip
     return lines
 
 

@@ -523,7 +523,7 @@ def run_bench_reproduce(a: ReproduceArgs, log=print) -> dict[str, Any]:
             curves[r.name][seed] = [float(x["reward_mean"]) for x in rows]
             walls[r.name][seed] = wall
             syncs[r.name][seed] = sum(1 for x in rows if x.get("synced"))
-            vs[r.name][seed] = v
+            vs[r.name][seed] = None if "sync.mode=adaptive" in r.overrides else v
             sync_curves[r.name][seed] = {"drift": [x.get("drift") for x in rows],
                                          "synced": [bool(x.get("synced")) for x in rows]}  # fmt: skip
             done += 1
@@ -559,6 +559,14 @@ def analyze_and_report(result: dict[str, Any], out: Path) -> dict[str, Any]:
         vv = {v.name: num(result.get("vs", {}).get(run_of[(cid, v.name)], {}))
               for v in claim.variants}  # fmt: skip
         res = analyze_claim(claim, cv, wv, a["window"], a["margin"], a["z"], sv, vv)
+        for v in claim.variants:  # the drift a run let its sampler reach, where logged
+            per_seed = result.get("sync_curves", {}).get(run_of[(cid, v.name)], {}).values()
+            drifts = [[d for d in c["drift"] if d is not None] for c in per_seed]
+            if drifts and all(drifts):
+                res["variants"][v.name]["drift_mean"] = mean_std([sum(d) / len(d) for d in drifts])[
+                    0
+                ]
+                res["variants"][v.name]["drift_max"] = mean_std([max(d) for d in drifts])[0]
         res["run_of"] = {v.name: run_of[(cid, v.name)] for v in claim.variants}
         result["claims"][cid] = res
     result["files"] = [str(p) for p in write_reproduce_report(result, out)]
