@@ -280,3 +280,31 @@ def test_drift_picture_only_for_runs_that_measured_drift(tmp_path):
     assert [p.name for p in write_plots(tmp_path / "b", plain)] == ["reward.png", "step_time.png"]
     # The axis starts a decade below the smallest drift of moved weights, not at 1e-14.
     assert drift_axis_floor([1e-14, 0.02, 0.05], [True, False, False]) == pytest.approx(0.002)
+
+
+# ------------------------------------------------------------------------------ bench claim 5
+def test_claim_5_holds_the_syncs_equal_and_reports_them():
+    from megatron_grpo.bench.report import intervals_since_sync, reproduce_markdown
+    from megatron_grpo.bench.reproduce import CLAIMS, analyze_claim, matched_v, plan_runs
+
+    runs, run_of = plan_runs([5])
+    by = {r.name: r for r in runs}
+    matched = by[run_of[(5, "fixed, same syncs")]]
+    assert matched.match == run_of[(5, "adaptive")]
+    assert "sync.mode=adaptive" in by[run_of[(5, "adaptive")]].overrides
+    assert [r.name for r in runs].index(matched.match) < [r.name for r in runs].index(matched.name)
+    # 60 steps with 15 syncs -> v = 4 (15 syncs); 7 syncs -> v = 9 (6 syncs); none -> v = 60.
+    assert (matched_v(60, 15), matched_v(60, 7), matched_v(60, 0), matched_v(3, 9)) == (4, 9, 60, 1)
+    assert intervals_since_sync([False, True, False, False, True]) == [1, 2, 1, 2, 3]
+    curves = {"adaptive": {1: [0.2, 0.4], 2: [0.3, 0.5]},
+              "fixed, same syncs": {1: [0.2, 0.4], 2: [0.3, 0.5]}, "v=1": {1: [0.2, 0.4], 2: [0.3, 0.5]}}  # fmt: skip
+    syncs = {"adaptive": {1: 15, 2: 13}, "fixed, same syncs": {1: 15, 2: 15}, "v=1": {1: 60, 2: 60}}
+    vs = {"adaptive": {1: None, 2: None}, "fixed, same syncs": {1: 4, 2: 5}, "v=1": {1: 1, 2: 1}}
+    c = analyze_claim(CLAIMS[5], curves, {}, 2, 0.05, syncs=syncs, vs=vs)
+    c["run_of"] = {}
+    assert c["variants"]["adaptive"]["syncs_mean"] == 14.0
+    md = reproduce_markdown({"args": {"steps": 60, "window": 2, "margin": 0.05, "z": None,
+                                      "nproc": 1, "config": None, "overrides": []},
+                             "seeds": [1, 2], "wall_s": 60.0, "machine": {}, "claims": {5: c}})  # fmt: skip
+    assert "| adaptive | 14.000 +- 1.414 | - (adaptive) | 46.0 | - | - |" in md
+    assert "| fixed, same syncs | 15.000 +- 0.000 | 4, 5 | 45.0 | - | - |" in md
