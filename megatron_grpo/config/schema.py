@@ -368,7 +368,8 @@ class SyncConfig:
     max_drift: float = 0.01
     """``mode=adaptive``: sync when the step's drift (per-token KL(alpha || pi_k), nats)
     exceeds this. By Pinsker, a sequence of L tokens then has TV(pi_k, alpha) <= sqrt(L *
-    max_drift / 2), the distance the paper's bound charges. The run's ``drift`` column
+    max_drift / 2), the distance the paper's bound charges (roughly: the drift is a batch
+    mean, measured before the step's update, which may overshoot it). The run's ``drift`` column
     (metrics.jsonl; logged in fixed mode too with ``grpo.ratio_mode=exact``) shows the scale
     of a job."""
     min_interval: int = 1
