@@ -269,7 +269,7 @@ def test_every_rank_gets_the_same_drift_the_whole_batch_has(dp, tmp_path):
 def test_drift_picture_only_for_runs_that_measured_drift(tmp_path):
     from megatron_grpo.metrics.plots import drift_axis_floor, write_plots
 
-    rows = [{"step": k, "reward_mean": 0.5, "synced": k % 3 == 0, "interval_since_sync": 1 + (k - 1) % 3,
+    rows = [{"step": k, "reward_mean": 0.5, "time_train": 0.1, "synced": k % 3 == 0, "interval_since_sync": 1 + (k - 1) % 3,
              "drift": [1e-14, 0.02, 0.05][(k - 1) % 3]} for k in range(1, 10)]  # fmt: skip
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
