@@ -58,6 +58,7 @@ HAND: list[tuple[str, list[str]]] = [
     ("choice not offered", [*T, "rollout.placement=elsewhere"]),
     ("choice not offered", [*T, "parallel.backend=mpi"]),
     ("choice not offered", [*T, "sync.method=telepathy"]),
+    ("adaptive sync: min interval above max", [*T, "sync.mode=adaptive", "sync.min_interval=5", "sync.max_interval=4"]),
     ("choice not offered", [*T, "model.dtype=int3"]),
     ("vpp without pp", [*T, "parallel.vpp=2"]),
     ("sequence parallel without tp", [*T, "parallel.sequence_parallel=true"]),

@@ -45,7 +45,7 @@ def test_shared_variants_run_once_and_every_run_differs_only_by_its_keys():
 
 def test_args_are_checked_before_any_run():
     with pytest.raises(ValueError, match="--claims"):
-        ReproduceArgs(claims=[5])
+        ReproduceArgs(claims=[9])
     with pytest.raises(ValueError, match="--seeds"):
         ReproduceArgs(seeds=0)
     with pytest.raises(ValueError, match="rollout.seed"):

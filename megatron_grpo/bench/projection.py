@@ -6,6 +6,10 @@
     fixed   = engine reload (vLLM ``load_weights`` + post-processing) + wake/sleep + cache reset
     throughput ratio(v) = step_time(1) / step_time(v)
 
+v may be a mean: with ``sync.mode=adaptive`` the syncs are S per sync over N steps with N /
+syncs = the observed mean interval (``summary.json``'s ``mean_sync_interval``), and the
+step time is the same ``T_other + S / mean interval`` (``bench project --mean-interval``).
+
 **Calibration from the paper** (Mroueh et al., arXiv 2505.22257: Qwen2.5-7B, one 8xH100
 node, vLLM TP=4 colocated; 0.02828 it/s at v=1, 0.03828 it/s at v=10). Two throughputs
 give two equations in (T_other, S)::
@@ -70,14 +74,15 @@ def calibrate(x_a: float, v_a: int, x_b: float, v_b: int) -> tuple[float, float]
     return t_other, s
 
 
-def step_time(t_other: float, sync_s: float, v: int) -> float:
-    """Seconds per trainer step when a sync of ``sync_s`` seconds happens every ``v`` steps."""
+def step_time(t_other: float, sync_s: float, v: float) -> float:
+    """Seconds per trainer step when a sync of ``sync_s`` seconds happens every ``v`` steps
+    (or every ``v`` steps on average: an adaptive run's mean interval)."""
     if v < 1:
         raise ValueError(f"v={v} must be >= 1.")
     return t_other + sync_s / v
 
 
-def throughput_ratio(t_other: float, sync_s: float, v: int, ref_v: int = 1) -> float:
+def throughput_ratio(t_other: float, sync_s: float, v: float, ref_v: float = 1) -> float:
     """Steps/s at ``v`` over steps/s at ``ref_v`` (1 when ``sync_s`` is 0; grows with v)."""
     return step_time(t_other, sync_s, ref_v) / step_time(t_other, sync_s, v)
 
@@ -355,11 +360,18 @@ def default_scenarios(a: Assumptions, b: PlanBytes, s_paper: float) -> list[Scen
 
 def project(
     a: Assumptions | None = None,
-    vs: Sequence[int] = (1, 2, 5, 10, 20),
+    vs: Sequence[float] = (1, 2, 5, 10, 20),
     layouts: Sequence[tuple[int, int]] = ((1, 1), (2, 1), (4, 1)),
+    mean_interval: float | None = None,
 ) -> dict[str, Any]:
-    """The whole projection: calibration, bytes per trainer layout, scenarios, ratios."""
+    """The whole projection: calibration, bytes per trainer layout, scenarios, ratios.
+    ``mean_interval``: an adaptive run's observed mean interval, projected as one more v."""
     a = a or Assumptions()
+    if mean_interval is not None:
+        if not mean_interval >= 1:
+            raise ValueError(f"--mean-interval {mean_interval}: an interval is >= 1 step (give "
+                             "summary.json's mean_sync_interval of an adaptive run).")  # fmt: skip
+        vs = sorted({*vs, mean_interval})
     (va, xa), (vb, xb) = a.paper_it_s
     t_other, s_paper = calibrate(xa, va, xb, vb)
     b = plan_bytes(a)
@@ -395,6 +407,7 @@ def project(
         "scenarios": [asdict(s) for s in scenarios],
         "layouts": by_layout,
         "vs": list(vs),
+        "mean_interval": mean_interval,
         "schedule_7b_disaggregated": seven_b_disaggregated(a),
         "gap": {
             "paper_S_over_verl_nccl": s_paper / a.verl_sync_s[1],
@@ -444,12 +457,15 @@ def format_projection(p: Mapping[str, Any]) -> str:
         f"{b['baseline_total'] / GiB:.2f} GiB (gather {b['baseline_gather_into_root'] / GiB:.2f}"
         f" + broadcast wire {b['baseline_broadcast_wire'] / GiB:.2f} + root in-process)",
         "",
-        f"{'scenario':<46}{'S (s)':>9}" + "".join(f"{'v=' + str(v):>8}" for v in vs),
+        f"{'scenario':<46}{'S (s)':>9}" + "".join(f"{f'v={v:g}':>8}" for v in vs),
     ]
     for s in p["scenarios"]:
         out.append(
             f"{s['name']:<46}{s['sync_s']:>9.3f}" + "".join(f"{s['ratios'][v]:>8.4f}" for v in vs)
         )
+    if p.get("mean_interval") is not None:
+        out.append(f"(v={p['mean_interval']:g}: the observed mean interval of an adaptive run, "
+                   "--mean-interval; T_other + S / mean interval)")  # fmt: skip
     out.append("")
     out.append(f"{'trainer layout':<18}{'direct GiB':>11}{'busiest':>9}{'baseline GiB':>13}"
                f"{'direct s':>10}{'base s':>9}{'dir v10':>9}{'base v10':>9}")  # fmt: skip

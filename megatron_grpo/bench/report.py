@@ -11,7 +11,7 @@ from typing import Any
 
 from megatron_grpo.bench.common import trailing_mean
 from megatron_grpo.bench.projection import window_events
-from megatron_grpo.metrics.plots import _save
+from megatron_grpo.metrics.plots import _save, drift_axis_floor
 
 PHASE_COLORS = {
     "rollout": "tab:blue", "reward": "tab:green", "logprobs": "tab:purple",
@@ -276,6 +276,87 @@ def plot_claim(
     return Path(path)
 
 
+def intervals_since_sync(synced: list[bool]) -> list[int]:
+    """Per step, the steps trained on the served weights so far, this one included (the
+    ``interval_since_sync`` column of metrics.jsonl), from a run's ``synced`` column."""
+    out, since = [], 0
+    for flag in synced:
+        since += 1
+        out.append(since)
+        if flag:
+            since = 0
+    return out
+
+
+def plot_sync_curves(
+    claim: Mapping[str, Any], sync_curves: Mapping[str, Mapping[Any, Mapping[str, list]]],
+    max_drift: float | None, path: str | os.PathLike,
+) -> Path:  # fmt: skip
+    """Drift and interval over one run (the first seed) of each variant that logged drift:
+    top, the per-step drift (log scale; dots on sync steps) with ``max_drift`` dashed;
+    bottom, ``interval_since_sync``. ``sync_curves[variant][seed]``: ``drift``, ``synced``."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5.5))
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    floors = []
+    for name, per_seed in sync_curves.items():
+        if not per_seed:
+            continue
+        seed = sorted(per_seed, key=int)[0]
+        c = per_seed[seed]
+        steps = list(range(1, len(c["synced"]) + 1))
+        since = intervals_since_sync(c["synced"])
+        floor = drift_axis_floor(c["drift"], [n == 1 for n in since])
+        floors += [floor] if floor else []
+        pts = [
+            (k, max(d, floor or d)) for k, d in zip(steps, c["drift"]) if d is not None and d > 0
+        ]
+        if not pts:
+            continue
+        line = top.plot([k for k, _ in pts], [d for _, d in pts], lw=1.2,
+                        label=f"{name} (seed {seed})")[0]  # fmt: skip
+        at = [(k, d) for k, d in pts if c["synced"][k - 1]]
+        top.plot([k for k, _ in at], [d for _, d in at], "o", ms=3, color=line.get_color())
+        bottom.step(steps, since, where="mid", lw=1.2,
+                    color=line.get_color(), label=name)  # fmt: skip
+    if max_drift is not None:
+        top.axhline(max_drift, color="gray", ls="--", lw=0.8, label=f"max_drift {max_drift:g}")
+    top.set_yscale("log")
+    if floors:  # the mismatch right after a sync (~1e-14 on CPU) is drawn on the floor
+        top.set_ylim(bottom=min(floors))
+    top.set_ylabel("drift: KL(alpha || pi_k) per token")
+    top.set_title(f"Claim {claim['id']}: drift and interval since the last sync (dots: syncs)",
+                  fontsize=8)  # fmt: skip
+    bottom.set_ylabel("steps since last sync")
+    bottom.set_xlabel("trainer step")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    _save(fig, Path(path))
+    return Path(path)
+
+
+def _sync_table(c: Mapping[str, Any], steps: int) -> list[str]:
+    """Syncs per run, the v each seed used, syncs saved against v = 1, wall time per run."""
+    rows = [(n, v) for n, v in c["variants"].items() if v.get("syncs_mean") is not None]
+    if not rows:
+        return []
+    lines = ["", f"| variant | syncs per run (mean +- std) | v per seed | syncs saved vs v=1 "
+                 f"({steps} syncs) | drift per token: run mean / run max (mean over seeds) "
+                 "| wall s/run |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for name, v in rows:
+        per = {k: x for k, x in (v.get("v_per_seed") or {}).items() if x is not None}
+        vtxt = ", ".join(f"{per[k]}" for k in sorted(per, key=int)) if per else "- (adaptive)"
+        wall = v["wall_s_mean"]
+        drift = (f"{v['drift_mean']:.2g} / {v['drift_max']:.2g}" if v.get("drift_mean") is not None
+                 else "-")  # fmt: skip
+        lines.append(f"| {name} | {_pm(v['syncs_mean'], v['syncs_std'])} | {vtxt} | "
+                     f"{steps - v['syncs_mean']:.1f} | {drift} | "
+                     f"{'-' if wall is None else f'{wall:.0f}'} |")  # fmt: skip
+    return lines
+
+
 def _pm(m: float | None, s: float | None) -> str:
     if m is None:
         return "-"
@@ -321,6 +402,7 @@ def reproduce_markdown(res: Mapping[str, Any]) -> str:
                 f"| {'-' if st is None else f'{st:.1f}'} ({v['reached']}/{len(v['seeds'])}) | "
                 f"{'-' if wall is None else f'{wall:.0f}'} |"
             )
+        lines += _sync_table(c, a["steps"])
         lines += ["", "| comparison | metric | verdict | why |", "|---|---|---|---|"]
         for k in c["comparisons"]:
             rel = "better than" if k["kind"] == "better" else "matches"
@@ -330,15 +412,29 @@ def reproduce_markdown(res: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _max_drift(res: Mapping[str, Any], c: Mapping[str, Any]) -> float | None:
+    """``sync.max_drift`` of the claim's adaptive run (from its overrides), if any."""
+    for r in res.get("runs", []):
+        if r["name"] in c["run_of"].values():
+            for o in r["overrides"]:
+                if o.startswith("sync.max_drift="):
+                    return float(o.split("=", 1)[1])
+    return None
+
+
 def write_reproduce_report(res: Mapping[str, Any], out_dir: str | os.PathLike) -> list[Path]:
-    """``claim<N>.png`` per claim, ``reproduce.md`` (the tables) and ``reproduce.json``
-    (args, per-seed curves, per-run wall times, summaries and verdicts)."""
+    """``claim<N>.png`` per claim, ``claim<N>_sync.png`` for a claim whose runs logged drift
+    (``plot_sync_curves``), ``reproduce.md`` (the tables) and ``reproduce.json`` (args,
+    per-seed curves, per-run wall times, syncs, summaries and verdicts)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = []
     for cid, c in res["claims"].items():
         per_variant = {name: res["curves"][run] for name, run in c["run_of"].items()}
         files.append(plot_claim(c, per_variant, out / f"claim{cid}.png"))
+        sync = {name: res.get("sync_curves", {}).get(run, {}) for name, run in c["run_of"].items()}
+        if any(d is not None for per in sync.values() for x in per.values() for d in x["drift"]):
+            files.append(plot_sync_curves(c, sync, _max_drift(res, c), out / f"claim{cid}_sync.png"))  # fmt: skip
     md = out / "reproduce.md"
     md.write_text("# bench reproduce\n\n" + reproduce_markdown(res) + "\n")
     js = out / "reproduce.json"

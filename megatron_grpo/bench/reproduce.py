@@ -29,6 +29,13 @@ decided"):
 
 Fewer than two seeds give no spread: every comparison is inconclusive. A claim is
 reproduced when all its comparisons are, not reproduced when any is not, else inconclusive.
+
+Claim 5 (issue 25, ``sync.mode=adaptive``) has a variant whose v is not fixed in advance:
+``Variant.match`` names the variant whose syncs set it, per seed, to
+``round(steps / that run's syncs)`` (:func:`matched_v`), so fixed v and adaptive run at the
+same mean number of syncs; the matched variant runs after its source in each round. Every
+run's syncs, v and drift/synced columns are kept (``syncs``, ``vs``, ``sync_curves``) for
+the sync table and the drift/interval figure of the report.
 """
 
 from __future__ import annotations
@@ -69,6 +76,9 @@ class Variant:
     """Sync period (sync.interval)."""
     overrides: tuple[str, ...] = ()
     """key=value on top of the claim's task settings."""
+    match: str | None = None
+    """Another variant of the claim (listed before this one): this variant's v is, per seed,
+    ``matched_v`` of that run's syncs (``v`` is then only a placeholder)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,13 @@ TASK_SPARSE: tuple[str, ...] = ("model.warm_start_steps=5", "grpo.kl_coef=0.1")
 # defaults are PPO's 0.2/0.2); rec_weight none = NoIS, is = the importance weight rho.
 REC = ("grpo.policy_loss=rec", "grpo.rec_clip=one_side")
 WIDE = ("grpo.clip_eps_low=0.6", "grpo.clip_eps_high=2.0")
+# Claim 5: ratio_mode=exact gives every variant pi_k's log-probs, so fixed runs log the same
+# drift column as adaptive ones at no extra forward pass (equal cost per step). On the tiny
+# job the per-token drift after 1-3 updates spans ~1e-3..1e-1 (docs/reproduction.md, claim
+# 5); max_drift=0.02 lands between, so the interval follows the drift within 1..8.
+TASK_DRIFT: tuple[str, ...] = ("grpo.ratio_mode=exact",)
+ADAPTIVE = ("sync.mode=adaptive", "sync.max_drift=0.02", "sync.min_interval=1",
+            "sync.max_interval=8")  # fmt: skip
 
 CLAIMS: dict[int, Claim] = {
     c.id: c
@@ -165,11 +182,29 @@ CLAIMS: dict[int, Claim] = {
             (Comparison("better", "RED-Weight", "GRPO"), Comparison("better", "RED-Drop", "GRPO")),
             threshold=0.6,
         ),
+        Claim(
+            5,
+            "Adaptive sync (drift-triggered) beats fixed v at the same number of syncs and "
+            "matches v = 1",
+            "issue 25; Mroueh et al., arXiv 2505.22257 (open problem: v is chosen empirically; "
+            "the bound's TV(pi_k, alpha) term)",
+            TASK_DRIFT,
+            (
+                Variant("adaptive", 4, ADAPTIVE),
+                Variant("fixed, same syncs", 4, match="adaptive"),
+                Variant("v=1", 1),
+            ),
+            (
+                Comparison("better", "adaptive", "fixed, same syncs", "auc"),
+                Comparison("equivalent", "adaptive", "v=1"),
+            ),
+            threshold=0.6,
+        ),
     )
 }
 
 SEED_KEYS = ("seed", "rollout.seed", "data.shuffle_seed")
-RESERVED_KEYS = ("steps", "sync.interval", "run_dir", *SEED_KEYS)
+RESERVED_KEYS = ("steps", "sync.interval", "sync.mode", "run_dir", *SEED_KEYS)
 
 # Cost model of one run, for the estimate printed at start: start-up (model build, warm
 # start, Megatron, vLLM engine) + seconds per step of the tiny default job (one process,
@@ -190,6 +225,13 @@ class RunSpec:
     name: str
     v: int
     overrides: tuple[str, ...]
+    match: str | None = None
+    """Run name whose syncs set this run's v per seed (``Variant.match``)."""
+
+
+def matched_v(steps: int, syncs: int) -> int:
+    """The fixed v whose run of ``steps`` steps syncs about ``syncs`` times (at least 1)."""
+    return max(1, round(steps / max(syncs, 1)))
 
 
 def plan_runs(claims: Sequence[int]) -> tuple[list[RunSpec], dict[tuple[int, str], str]]:
@@ -199,10 +241,11 @@ def plan_runs(claims: Sequence[int]) -> tuple[list[RunSpec], dict[tuple[int, str
     for cid in claims:
         c = CLAIMS[cid]
         for var in c.variants:
-            key = (var.v, (*c.task, *var.overrides))
+            match = of[(cid, var.match)] if var.match else None
+            key = (var.v, (*c.task, *var.overrides), match)
             if key not in runs:
                 slug = re.sub(r"[^A-Za-z0-9]+", "-", var.name).strip("-")
-                runs[key] = RunSpec(f"c{cid}-{slug}", var.v, key[1])
+                runs[key] = RunSpec(f"c{cid}-{slug}", var.v, key[1], match)
             of[(cid, var.name)] = runs[key].name
     return list(runs.values()), of
 
@@ -213,6 +256,7 @@ def plan_runs(claims: Sequence[int]) -> tuple[list[RunSpec], dict[tuple[int, str
 @dataclass
 class ReproduceArgs:
     claims: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    """Claim 5 (adaptive sync) runs only when named: --claims 5."""
     seeds: int = 3
     """Seeds per variant (1..seeds)."""
     steps: int = 60
@@ -241,7 +285,7 @@ class ReproduceArgs:
         if not self.claims or bad or len(set(self.claims)) != len(self.claims):
             raise ValueError(
                 f"--claims {self.claims}: give each of {sorted(CLAIMS)} at most once, e.g. "
-                "--claims 1,2,3,4."
+                "--claims 1,2,3,4,5."
             )
         if self.seeds < 1 or self.steps < 1 or self.window < 1 or self.nproc < 0:
             raise ValueError(
@@ -311,8 +355,11 @@ def summarize_variant(
     walls: Mapping[int, float],
     window: int,
     threshold: float,
+    syncs: Mapping[int, int] | None = None,
+    vs: Mapping[int, int] | None = None,
 ) -> dict[str, Any]:
-    """Per-seed figures and their mean/std over seeds; ``curves``: seed -> reward per step."""
+    """Per-seed figures and their mean/std over seeds; ``curves``: seed -> reward per step;
+    ``syncs``/``vs``: seed -> syncs made / fixed v used, when recorded."""
     per_seed = {s: seed_figures(c, window, threshold) for s, c in sorted(curves.items())}
     out: dict[str, Any] = {"seeds": sorted(curves), "per_seed": per_seed}
     for key in ("final", "auc"):
@@ -321,6 +368,11 @@ def summarize_variant(
     out["reached"] = len(hit)
     out["steps_to_threshold_mean"] = mean_std(hit)[0]
     out["wall_s_mean"] = mean_std(list(walls.values()))[0]
+    if syncs:
+        out["syncs_mean"], out["syncs_std"] = mean_std([float(x) for x in syncs.values()])
+        out["syncs_per_seed"] = dict(syncs)
+    if vs:
+        out["v_per_seed"] = dict(vs)
     return out
 
 
@@ -405,11 +457,15 @@ def analyze_claim(
     window: int,
     margin: float,
     z: float | None = None,
+    syncs: Mapping[str, Mapping[int, int]] | None = None,
+    vs: Mapping[str, Mapping[int, int]] | None = None,
 ) -> dict[str, Any]:
-    """Summaries, comparisons and the verdict of one claim; ``curves[variant][seed]``."""
+    """Summaries, comparisons and the verdict of one claim; ``curves[variant][seed]``
+    (``syncs``, ``vs``: the same nesting, optional)."""
+    syncs, vs = syncs or {}, vs or {}
     variants = {
         var.name: summarize_variant(curves[var.name], walls.get(var.name, {}), window,
-                                    claim.threshold)
+                                    claim.threshold, syncs.get(var.name), vs.get(var.name))
         for var in claim.variants
     }  # fmt: skip
     comps = []
@@ -444,6 +500,9 @@ def run_bench_reproduce(a: ReproduceArgs, log=print) -> dict[str, Any]:
         "machine; docs/reproduction.md)")  # fmt: skip
     curves: dict[str, dict[int, list[float]]] = {r.name: {} for r in runs}
     walls: dict[str, dict[int, float]] = {r.name: {} for r in runs}
+    syncs: dict[str, dict[int, int]] = {r.name: {} for r in runs}
+    vs: dict[str, dict[int, int]] = {r.name: {} for r in runs}
+    sync_curves: dict[str, dict[int, dict[str, list]]] = {r.name: {} for r in runs}
     commands: dict[str, str] = {}
     loads: list[float | None] = []
     t0, done = time.perf_counter(), 0
@@ -454,7 +513,8 @@ def run_bench_reproduce(a: ReproduceArgs, log=print) -> dict[str, Any]:
             # (hf_model/ is reused when complete) must not leak into this run.
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
-            cmd = train_argv(a.nproc, a.config, run_dir, a.steps, r.v,
+            v = r.v if r.match is None else matched_v(a.steps, syncs[r.match][seed])
+            cmd = train_argv(a.nproc, a.config, run_dir, a.steps, v,
                              [*r.overrides, *a.overrides, *seed_overrides(seed)])  # fmt: skip
             commands.setdefault(r.name, " ".join(cmd))
             loads.append(loadavg())
@@ -462,15 +522,21 @@ def run_bench_reproduce(a: ReproduceArgs, log=print) -> dict[str, Any]:
             rows = read_metrics(run_dir / "metrics.jsonl")
             curves[r.name][seed] = [float(x["reward_mean"]) for x in rows]
             walls[r.name][seed] = wall
+            syncs[r.name][seed] = sum(1 for x in rows if x.get("synced"))
+            vs[r.name][seed] = None if "sync.mode=adaptive" in r.overrides else v
+            sync_curves[r.name][seed] = {"drift": [x.get("drift") for x in rows],
+                                         "synced": [bool(x.get("synced")) for x in rows]}  # fmt: skip
             done += 1
             left = (time.perf_counter() - t0) / done * (n - done)
             log(f"[bench reproduce] {done}/{n} {r.name} seed {seed}: final reward "
                 f"{seed_figures(curves[r.name][seed], a.window, 0.0)['final']:.3f}, "
                 f"{wall:.0f} s; about {left / 60:.0f} min left")  # fmt: skip
-            _write_curves(out, a, curves, walls)  # a killed benchmark keeps what it ran
+            # a killed benchmark keeps what it ran
+            _write_curves(out, a, curves, walls, syncs=syncs, vs=vs, sync_curves=sync_curves)
     result = {
         "args": asdict(a), "seeds": seeds, "runs": [asdict(r) for r in runs],
-        "commands": commands, "curves": curves, "walls": walls,
+        "commands": commands, "curves": curves, "walls": walls, "syncs": syncs, "vs": vs,
+        "sync_curves": sync_curves,
         "wall_s": time.perf_counter() - t0, "loadavg_1m": loads, "machine": machine_info(),
         "claims": {},
     }  # fmt: skip
@@ -488,7 +554,19 @@ def analyze_and_report(result: dict[str, Any], out: Path) -> dict[str, Any]:
         claim = CLAIMS[cid]
         cv = {v.name: num(result["curves"][run_of[(cid, v.name)]]) for v in claim.variants}
         wv = {v.name: num(result["walls"][run_of[(cid, v.name)]]) for v in claim.variants}
-        res = analyze_claim(claim, cv, wv, a["window"], a["margin"], a["z"])
+        sv = {v.name: num(result.get("syncs", {}).get(run_of[(cid, v.name)], {}))
+              for v in claim.variants}  # fmt: skip
+        vv = {v.name: num(result.get("vs", {}).get(run_of[(cid, v.name)], {}))
+              for v in claim.variants}  # fmt: skip
+        res = analyze_claim(claim, cv, wv, a["window"], a["margin"], a["z"], sv, vv)
+        for v in claim.variants:  # the drift a run let its sampler reach, where logged
+            per_seed = result.get("sync_curves", {}).get(run_of[(cid, v.name)], {}).values()
+            drifts = [[d for d in c["drift"] if d is not None] for c in per_seed]
+            if drifts and all(drifts):
+                res["variants"][v.name]["drift_mean"] = mean_std([sum(d) / len(d) for d in drifts])[
+                    0
+                ]
+                res["variants"][v.name]["drift_max"] = mean_std([max(d) for d in drifts])[0]
         res["run_of"] = {v.name: run_of[(cid, v.name)] for v in claim.variants}
         result["claims"][cid] = res
     result["files"] = [str(p) for p in write_reproduce_report(result, out)]
@@ -502,6 +580,7 @@ def report_from_json(path: str | os.PathLike, out_dir: str | os.PathLike) -> dic
     result.setdefault("machine", {})
     result.setdefault("wall_s", sum(w for r in result["walls"].values() for w in r.values()))
     result.setdefault("seeds", sorted({int(s) for r in result["curves"].values() for s in r}))
+    result.setdefault("runs", [asdict(r) for r in plan_runs(result["args"]["claims"])[0]])
     missing = [r for r in plan_runs(result["args"]["claims"])[0]
                if not result["curves"].get(r.name)]  # fmt: skip
     if missing:
@@ -512,7 +591,7 @@ def report_from_json(path: str | os.PathLike, out_dir: str | os.PathLike) -> dic
     return analyze_and_report(result, Path(out_dir))
 
 
-def _write_curves(out: Path, a: ReproduceArgs, curves: Any, walls: Any) -> None:
+def _write_curves(out: Path, a: ReproduceArgs, curves: Any, walls: Any, **more: Any) -> None:
     tmp = out / "curves.json.tmp"
-    tmp.write_text(json.dumps({"args": asdict(a), "curves": curves, "walls": walls}))
+    tmp.write_text(json.dumps({"args": asdict(a), "curves": curves, "walls": walls, **more}))
     os.replace(tmp, out / "curves.json")

@@ -99,6 +99,9 @@ class BenchTrainArgs:
     """The project side's token budget per packed micro-batch (``grpo.micro_batch_tokens``);
     None: the trainer's default, ``micro_batch_size * (prompt_len + max_len)``; 0: padded
     rows of ``micro_batch_size`` like the HF side (``grpo.pack_sequences=false``)."""
+    recompute: str = "none"
+    """Activation recomputation on both sides: ``full`` is the project's
+    ``model.recompute=full`` and HF's ``gradient_checkpointing_enable()``."""
     steps: int = 5
     """Timed repeats per phase (the median is reported)."""
     warmup: int = 2
@@ -135,6 +138,7 @@ class BenchTrainArgs:
             "device": ("auto", "cuda", "cpu"),
             "dtype": ("auto", "bfloat16", "float32"),
             "search": ("auto", "on", "off"),
+            "recompute": ("none", "full"),
         }
         for k, allowed in choices.items():
             if getattr(self, k) not in allowed:
@@ -274,7 +278,7 @@ class ProjectSide:
 
     def __init__(self, spec: ModelSpec, ctx, args: BenchTrainArgs) -> None:
         self.spec, self.args = spec, args
-        model_cfg = ModelConfig(dtype=args.dtype)
+        model_cfg = ModelConfig(dtype=args.dtype, recompute=args.recompute)
         self.policy = build_policy(spec, ctx, model_cfg, OptimConfig(lr=args.lr), temperature=1.0)
         self.ctx = ctx
 
@@ -366,6 +370,8 @@ class HFSide:
                 f"HF model and the project's weights disagree: missing {missing[:4]}, "
                 f"unexpected {unexpected[:4]}"
             )
+        if args.recompute == "full":
+            model.gradient_checkpointing_enable()
         self.model = model
         opt = OptimConfig(lr=args.lr)
         self.clip = opt.clip_grad
@@ -686,6 +692,7 @@ def run_bench_train(args: BenchTrainArgs) -> dict:
             "response_tokens": int(batch["loss_mask"].sum()),
             "padded_tokens": padded,
             "micro_batch_size": args.micro_batch_size,
+            "recompute": args.recompute,
             "project_micro_batch_tokens": ProjectSide.budget_of(args),
             "seed": args.seed,
         },

@@ -95,6 +95,13 @@ def _add_train(bsub: argparse._SubParsersAction) -> None:
         help="project side: tokens per packed micro-batch (default micro-batch-size x "
         "(prompt-len + max-len), as the trainer; 0: padded rows like the HF side)",
     )
+    t.add_argument(
+        "--recompute",
+        choices=("none", "full"),
+        default="none",
+        help="activation recompute on both sides (project model.recompute, HF gradient "
+        "checkpointing)",
+    )
     t.add_argument("--steps", type=int, default=5, help="timed repeats per phase (median)")
     t.add_argument("--warmup", type=int, default=2, help="untimed repeats before them")
     t.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -159,6 +166,9 @@ def _add_project(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--trainer-tp", type=int, default=1, help="trainer TP of the 7B layout")
     p.add_argument("--trainer-pp", type=int, default=1, help="trainer PP of the 7B layout")
     p.add_argument("--v", dest="vs", type=_ints, default=[1, 2, 5, 10, 20])
+    p.add_argument("--mean-interval", type=float, default=None,
+                   help="also project an adaptive run's observed mean sync interval "
+                        "(summary.json mean_sync_interval)")  # fmt: skip
     p.add_argument("--throughput-json", help="also check the model on a bench throughput JSON")
     p.add_argument("--json", dest="json_out", help="write the projection here")
     p.add_argument("--plot", help="write the ratio-vs-v plot here (PNG)")
@@ -166,7 +176,7 @@ def _add_project(bsub: argparse._SubParsersAction) -> None:
 
 def _add_reproduce(bsub: argparse._SubParsersAction) -> None:
     r = add_command(bsub, "reproduce", run_reproduce)
-    r.add_argument("--claims", type=_ints, default=[1, 2, 3, 4], help="e.g. 1,2,3,4")
+    r.add_argument("--claims", type=_ints, default=[1, 2, 3, 4], help="e.g. 1,2,3,4,5")
     r.add_argument("--seeds", type=int, default=3, help="seeds per variant (1..N)")
     r.add_argument("--steps", type=int, default=60, help="trainer steps per run")
     r.add_argument("--window", type=int, default=10, help="final-window length in steps")
@@ -192,9 +202,10 @@ def run_reproduce(args: argparse.Namespace) -> int:
 
     Runs each claim's variants of `megatron-grpo train` (claim 1: v=1/4/8; 2: zero-variance
     mask on/off on a sparse-success task; 3: REC one-side clip (0.2,0.2) vs (0.6,2.0), with
-    and without IS; 4: RED-Weight / RED-Drop vs GRPO at v=4) for --seeds seeds, round-robin,
-    and writes claim<N>.png, reproduce.json and reproduce.md (table and verdict per claim)
-    into --out-dir. Prints the estimated wall time first."""
+    and without IS; 4: RED-Weight / RED-Drop vs GRPO at v=4; 5, only when named: adaptive
+    sync vs fixed v at the same number of syncs and vs v=1) for --seeds seeds, round-robin,
+    and writes claim<N>.png (claim 5 also claim5_sync.png: drift and interval), reproduce.json
+    and reproduce.md (table and verdict per claim) into --out-dir. Prints the estimated wall time first."""
     from megatron_grpo.bench.common import BenchRunFailed
     from megatron_grpo.bench.reproduce import (
         ReproduceArgs,
@@ -274,7 +285,7 @@ def run_project(args: argparse.Namespace) -> int:
 
     try:
         p = project(Assumptions(trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp),
-                    vs=args.vs)  # fmt: skip
+                    vs=args.vs, mean_interval=args.mean_interval)  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

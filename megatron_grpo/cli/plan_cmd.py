@@ -31,6 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--recompute", action="store_true", help="estimate activations with full recompute"
     )
+    run.add_argument(
+        "--mean-interval", type=float, default=None,
+        help="steps per sync observed in an adaptive run (summary.json mean_sync_interval)",
+    )  # fmt: skip
     run.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="OUT", help="also write the plan as JSON ('-' = stdout)")
@@ -55,6 +59,7 @@ def run_plan(args: argparse.Namespace) -> int:
         plan = build_launch_plan(
             cfg, spec, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
             gpu_memory_gb=args.gpu_memory_gb, model=source, recompute=args.recompute,
+            mean_interval=args.mean_interval,
         )  # fmt: skip
     data = plan.to_json()
     if args.json == "-":

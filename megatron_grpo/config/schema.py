@@ -63,6 +63,12 @@ class ModelConfig:
     ``policy.attention.SDPAttention``); ``unfused``: megatron's ``DotProductAttention``, which
     materializes the fp32 scores of every layer and cannot pack sequences (the parity
     reference)."""
+    recompute: Literal["none", "full"] = "none"
+    """Activation recomputation. ``full``: megatron recomputes every layer in the backward
+    pass from its saved input (``recompute_granularity=full``, ``uniform``, one layer per
+    group), keeping ~``2*tokens*hidden`` bytes per layer instead of the layer's whole
+    activations: about 1/3 more compute for the longest sequences (``megatron-grpo plan``
+    counts either; its ``--recompute`` flag asks the same question of a config)."""
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this times the tensor-parallel size."""
     warm_start_steps: int = 15
@@ -78,6 +84,7 @@ class ModelConfig:
             "model.transformer_impl", self.transformer_impl, ("auto", "local", "transformer_engine")
         )
         _check_choice("model.local_attention", self.local_attention, ("sdpa", "unfused"))
+        _check_choice("model.recompute", self.recompute, ("none", "full"))
         _positive("model", self, "make_vocab_size_divisible_by")
         _non_negative("model", self, "warm_start_steps")
         _positive("model", self, "warm_start_lr", "warm_start_batch_size")
@@ -177,7 +184,10 @@ class RolloutConfig:
     buffered, steps k..min(k+a, next sync step, steps) are generated together (colocated: one
     vLLM call; disaggregated: queued back to back on the engines, streamed to the trainer).
     Never past the next sync, so every batch comes from the weights Algorithm 1 prescribes
-    (same policy_version and lag); values above sync.interval-1 act as sync.interval-1."""
+    (same policy_version and lag); values above sync.interval-1 act as sync.interval-1.
+    With sync.mode=adaptive the next sync is not known in advance: a window reaches at most
+    sync.min_interval steps past the last sync (no sync can come sooner), and past that the
+    steps are generated one at a time, after the decision of the step before."""
 
     def __post_init__(self) -> None:
         _check_choice("rollout.placement", self.placement, ("colocated", "disaggregated"))
@@ -375,8 +385,28 @@ class OptimConfig:
 
 @dataclass
 class SyncConfig:
+    mode: Literal["fixed", "adaptive"] = "fixed"
+    """``fixed``: sync every ``interval`` steps (Algorithm 1). ``adaptive``: sync after a step
+    once ``min_interval`` steps have trained on the served weights and the step's measured
+    drift of the trainer's policy from the served one exceeds ``max_drift``, or once
+    ``max_interval`` steps have (``interval`` is then unused). The drift is the token-mean k3
+    estimate of KL(alpha || pi_k) on the step's samples (algorithms/drift.py;
+    docs/algorithms.md, "Adaptive sync"); with ``grpo.ratio_mode=one`` it costs one extra
+    forward pass of the batch per step (``exact`` has pi_k's log-probs already)."""
     interval: int = 4
-    """v: push the trainer's weights to vLLM when step % v == 0 (Algorithm 1)."""
+    """v: push the trainer's weights to vLLM when step % v == 0 (Algorithm 1); ``mode=fixed``."""
+    max_drift: float = 0.01
+    """``mode=adaptive``: sync when the step's drift (per-token KL(alpha || pi_k), nats)
+    exceeds this. By Pinsker, a sequence of L tokens then has TV(pi_k, alpha) <= sqrt(L *
+    max_drift / 2), the distance the paper's bound charges (roughly: the drift is a batch
+    mean, measured before the step's update, which may overshoot it). The run's ``drift`` column
+    (metrics.jsonl; logged in fixed mode too with ``grpo.ratio_mode=exact``) shows the scale
+    of a job."""
+    min_interval: int = 1
+    """``mode=adaptive``: never sync before this many steps trained on the served weights;
+    ``rollout.ahead`` generates at most this many steps of a window at once."""
+    max_interval: int = 16
+    """``mode=adaptive``: always sync once this many steps trained on the served weights."""
     method: Literal["direct", "baseline"] = "direct"
     """``direct``: the resharding bridge (each vLLM rank gets exactly its shard);
     ``baseline``: gather full HF tensors and feed vLLM's load_weights (what anchors do)."""
@@ -388,9 +418,22 @@ class SyncConfig:
     """Every wait of a sync ends in an error naming the peer after this long."""
 
     def __post_init__(self) -> None:
-        _positive("sync", self, "interval")
+        _check_choice("sync.mode", self.mode, ("fixed", "adaptive"))
+        _positive("sync", self, "interval", "max_drift", "min_interval", "max_interval")
+        if self.min_interval > self.max_interval:
+            raise ConfigError(
+                f"sync.min_interval={self.min_interval} exceeds sync.max_interval="
+                f"{self.max_interval}: the adaptive schedule syncs between them; raise "
+                "sync.max_interval or lower sync.min_interval."
+            )
         _check_choice("sync.method", self.method, ("direct", "baseline"))
         _positive("sync", self, "bucket_mb", "timeout_s")
+
+    @property
+    def can_lag(self) -> bool:
+        """True when vLLM may serve weights older than the trainer's (a window of more than
+        one step): fixed interval > 1, or adaptive max_interval > 1."""
+        return (self.interval if self.mode == "fixed" else self.max_interval) > 1
 
 
 @dataclass
@@ -543,11 +586,13 @@ class Config:
                 "them): set model.local_attention=sdpa or grpo.pack_sequences=false."
             )
         r = self.rollout
-        if r.sleep_between_rollouts and r.sleep_level == 2 and self.sync.interval > 1:
+        if r.sleep_between_rollouts and r.sleep_level == 2 and self.sync.can_lag:
+            every = (f"sync.interval={self.sync.interval}" if self.sync.mode == "fixed" else
+                     f"sync.mode=adaptive with sync.max_interval={self.sync.max_interval}")  # fmt: skip
             raise ConfigError(
                 f"rollout.sleep_level=2 discards vLLM's weights at every sleep, so every step "
-                f"needs a weight sync, but sync.interval={self.sync.interval}: set "
-                "rollout.sleep_level=1 (weights wait in CPU memory) or sync.interval=1."
+                f"needs a weight sync, but {every}: set rollout.sleep_level=1 (weights wait in "
+                "CPU memory) or sync.mode=fixed sync.interval=1."
             )
         if self.rollout.max_new_tokens + self.data.max_prompt_tokens > self.rollout.max_model_len:
             raise ConfigError(

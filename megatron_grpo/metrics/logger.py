@@ -64,7 +64,7 @@ def _tb_tag(key: str) -> str:
         return "time/" + key[len("time_") :]
     if key.startswith("reward") or key == "pass_rate":
         return "reward/" + key
-    if key in ("synced", "policy_version", "lag", "sync_bytes"):
+    if key in ("synced", "policy_version", "lag", "sync_bytes", "drift", "interval_since_sync"):
         return "sync/" + key
     return "train/" + key
 
@@ -244,7 +244,9 @@ class MetricsLogger:
             parts.append(f"{row['time_step']:.2f} s/step")
         return ", ".join(parts)
 
-    def finish(self, sync_interval: int) -> str:
+    def finish(
+        self, sync_interval: int, sync_mode: str = "fixed", max_drift: float | None = None
+    ) -> str:
         """Write summary.json (and the plots when enabled), close every sink, return the summary.
 
         Covers every step in metrics.jsonl, including those before a resume. Returns "" on
@@ -252,9 +254,9 @@ class MetricsLogger:
         """
         if not self.enabled:
             return ""
-        s = write_summary(self.run_dir, self.rows, sync_interval)
+        s = write_summary(self.run_dir, self.rows, sync_interval, sync_mode)
         if self.cfg.plots and self.rows:
-            write_plots(self.run_dir, self.rows)
+            write_plots(self.run_dir, self.rows, max_drift)
         if self._wandb is not None and not isinstance(self._wandb, tuple):
             self._wandb.summary.update({k: v for k, v in s.items() if not isinstance(v, dict)})
         self.close()

@@ -93,10 +93,61 @@ def plot_step_times(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) 
     return path
 
 
-def write_plots(run_dir: str | os.PathLike, rows: Sequence[Mapping[str, Any]]) -> list[Path]:
-    """Write ``reward.png`` and ``step_time.png`` into the run directory."""
+def drift_axis_floor(drifts: Sequence[float | None], after_sync: Sequence[bool]) -> float | None:
+    """A log axis's lower end for drift curves: a tenth of the smallest drift measured with
+    weights at least one update away from the served ones. Right after a sync the drift is
+    only the vLLM-vs-trainer mismatch (~1e-14 on CPU fp32), which would squash the curve;
+    values below the floor are drawn on it."""
+    moved = [d for d, first in zip(drifts, after_sync) if d is not None and d > 0 and not first]
+    return min(moved) / 10 if moved else None
+
+
+def plot_drift(
+    rows: Sequence[Mapping[str, Any]], path: str | os.PathLike, max_drift: float | None = None
+) -> Path:
+    """Top: ``drift`` per step (log scale; dots on the steps that synced) and ``max_drift``
+    dashed; bottom: ``interval_since_sync``."""
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    fig = Figure(figsize=(8, 5))
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    floor = drift_axis_floor([_num(r.get("drift")) for r in rows],
+                             [r.get("interval_since_sync") == 1 for r in rows])  # fmt: skip
+    pts = [(r["step"], _num(r.get("drift")), bool(r.get("synced"))) for r in rows]
+    pts = [(k, max(d, floor or d), s) for k, d, s in pts if d is not None and d > 0]
+    top.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:purple", lw=1.2, label="drift")
+    top.plot([p[0] for p in pts if p[2]], [p[1] for p in pts if p[2]], "o", ms=3,
+             color="tab:orange", label="synced")  # fmt: skip
+    if max_drift is not None:
+        top.axhline(max_drift, color="gray", ls="--", lw=0.8, label=f"max_drift {max_drift:g}")
+    top.set_yscale("log")
+    if floor:
+        top.set_ylim(bottom=floor)
+    top.set_ylabel("KL(alpha || pi_k) per token")
+    top.set_title("Drift of the trainer's policy from the served one, and the sync interval")
+    since = [(r["step"], r.get("interval_since_sync")) for r in rows]
+    since = [p for p in since if p[1] is not None]
+    bottom.step([p[0] for p in since], [p[1] for p in since], where="mid", color="tab:blue")
+    bottom.set_ylabel("steps since last sync")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    top.legend(loc="best", fontsize=8)
+    _save(fig, path)
+    return path
+
+
+def write_plots(
+    run_dir: str | os.PathLike, rows: Sequence[Mapping[str, Any]], max_drift: float | None = None
+) -> list[Path]:
+    """Write ``reward.png`` and ``step_time.png`` into the run directory, and ``drift.png``
+    when the run measured its drift (``sync.mode=adaptive`` or ``grpo.ratio_mode=exact``)."""
     run_dir = Path(run_dir)
-    return [
+    out = [
         plot_reward(rows, run_dir / "reward.png"),
         plot_step_times(rows, run_dir / "step_time.png"),
     ]
+    if any(_num(r.get("drift")) is not None for r in rows):
+        out.append(plot_drift(rows, run_dir / "drift.png", max_drift))
+    return out

@@ -33,11 +33,13 @@ def step_row(
     sync_verify: Mapping[str, Any] | None = None,
     eval_metrics: Mapping[str, Any] | None = None,
     gpu_memory: Any = None,
+    drift: float | None = None,
 ) -> StepMetrics:
     """Step ``step``'s row. ``version``: the policy version that sampled its batch; ``adv``:
     ``algorithms.advantages``' result (``keep``, ``metrics``); ``train``: one dict per
     optimizer step (``policy.train_step``); ``sync_report``: the bridge's ``SyncReport``
-    when the step synced, else None; ``times``: ``PhaseTimer.times()``."""
+    when the step synced, else None; ``times``: ``PhaseTimer.times()``; ``drift``: the
+    step's agreed drift of pi_k from alpha (``GRPOTrainer.measure_drift``), if measured."""
 
     def mean(key: str) -> float | None:
         vals = [m[key] for m in train if key in m]
@@ -62,6 +64,7 @@ def step_row(
         reward_mean=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
         pass_rate=sum(t >= 1.0 for t in task_scores) / len(task_scores),
         synced=sync_report is not None, policy_version=version, lag=step - 1 - version,
+        interval_since_sync=step - version, drift=drift,
         sync_bytes=sync_report.bytes if sync_report is not None else 0,
         time_rollout=times.get("time_rollout"), time_reward=times.get("time_reward"),
         time_logprobs=times.get("time_logprobs"), time_train=times.get("time_train"),

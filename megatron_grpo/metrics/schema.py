@@ -30,12 +30,21 @@ class StepMetrics:
     pass_rate: float | None = None
     """Fraction of responses whose reward counts as correct (task reward > 0)."""
     synced: bool = False
-    """True when the trainer pushed its weights to vLLM in this step (Algorithm 1: k % v == 0)."""
+    """True when the trainer pushed its weights to vLLM in this step (Algorithm 1: k % v == 0;
+    sync.mode=adaptive: when the drift or sync.max_interval called for it)."""
     policy_version: int | None = None
     """Version of the weights vLLM served for this batch: the trainer step whose weights they
     are (0 = the initial weights)."""
     lag: int | None = None
     """Off-policy degree of this batch: step - policy_version (filled in when omitted)."""
+    interval_since_sync: int | None = None
+    """Steps trained on the served weights so far, this one included (step - policy_version);
+    on a synced step, the length of the interval its sync closed."""
+    drift: float | None = None
+    """Drift of the trainer's policy pi_k (before this step's update) from the served alpha:
+    token-mean k3 estimate of KL(alpha || pi_k) on the batch (algorithms/drift.py), the value
+    sync.mode=adaptive decides by. Measured with sync.mode=adaptive or grpo.ratio_mode=exact
+    (None otherwise)."""
     sync_bytes: int = 0
     """Bytes of weights sent to vLLM in this step (0 when not synced)."""
     time_rollout: float | None = None

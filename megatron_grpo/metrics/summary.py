@@ -1,8 +1,9 @@
 """End-of-run summary: what the run did, where the time went, and what syncing every v saved.
 
 The saving is an estimate from the run's own measurements: had the trainer pushed its
-weights after every step instead of every v-th, it would have done ``steps - num_syncs``
-more syncs, each costing the mean measured sync time and bytes. It leaves out second-order
+weights after every step instead of every v-th (or, ``sync.mode=adaptive``, instead of when
+the drift called for it), it would have done ``steps - num_syncs`` more syncs, counted from
+the syncs the run actually made (the ``synced`` rows), each costing the mean measured sync time and bytes. It leaves out second-order
 effects (vLLM's cache reset after a reload, memory wake-up in colocated mode), so it is a
 lower bound on the real saving. The paper's measured ratio, for reference: 1.35x for
 Qwen2.5-7B at v=10 (Mroueh et al., arXiv 2505.22257).
@@ -37,15 +38,18 @@ def _mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def summarize(rows: Sequence[Mapping[str, Any]], sync_interval: int) -> dict[str, Any]:
+def summarize(
+    rows: Sequence[Mapping[str, Any]], sync_interval: int, sync_mode: str = "fixed"
+) -> dict[str, Any]:
     """The summary as a JSON-able dict (the content of ``summary.json``).
 
     ``rows`` are metrics.jsonl lines (dicts with at least ``step``), in step order.
+    ``sync_mode``: ``sync.mode`` (``sync_interval``, v, is only a label in adaptive mode).
     """
     if sync_interval < 1:
         raise ValueError(f"sync_interval={sync_interval} must be >= 1 (it is sync.interval, v).")
     n = len(rows)
-    out: dict[str, Any] = {"steps": n, "sync_interval": sync_interval}
+    out: dict[str, Any] = {"steps": n, "sync_interval": sync_interval, "sync_mode": sync_mode}
     if n == 0:
         return out
     out["first_step"] = rows[0]["step"]
@@ -70,6 +74,12 @@ def summarize(rows: Sequence[Mapping[str, Any]], sync_interval: int) -> dict[str
     out["sync_time_total_s"] = sum(sync_times)
     out["sync_time_mean_s"] = _mean(sync_times)
     out["sync_bytes_mean"] = _mean(sync_bytes)
+    # Steps per sync actually made: v in fixed mode (up to the run's ragged end), the
+    # observed mean interval in adaptive mode (what `plan --mean-interval` takes).
+    out["mean_sync_interval"] = n / len(synced) if synced else None
+    drifts = _values(rows, "drift")
+    out["drift_mean"] = _mean(drifts)
+    out["drift_max"] = max(drifts) if drifts else None
 
     # Mean seconds per step of each phase; time_sync counts 0 on steps that did not sync.
     phase_means: dict[str, float | None] = {}
@@ -131,19 +141,23 @@ def format_summary(s: Mapping[str, Any]) -> str:
         f"wall time {_fmt(s['wall_time_s'], '.1f')} s",
         f"reward mean: first {s['reward_window']} steps {_fmt(s['reward_first'])} -> "
         f"last {s['reward_window']} steps {_fmt(s['reward_last'])}",
-        f"syncs (v={s['sync_interval']}): {s['num_syncs']}, {_fmt_bytes(s['sync_bytes_total'])} "
+        f"syncs ({_schedule(s)}): {s['num_syncs']}, {_fmt_bytes(s['sync_bytes_total'])} "
         f"sent, {_fmt(s['sync_time_mean_s'], '.3f')} s per sync",
         "mean time per step: "
         + ", ".join(f"{k} {_fmt(v, '.3f')} s" for k, v in s["phase_time_mean_s"].items()),
         f"policy lag: mean {_fmt(s['lag_mean'], '.2f')}, max {_fmt(s['lag_max'], 'd')}; "
         f"skipped (non-finite) steps: {s['skipped_nan']}",
     ]
+    if s.get("drift_mean") is not None:
+        lines.append(f"drift of pi_k from the served policy (per-token KL): mean "
+                     f"{s['drift_mean']:.3g}, max {s['drift_max']:.3g}")  # fmt: skip
     sv = s["sync_every_v_saving"]
+    what = "sync every v" if s.get("sync_mode", "fixed") == "fixed" else "adaptive sync"
     if "note" in sv:
-        lines.append(f"sync every v vs every step: {sv['note']}")
+        lines.append(f"{what} vs every step: {sv['note']}")
     else:
         lines.append(
-            f"sync every v vs every step: {sv['avoided_syncs']} syncs avoided, saving "
+            f"{what} vs every step: {sv['avoided_syncs']} syncs avoided, saving "
             f"~{sv['saved_time_s']:.2f} s and {_fmt_bytes(sv['saved_bytes'])}; estimated "
             f"throughput {_fmt(sv['steps_per_s'], '.4g')} vs {_fmt(sv['steps_per_s_if_every_step'], '.4g')}"
             f" steps/s = {_fmt(sv['throughput_ratio'], '.3f')}x"
@@ -151,16 +165,25 @@ def format_summary(s: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def summary(rows: Sequence[Mapping[str, Any]], sync_interval: int) -> str:
+def _schedule(s: Mapping[str, Any]) -> str:
+    if s.get("sync_mode", "fixed") == "fixed":
+        return f"v={s['sync_interval']}"
+    return f"adaptive, mean interval {_fmt(s.get('mean_sync_interval'), '.2f')} steps"
+
+
+def summary(rows: Sequence[Mapping[str, Any]], sync_interval: int, sync_mode: str = "fixed") -> str:
     """The end-of-run summary text the trainer prints."""
-    return format_summary(summarize(rows, sync_interval))
+    return format_summary(summarize(rows, sync_interval, sync_mode))
 
 
 def write_summary(
-    run_dir: str | os.PathLike, rows: Sequence[Mapping[str, Any]], sync_interval: int
+    run_dir: str | os.PathLike,
+    rows: Sequence[Mapping[str, Any]],
+    sync_interval: int,
+    sync_mode: str = "fixed",
 ) -> dict[str, Any]:
     """Write ``RUN_DIR/summary.json`` (atomically) and return the summary dict."""
-    s = summarize(rows, sync_interval)
+    s = summarize(rows, sync_interval, sync_mode)
     path = Path(run_dir) / SUMMARY_FILE
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(s, indent=2) + "\n")

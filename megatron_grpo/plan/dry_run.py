@@ -53,6 +53,9 @@ class LaunchPlan:
     max_model_len: int = 0
     rollout: Any = None
     """The rollout config section (sleep and offload keys) the memory phases assume."""
+    sync_interval: float | None = None
+    """Steps per sync: sync.interval (fixed), or the observed mean interval of an adaptive
+    run (``plan --mean-interval``); None for adaptive without one."""
 
     @property
     def world_size(self) -> int:
@@ -82,6 +85,10 @@ class LaunchPlan:
             "kv_cache_needed_bytes": self.memory.kv_cache_needed,
             "sequences_per_engine": self.memory.sequences_per_engine,
             "sync_bytes_per_sync": self.sync.bytes_per_sync,
+            "sync_interval_steps": self.sync_interval,
+            "sync_bytes_per_step": (
+                self.sync.bytes_per_sync / self.sync_interval if self.sync_interval else None
+            ),  # fmt: skip
             "sync_in_process_bytes": self.sync.in_process_bytes,
             "sync_cross_process_bytes": self.sync.cross_process_bytes,
             "sync_cross_node_bytes": self.cross_node_sync_bytes,
@@ -135,11 +142,17 @@ class LaunchPlan:
             f"reserved {_gib(mem.kv_cache_reserved)}"
         )
         s = self.sync
-        lines += ["", "weight sync (bridge plan, every v steps)"]
+        if self.sync_interval:
+            every = f"every {self.sync_interval:g} steps"
+            per_step = f"; per step {_gib(int(s.bytes_per_sync / self.sync_interval))}"
+        else:
+            every = "adaptive: --mean-interval gives the bytes per step"
+            per_step = ""
+        lines += ["", f"weight sync (bridge plan, {every})"]
         lines += [
             f"  per sync {_gib(s.bytes_per_sync)}: in-process {_gib(s.in_process_bytes)}, "
             f"cross-process {_gib(s.cross_process_bytes)}, cross-node "
-            f"{_gib(self.cross_node_sync_bytes)}, busiest sender {_gib(s.max_sent)}",
+            f"{_gib(self.cross_node_sync_bytes)}, busiest sender {_gib(s.max_sent)}{per_step}",
             f"  {s.num_copies} copies into {s.num_dst_tensors} vLLM shards over "
             f"{len(s.bytes_per_link)} links",
         ]
@@ -189,10 +202,18 @@ def build_launch_plan(
     gpu_memory_gb: float = 80.0,
     model: str = "",
     recompute: bool = False,
+    mean_interval: float | None = None,
 ) -> LaunchPlan:
-    """Check a launch without GPUs; raise PlanError (one line) when it cannot work."""
+    """Check a launch without GPUs; raise PlanError (one line) when it cannot work.
+    ``mean_interval``: steps per sync observed in an adaptive run (summary.json's
+    ``mean_sync_interval``); it replaces sync.interval in the bytes per step."""
     if nodes < 1 or gpus_per_node < 1:
         raise PlanError(f"--nodes({nodes}) and --gpus-per-node({gpus_per_node}) must be >= 1.")
+    if mean_interval is not None and not mean_interval >= 1:
+        raise PlanError(f"--mean-interval {mean_interval}: an interval is >= 1 step (give "
+                        "summary.json's mean_sync_interval of an adaptive run).")  # fmt: skip
+    if mean_interval is None and cfg.sync.mode == "fixed":
+        mean_interval = float(cfg.sync.interval)
     world = nodes * gpus_per_node
     p, r = cfg.parallel, cfg.rollout
     try:
@@ -249,9 +270,9 @@ def build_launch_plan(
     plan = LaunchPlan(
         nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_bytes=capacity, model=model,
         spec=spec, ranks=ranks, tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, rollout_tp=r.tp,
-        dtype=dtype, recompute=recompute, memory=mem, sync=report,
+        dtype=dtype, recompute=recompute or cfg.model.recompute == "full", memory=mem, sync=report,
         cross_node_sync_bytes=cross_node, warnings=warnings, max_model_len=r.max_model_len,
-        rollout=r,
+        rollout=r, sync_interval=mean_interval,
     )  # fmt: skip
     return plan
 
@@ -295,7 +316,7 @@ def _check_memory(
                 fixes.append("set rollout.sleep_between_rollouts=true")
             if m.phases and r.trainer_offload != "all" and m.peak_phase == "generate":
                 fixes.append("set rollout.trainer_offload=all")
-            fixes.append("lower grpo.micro_batch_size or use --recompute")
+            fixes.append("lower grpo.micro_batch_size or set model.recompute=full")
             phase = f" in its {m.peak_phase} phase" if m.phases else ""
             raise PlanError(
                 f"out of GPU memory: a {m.role} GPU needs {_gib(m.total)}{phase} (largest: "

@@ -11,7 +11,7 @@ Trainer (per rank, the largest (pipeline stage, TP rank) shard set, read from
   ``on``, or ``auto``, which is on with CUDA).
 - ``reference``: a weight copy for pi_ref when ``grpo.kl_coef > 0``; ``served``: the copy of
   the weights vLLM serves, kept for exact resume when ``checkpoint.exact_resume`` and
-  ``sync.interval > 1`` (``trainer.loop``).
+  ``sync.interval > 1`` (adaptive: ``sync.max_interval > 1``; ``trainer.loop``).
 - ``activations``: Korthikanti et al. (arXiv 2205.05198, Table 2) with a fused attention
   that holds no [heads, s, s] scores (SDPA, ``policy.attention``, or Transformer-Engine):
   per layer ``n*h*(10 + 24/t)`` bytes in 16 bit (``34*n*h/t`` with sequence parallelism)
@@ -230,6 +230,8 @@ def estimate_memory(
     capacity_bytes: int,
     recompute: bool = False,
 ) -> MemoryReport:
+    """``recompute``: count activations with full recompute even where ``model.recompute``
+    is ``none`` (``plan --recompute``: what would it take?)."""
     elem = DTYPE_BYTES[plan_dtype(cfg)]
     n = trainer_params_per_rank(spec, cfg)
     opt_per_param = 8 + (4 if elem < 4 else 0)
@@ -241,8 +243,8 @@ def estimate_memory(
         "grads": n * 4,
         "optimizer": opt,
         "reference": n * elem if cfg.grpo.kl_coef > 0 else 0,
-        "served": n * elem if cfg.checkpoint.exact_resume and cfg.sync.interval > 1 else 0,
-        "activations": activation_bytes(spec, cfg, dp, recompute),
+        "served": n * elem if cfg.checkpoint.exact_resume and cfg.sync.can_lag else 0,
+        "activations": activation_bytes(spec, cfg, dp, recompute or cfg.model.recompute == "full"),
     }
     state = sum(v for k, v in trainer.items() if k != "activations")
     r = cfg.rollout

@@ -124,7 +124,19 @@ def transformer_config(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelCo
         moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=on_cpu,
         **FUSIONS_OFF,
+        **recompute_args(model_cfg),
     )
+
+
+def recompute_args(model_cfg: ModelConfig) -> dict:
+    """TransformerConfig's activation-recompute fields for ``model.recompute``: ``full``
+    recomputes each layer from its input (megatron/core/transformer/transformer_block.py
+    ``_checkpointed_forward``, ``uniform`` with one layer per checkpoint)."""
+    if model_cfg.recompute == "full":
+        return dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    return {}
 
 
 def cast_params_(model: torch.nn.Module, dtype: torch.dtype) -> None:

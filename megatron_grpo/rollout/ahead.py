@@ -49,8 +49,16 @@ def window_steps(step: int, ahead: int, interval: int, total_steps: int) -> list
             f"window_steps(step={step}, ahead={ahead}, interval={interval}, total_steps="
             f"{total_steps}): need ahead >= 0, interval >= 1 and 1 <= step <= total_steps."
         )
-    next_sync = -(-step // interval) * interval
-    return list(range(step, min(step + ahead, next_sync, total_steps) + 1))
+    return steps_through(step, ahead, -(-step // interval) * interval, total_steps)
+
+
+def steps_through(step: int, ahead: int, window_end: int, total_steps: int) -> list[int]:
+    """``step .. min(step + ahead, window_end, total_steps)``: ``window_end`` is the last step
+    certain to be sampled from the weights served now (``trainer.sync_schedule``)."""
+    if window_end < step:
+        raise ValueError(f"window_end={window_end} is before step {step}: the window must "
+                         "hold the step that asks for its batch.")  # fmt: skip
+    return list(range(step, min(step + ahead, window_end, total_steps) + 1))
 
 
 @dataclass
@@ -84,13 +92,18 @@ class AheadRollout:
     background thread collects each step's samples in order as they arrive and scores them
     at once, so a step's rewards are usually ready before the trainer asks (off its
     critical path). ``share(fn)``: ``fn()``'s result on every trainer rank, evaluated where
-    the samples arrive (``Rollout.share``; collective, so called on the loop's thread only)."""
+    the samples arrive (``Rollout.share``; collective, so called on the loop's thread only).
+    ``window_end(step)``: the last step certain to be sampled from the weights served now
+    (``trainer.sync_schedule.SyncSchedule.window_end``); None: the next multiple of
+    ``interval``, Algorithm 1's fixed schedule."""
 
     def __init__(self, prompts: Any, prompts_per_step: int, ahead: int, interval: int,
                  total_steps: int, rollout_seed: int, launch: Launch,
                  score: Callable[[list, list], Any] | None = None,
-                 share: Callable[[Callable[[], Any]], Any] = _call) -> None:  # fmt: skip
+                 share: Callable[[Callable[[], Any]], Any] = _call,
+                 window_end: Callable[[int], int] | None = None) -> None:  # fmt: skip
         self.prompts, self.launch, self.score, self.share = prompts, launch, score, share
+        self.window_end = window_end
         self.prompts_per_step, self.ahead = prompts_per_step, ahead
         self.interval, self.total_steps, self.rollout_seed = interval, total_steps, rollout_seed
         self._buffer: deque[_Buffered] = deque()
@@ -124,7 +137,10 @@ class AheadRollout:
         return self.prompts.state_dict()
 
     def _fill(self, step: int) -> None:
-        steps = window_steps(step, self.ahead, self.interval, self.total_steps)
+        if self.window_end is None:
+            steps = window_steps(step, self.ahead, self.interval, self.total_steps)
+        else:
+            steps = steps_through(step, self.ahead, self.window_end(step), self.total_steps)
         drawn = []
         for s in steps:  # data stream in step order, as the serial loop draws it
             before = self.prompts.state_dict()

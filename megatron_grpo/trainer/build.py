@@ -35,6 +35,7 @@ from megatron_grpo.trainer.checkpointer import Checkpointer, Preemption
 from megatron_grpo.trainer.loop import GRPOTrainer
 from megatron_grpo.trainer.memory import ColocatedMemory
 from megatron_grpo.trainer.preflight import check_run
+from megatron_grpo.trainer.sync_schedule import SyncSchedule
 from megatron_grpo.trainer.validation import Validator
 
 
@@ -61,7 +62,7 @@ def build_trainer(
         print(format_config(cfg), flush=True)
     say_rank0(ctx, f"model {hf_dir} ({spec.family}, {spec.num_parameters:,} params); "
               f"world {ctx.world_size}: tp={ctx.tp} pp={ctx.pp} dp={ctx.dp}, {num_engines} "
-              f"vLLM engine(s) of tp={cfg.rollout.tp}, v={cfg.sync.interval}")  # fmt: skip
+              f"vLLM engine(s) of tp={cfg.rollout.tp}, {_schedule_text(cfg)}")  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     g = cfg.grpo
     batch = g.prompts_per_step * g.group_size
@@ -73,7 +74,7 @@ def build_trainer(
         temperature=cfg.rollout.temperature,  # log-probs of softmax(logits / T), as sampled
     )  # fmt: skip
     ref = policy.make_reference() if g.kl_coef > 0 else None
-    keep_served = cfg.checkpoint.exact_resume and cfg.sync.interval > 1
+    keep_served = cfg.checkpoint.exact_resume and cfg.sync.can_lag
     served = policy.make_reference() if keep_served else None
     t0 = time.perf_counter()
     rollout, sender = (rollout_factory or build_rollout)(cfg, world, ctx, hf_dir, policy)
@@ -85,10 +86,12 @@ def build_trainer(
     reward_fn = build_reward(cfg.reward, cfg.data)
     prompts = build_prompt_source(cfg.data, tokenizer)
     scorer = GroupScorer.from_config(cfg, reward_fn, tokenizer)
+    schedule = SyncSchedule.from_config(cfg.sync)
     trainer = GRPOTrainer(
         cfg=cfg, ctx=ctx, tokenizer=tokenizer, policy=policy, ref=ref, rollout=rollout,
-        sender=sender,
-        batches=batch_source(cfg, prompts, rollout, memory, tokenizer.eos_token_id, scorer),
+        sender=sender, schedule=schedule,
+        batches=batch_source(cfg, prompts, rollout, memory, tokenizer.eos_token_id, scorer,
+                             schedule),
         advantage_fn=build_advantage_fn(g), loss_fn=make_loss_fn(g, cfg.rollout.max_new_tokens),
         memory=memory, checkpointer=checkpointer, logger=None, timer=PhaseTimer.for_device(ctx.device),
         validator=Validator(cfg, tokenizer, reward_fn) if cfg.eval.interval else None,
@@ -98,6 +101,7 @@ def build_trainer(
         state, served_now = checkpointer.resume()
         trainer.batches.prompts.load_state_dict(state.data_state)
         trainer.start_step, trainer.policy_version = state.step, state.policy_version
+        schedule.synced(state.policy_version)  # the next decisions count from that push
         sender.sync(served_now)
     else:
         report = sender.sync(policy)
@@ -115,12 +119,22 @@ def build_trainer(
     return trainer
 
 
+def _schedule_text(cfg: Config) -> str:
+    s = cfg.sync
+    if s.mode == "fixed":
+        return f"v={s.interval}"
+    return (f"adaptive sync (drift > {s.max_drift:g}, interval {s.min_interval}.."
+            f"{s.max_interval})")  # fmt: skip
+
+
 def batch_source(cfg: Config, prompts: Any, rollout: Any, memory: Any, eos_token_id: int,
-                 score: Any = None) -> AheadRollout:  # fmt: skip
+                 score: Any = None, schedule: SyncSchedule | None = None) -> AheadRollout:  # fmt: skip
     """Each step's prompts (from ``prompts``, a data source), samples and rewards (``score``):
     with rollout.ahead = a, up to a + 1 steps of the sync window are generated at once (0:
     one step at a time, Algorithm 1's serial order) and scored as they arrive; vLLM wakes
-    for each generation, not for each step (``memory``: ``trainer.memory.ColocatedMemory``)."""
+    for each generation, not for each step (``memory``: ``trainer.memory.ColocatedMemory``).
+    ``schedule``: the loop's sync schedule, whose ``window_end`` bounds a window (None: every
+    sync.interval steps)."""
     r = cfg.rollout
     sampling = dict(n=cfg.grpo.group_size, temperature=r.temperature, top_p=r.top_p,
                     top_k=r.top_k, max_new_tokens=r.max_new_tokens,
@@ -134,7 +148,8 @@ def batch_source(cfg: Config, prompts: Any, rollout: Any, memory: Any, eos_token
             memory.after_generate()
 
     return AheadRollout(prompts, cfg.grpo.prompts_per_step, r.ahead, cfg.sync.interval,
-                        cfg.steps, r.seed, launch, score, rollout.share)  # fmt: skip
+                        cfg.steps, r.seed, launch, score, rollout.share,
+                        schedule.window_end if schedule is not None else None)  # fmt: skip
 
 
 def train(cfg: Config, resume: bool = False) -> dict[str, Any]:

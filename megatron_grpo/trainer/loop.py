@@ -5,14 +5,16 @@ For k = 1..steps (``GRPOTrainer.run``, one screen):
     reward     verifiable rewards (KL-in-reward subtracts beta * KL(pi||pi_ref) per sequence)
     advantages group whitening, zero-variance mask, RED-Drop/Weight (algorithms.advantages)
     train      i SGD iterations over mini-batches (policy.train_step with algorithms' loss_fn)
-    sync       when k % v == 0, the resharding bridge pushes pi_k into vLLM
+    sync       when k % v == 0 (or, sync.mode=adaptive, when pi_k drifted from alpha:
+               trainer/sync_schedule.py), the resharding bridge pushes pi_k into vLLM
     ref reset  pi_ref <- pi_k every ``grpo.ref_update_interval`` steps
     log        one metrics.jsonl line, TensorBoard, progress bar
     checkpoint when due or on a pre-emption signal (trainer/checkpointer.py)
 
 Versions: ``policy_version`` is the trainer step whose weights vLLM serves (0 = the
 starting weights, pushed once at start); the batch of step k was sampled from that version
-and its ``lag`` is ``(k - 1) - policy_version``: 0 when on-policy (v = 1), up to v - 1.
+and its ``lag`` is ``(k - 1) - policy_version``: 0 when on-policy (v = 1), up to v - 1
+(adaptive: up to sync.max_interval - 1).
 The trainer is built by ``trainer.build.build_trainer``; its fields are the run's parts.
 """
 
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.algorithms.aggregation import compute_global_normalizers, normalizer_mask
+from megatron_grpo.algorithms.drift import drift_from_sums, k3_drift_sums
 from megatron_grpo.algorithms.kl import get_kl_estimator
 from megatron_grpo.algorithms.shaping import overlong_filter_keep
 from megatron_grpo.checkpoint import LoopState, find_latest
@@ -35,6 +38,7 @@ from megatron_grpo.metrics.row import step_row
 from megatron_grpo.policy.batching import micro_batch_token_budget
 from megatron_grpo.rollout.interface import RolloutFailure
 from megatron_grpo.trainer.batch import collate, dp_shard, mini_batches
+from megatron_grpo.trainer.sync_schedule import SyncSchedule
 from megatron_grpo.trainer.watchdog import bounded
 
 
@@ -57,6 +61,7 @@ class GRPOTrainer:
     logger: Any  # metrics.MetricsLogger
     timer: Any  # metrics.PhaseTimer
     validator: Any = None  # trainer.validation.Validator when eval.interval > 0
+    schedule: SyncSchedule | None = None  # when to sync; None: built from cfg.sync
     start_step: int = 0
     policy_version: int = 0
     closers: list = field(default_factory=list)
@@ -65,6 +70,10 @@ class GRPOTrainer:
     def token_budget(self) -> int | None:
         """Tokens per packed micro-batch (None: ``micro_batch_size`` padded rows)."""
         return micro_batch_token_budget(self.cfg)
+
+    def __post_init__(self) -> None:
+        if self.schedule is None:
+            self.schedule = SyncSchedule.from_config(self.cfg.sync, self.policy_version)
 
     # ------------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
@@ -85,9 +94,9 @@ class GRPOTrainer:
                 batch, kl_seq = self.reference_logprobs(batch)
             adv = self.group_advantages(rewards, kl_seq, step)
             with timer.phase("train"):
-                train = self.train_on(batch, adv, step)
+                train, drift = self.train_on(batch, adv, step)
             sync_report = eval_metrics = None
-            if step % cfg.sync.interval == 0:
+            if self.schedule.due(step, drift):
                 with timer.phase("sync"), self._bounded(f"the weight sync of step {step}"):
                     sync_report = self.sync(step)
             if self.validator is not None and self.validator.due(step):
@@ -101,7 +110,7 @@ class GRPOTrainer:
                 step, version, rewards, reward_info, samples, adv, train, sync_report,
                 timer.times(), time.perf_counter() - t_step, eval_metrics=eval_metrics,
                 sync_verify=getattr(self.sender, "last_verify", None),
-                gpu_memory=self.memory.take_boundaries(),
+                gpu_memory=self.memory.take_boundaries(), drift=drift,
             ))  # fmt: skip
             if self.checkpointer.after_step(step, self.loop_state(step)):
                 return {"preempted": True, "step": step}
@@ -156,8 +165,10 @@ class GRPOTrainer:
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
         return self.advantage_fn(rewards_PG, gen, task_PG)
 
-    def train_on(self, batch, adv, step) -> list[dict[str, Any]]:
-        """i SGD iterations over mini-batches of this DP rank's share of the batch."""
+    def train_on(self, batch, adv, step) -> tuple[list[dict[str, Any]], float | None]:
+        """i SGD iterations over mini-batches of this DP rank's share of the batch; returns
+        the optimizer steps' metrics and the drift of pi_k from alpha measured before them
+        (``measure_drift``; None when neither sync.mode=adaptive nor ratio_mode=exact)."""
         g, ctx = self.cfg.grpo, self.ctx
         batch["advantages"] = adv.advantages.reshape(-1)
         batch["response_mask"] = batch["loss_mask"]  # grpo.loss_normalizer=all counts these
@@ -166,10 +177,16 @@ class GRPOTrainer:
             keep = keep * overlong_filter_keep(batch["truncated"]).reshape(-1, 1).float()
         batch["loss_mask"] = batch["loss_mask"] * keep
         shard = dp_shard(batch, ctx.dp_rank, ctx.dp)
+        pi_logp = None
         if g.ratio_mode == "exact":  # pi_k's log-probs, recomputed once before the SGD passes
-            shard["old_logp"] = self.policy.compute_logprobs(
+            shard["old_logp"] = pi_logp = self.policy.compute_logprobs(
                 shard, g.micro_batch_size, token_budget=self.token_budget
             )["logp"]
+        if self.schedule.adaptive and pi_logp is None:  # the decision needs them
+            pi_logp = self.policy.compute_logprobs(
+                shard, g.micro_batch_size, token_budget=self.token_budget
+            )["logp"]
+        drift = None if pi_logp is None else self.measure_drift(pi_logp, shard)
         gen = torch.Generator().manual_seed(self.cfg.seed * 7_654_321 + step)
         out = []
         for _ in range(g.sgd_iterations):
@@ -181,13 +198,27 @@ class GRPOTrainer:
                         mb, self.loss_fn, g.micro_batch_size, token_budget=self.token_budget
                     )
                 )
-        return out
+        return out, drift
+
+    def measure_drift(self, pi_logp, shard) -> float:
+        """Token-mean k3 estimate of KL(alpha || pi_k) over the whole batch's response tokens
+        (algorithms/drift.py), the same value on every rank: the DP shards' sums are added,
+        then the world takes the largest value (all ranks hold the same one up to rounding;
+        a decision read from it cannot differ between ranks)."""
+        sums = k3_drift_sums(pi_logp, shard["rollout_logp"], shard["response_mask"])
+        if self.ctx.dp > 1:
+            dist.all_reduce(sums, group=self.ctx.dp_group)
+        drift = torch.tensor([drift_from_sums(sums)], dtype=torch.float64)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(drift, op=dist.ReduceOp.MAX)
+        return float(drift.item())
 
     def sync(self, step: int):
         """Push pi_step into vLLM (its weights awake, the trainer's state off the GPU)."""
         self.memory.before_sync()
         report = self.sender.sync(self.policy)
         self.policy_version = step
+        self.schedule.synced(step)
         self.checkpointer.snapshot_served()
         return report
 
@@ -210,11 +241,17 @@ class GRPOTrainer:
             sync_phase=step - self.policy_version,
             data_state=self.batches.data_state(),  # the consumed steps', not the prefetched
             extra={"layout": {"tp": self.ctx.tp, "pp": self.ctx.pp, "dp": self.ctx.dp},
-                   "weight_syncs": self.sender.syncs},
+                   "weight_syncs": self.sender.syncs,
+                   # the schedule's state is policy_version; kept to show which mode ran
+                   "sync_schedule": {"mode": self.schedule.mode,
+                                     "last_sync": self.schedule.last_sync}},
         )  # fmt: skip
 
     def finish(self) -> dict[str, Any]:
-        summary = self.logger.finish(self.cfg.sync.interval)
+        s = self.cfg.sync
+        summary = self.logger.finish(
+            s.interval, s.mode, s.max_drift if s.mode == "adaptive" else None
+        )
         if self.ctx.rank == 0 and summary:
             print(summary, file=console_out(), flush=True)
         return {"preempted": False, "step": self.cfg.steps}
