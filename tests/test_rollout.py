@@ -315,3 +315,24 @@ def test_standalone_engine_receives_over_torch_distributed(tmp_path: Path) -> No
     torch.testing.assert_close(r["after"]["plp"], r["ref"]["plp"], rtol=0, atol=1e-5)
     for name, t in r["shards"].items():
         assert torch.equal(r["export"][name], t), name
+
+
+@pytest.mark.parametrize("on_gpu", [False, True], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_memory_kwargs_are_vllm_engine_args_on_both_devices(on_gpu, placement):
+    """The GPU side of ``RolloutEngine``'s arguments is built on CPU too: every name is one
+    of vLLM's ``EngineArgs`` fields and takes the value asked for (a misspelt GPU-only
+    argument would otherwise only fail on a user's GPU)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from megatron_grpo.rollout.engine import memory_kwargs
+
+    kw = memory_kwargs(on_gpu, placement, 0.42, 0.5)
+    args = EngineArgs(model="unused", **kw)
+    for k, v in kw.items():
+        assert getattr(args, k) == v
+    if on_gpu:
+        assert args.enable_sleep_mode == (placement == "colocated")
+        assert args.gpu_memory_utilization == 0.42
+    else:
+        assert args.kv_cache_memory_bytes == 2**29

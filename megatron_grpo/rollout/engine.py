@@ -77,6 +77,22 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def memory_kwargs(
+    on_gpu: bool, placement: str, gpu_memory_utilization: float, cpu_kv_cache_gb: float
+) -> dict[str, Any]:
+    """vLLM's memory arguments, the one place ``LLM(...)`` differs by device: on GPU the
+    share of the device and, colocated, sleep mode (vLLM's sleep/wake are CUDA-only); on CPU
+    the KV cache size (the same knob as VLLM_CPU_KVCACHE_SPACE, vllm/v1/worker/cpu_worker.py
+    ``determine_available_memory`` reads ``cache_config.kv_cache_memory_bytes``).
+    tests/test_rollout.py checks both sides' names against vLLM's ``EngineArgs``."""
+    if on_gpu:
+        return {
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "enable_sleep_mode": placement == "colocated",
+        }
+    return {"kv_cache_memory_bytes": int(cpu_kv_cache_gb * 2**30)}
+
+
 class RolloutEngine:
     """vLLM engine for GRPO rollouts, colocated (external_launcher) or standalone.
 
@@ -126,13 +142,9 @@ class RolloutEngine:
             # so VLLM_ALLOW_INSECURE_SERIALIZATION stays off).
             worker_extension_cls="megatron_grpo.bridge.vllm_plugin.ReceiverWorkerExtension",
         )
-        if on_gpu:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-            kwargs["enable_sleep_mode"] = placement == "colocated"
-        else:
-            # Same knob as VLLM_CPU_KVCACHE_SPACE (vllm/v1/worker/cpu_worker.py:
-            # determine_available_memory reads cache_config.kv_cache_memory_bytes).
-            kwargs["kv_cache_memory_bytes"] = int(cpu_kv_cache_gb * 2**30)
+        kwargs.update(
+            memory_kwargs(on_gpu, placement, gpu_memory_utilization, cpu_kv_cache_gb)
+        )
         if placement == "colocated":
             self._prepare_external_launcher(tp)
             kwargs["distributed_executor_backend"] = "external_launcher"
