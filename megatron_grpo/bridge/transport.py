@@ -342,21 +342,22 @@ _WAITERS = _Waiters()
 
 
 def _copy_batched(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -> None:
-    """``outs[i].copy_(ins[i])`` for every i, in one ``torch._foreach_copy_`` per input dtype.
+    """``outs[i].copy_(ins[i])`` for every i, in one ``torch._foreach_copy_`` per group of
+    pairs with the same dtypes.
 
-    On CUDA, a call whose pairs are all dense with equal strides runs as
-    multi-tensor kernels (aten/src/ATen/native/cuda/ForeachBinaryOpList.cu
+    On CUDA, a call whose pairs are all dense with equal strides runs as multi-tensor
+    kernels (aten/src/ATen/native/cuda/ForeachBinaryOpList.cu
     ``foreach_tensor_copy_list_kernel_cuda_``: many tensors per launch); any other call
     (strided slices, CPU) runs torch's C++ loop of ``copy_`` (``..._kernel_slow_``), which
     spares the Python around each copy. So the dense pairs and the strided ones go in
-    separate calls. The casts the wire dtype needs (an fp32 model sent in bf16) are
-    ``copy_``'s, bit for bit."""
-    groups: dict[tuple[torch.dtype, bool], tuple[list, list]] = {}
+    separate calls. A cast to the wire dtype (an fp32 model sent in bf16) gives ``copy_``'s
+    bits (tests/test_transport.py on CPU, tests/gpu/test_gpu.py on CUDA)."""
+    groups: dict[tuple[torch.dtype, torch.dtype, bool], tuple[list, list]] = {}
     for o, i in zip(outs, ins, strict=True):
-        dense = o.is_contiguous() and i.is_contiguous()
-        g = groups.get((i.dtype, dense))
+        key = (o.dtype, i.dtype, o.is_contiguous() and i.is_contiguous())
+        g = groups.get(key)
         if g is None:
-            g = groups[(i.dtype, dense)] = ([], [])
+            g = groups[key] = ([], [])
         g[0].append(o)
         g[1].append(i)
     with torch.no_grad():  # the sources may be parameters; the copies are not trained

@@ -248,6 +248,16 @@ def test_bridge_pack_unpack_bandwidth(device, figures):
             c = e.copy
             got = dst[c.dst_name].narrow(c.dim, c.dst_start, c.length)
             assert torch.equal(got, src[c.src_name].narrow(c.dim, c.src_start, c.length))
+    # fp32 shards on a bf16 wire: the batched copies cast as copy_ does, bit for bit.
+    src32 = {n: t.float() + torch.rand_like(t, dtype=torch.float32) * 1e-3 for n, t in src.items()}
+    for b in buckets:
+        sender._pack(src32, b, bufs[0])
+        for e in b.entries:
+            c = e.copy
+            got = bufs[0][e.offset : e.offset + e.numel].view(e.shape)
+            want = torch.empty(e.shape, dtype=dtype, device=device)
+            want.copy_(src32[c.src_name].narrow(c.dim, c.src_start, c.length))
+            assert torch.equal(got, want), c.src_name
     figures["bridge_link_gib"] = nbytes / GIB
     figures["bridge_link_slices"] = sum(len(b.entries) for b in buckets)
     figures["bridge_pack_runs"] = sum(len(b.pack_runs) for b in buckets)
