@@ -63,3 +63,23 @@ def test_sequence_parallel_pads_micro_batches_to_a_multiple_of_tp(tp):
     # Without sequence parallelism nothing is padded.
     lengths = [mb["input_ids"].shape[1] for _, _, mb in _micro_batches(batch, 2)]
     assert lengths == [3, 7, 7]
+
+
+def test_sequence_parallel_needs_transformer_engine_layers():
+    """megatron's local RMSNorm (WrappedTorchNorm) asserts on sequence parallelism: the build
+    refuses it in one line instead (the GPU path without TE would otherwise assert deep in
+    megatron)."""
+    from megatron_grpo.policy.model_builder import check_sequence_parallel
+
+    check_sequence_parallel(False, "local")
+    check_sequence_parallel(True, "transformer_engine")
+    with pytest.raises(ConfigError, match="sequence_parallel=true needs Transformer-Engine"):
+        check_sequence_parallel(True, "local")
+
+
+def test_phase_timer_synchronizes_the_cuda_device_only():
+    from megatron_grpo.metrics.timer import PhaseTimer
+
+    assert PhaseTimer.for_device(torch.device("cpu"))._sync is None
+    sync = PhaseTimer.for_device(torch.device("cuda", 3))._sync
+    assert sync.func is torch.cuda.synchronize and sync.args == (torch.device("cuda", 3),)

@@ -141,3 +141,14 @@ def test_no_cuda_hacks_elsewhere():
         if p.name != "cpu.py" and hack.search(p.read_text())
     ]
     assert offenders == []
+
+
+def test_tensor_type_names_the_cuda_type_for_megatrons_optimizers(platform):
+    """megatron's optimizers file parameters by ``param.type()`` against torch.cuda.* names
+    (optimizer/optimizer.py, distrib_optimizer.py); the layer answers with the CUDA name of
+    the dtype, and ``type(dtype)`` (a conversion) is untouched."""
+    assert torch.zeros(2, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert torch.zeros(2).type() == "torch.cuda.FloatTensor"
+    assert torch.nn.Parameter(torch.zeros(2, dtype=torch.float16)).type() == "torch.cuda.HalfTensor"
+    converted = torch.zeros(2).type(torch.float64)
+    assert converted.dtype == torch.float64 and converted.device.type == "cpu"
