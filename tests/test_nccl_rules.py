@@ -99,7 +99,7 @@ def test_served_devices_of_backend_strings():
 class _CpuLogprobPolicy:
     """``Policy.compute_logprobs``'s contract: [B, L] fp32 log-probs on the CPU."""
 
-    def compute_logprobs(self, batch, micro_batch_size):
+    def compute_logprobs(self, batch, micro_batch_size, *, token_budget=None):
         n, length = batch["input_ids"].shape
         return {"logp": batch["input_ids"].float() * 0.5, "entropy": torch.zeros(n, length)}
 
@@ -114,7 +114,7 @@ def _call_sites(rank: int, world: int) -> dict:
 
     ctx = init_distributed(ParallelConfig(tp=1, pp=1, backend="gloo"))
     trainer = SimpleNamespace(
-        ctx=ctx, cfg=SimpleNamespace(grpo=SimpleNamespace(micro_batch_size=2))
+        ctx=ctx, cfg=SimpleNamespace(grpo=SimpleNamespace(micro_batch_size=2)), token_budget=None
     )
     preemption = Preemption()  # this rank process's own signal handlers
     preemption.requested = rank == 1
