@@ -142,9 +142,7 @@ class RolloutEngine:
             # so VLLM_ALLOW_INSECURE_SERIALIZATION stays off).
             worker_extension_cls="megatron_grpo.bridge.vllm_plugin.ReceiverWorkerExtension",
         )
-        kwargs.update(
-            memory_kwargs(on_gpu, placement, gpu_memory_utilization, cpu_kv_cache_gb)
-        )
+        kwargs.update(memory_kwargs(on_gpu, placement, gpu_memory_utilization, cpu_kv_cache_gb))
         if placement == "colocated":
             self._prepare_external_launcher(tp)
             kwargs["distributed_executor_backend"] = "external_launcher"
