@@ -2,9 +2,12 @@
 
     python tests/gpu/run_gpu_suite.py [--out gpu_figures.json]
 
-Needs torch (CUDA) and megatron-core 0.16.1 (plus pyyaml and numpy); no vLLM. Writes the
-figures as JSON (default: $OUT/gpu_figures.json when $OUT is set, else ./gpu_figures.json)
-and the pytest log next to it; exits with pytest's status. Takes a few minutes on an H100.
+Needs torch (CUDA), megatron-core 0.16.1, transformers, pyyaml, numpy and pytest; no vLLM
+(the loop test, tests/gpu/test_loop.py, runs ``GRPOTrainer.run()`` with the transformers
+engine of tests/gpu/hf_engine.py behind the real bridge). Writes the figures as JSON
+(default: $OUT/gpu_figures.json when $OUT is set, else ./gpu_figures.json) and the pytest
+log next to it; exits with pytest's status. About 2 minutes on an H100 (docs/benchmarks.md
+§4 has that run's figures).
 """
 
 from __future__ import annotations
