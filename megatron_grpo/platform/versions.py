@@ -88,7 +88,9 @@ def check_range(rng: TestedRange, dist: str, found: str) -> str:
     except InvalidVersion as e:
         raise VersionError(f"{dist} {found}: unreadable version; {fix}.") from e
     if release in rng.known_broken:
-        raise VersionError(f"{dist} {found} is known to break ({rng.known_broken[release]}): {fix}.")
+        raise VersionError(
+            f"{dist} {found} is known to break ({rng.known_broken[release]}): {fix}."
+        )
     if v < Version(rng.oldest):
         raise VersionError(
             f"{dist} {found} is older than the oldest tested {rng.oldest} "
