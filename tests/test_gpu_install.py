@@ -71,3 +71,12 @@ def test_gpu_extra_resolves_for_linux_x86_64_py312():
 def test_an_unreachable_index_is_reported_as_such():
     with pytest.raises(gpu_install.RegistryUnreachable, match="127.0.0.1:9"):
         gpu_install.check_index("http://127.0.0.1:9/simple/vllm/", timeout_s=2)
+
+
+def test_markers_are_decided_for_the_target_python_not_the_running_one():
+    """pip decides environment markers for its own interpreter, so the dry run for 3.12
+    (run from a 3.11 venv) must be handed the 3.12 requirements already chosen."""
+    reqs = ["megatron-core==0.16.1; python_version < '3.12'",
+            "megatron-core==0.19.2; python_version >= '3.12'", "torch==2.13.0"]  # fmt: skip
+    assert gpu_install.for_python(reqs, "3.12") == ["megatron-core==0.19.2", "torch==2.13.0"]
+    assert gpu_install.for_python(reqs, "3.11") == ["megatron-core==0.16.1", "torch==2.13.0"]

@@ -89,6 +89,23 @@ def requirements(setup_py: Path = SETUP_PY) -> tuple[list[str], list[str]]:
     return base, gpu
 
 
+def for_python(reqs: list[str], python_version: str) -> list[str]:
+    """``reqs`` with their environment markers decided for ``python_version`` (pip decides
+    markers for the interpreter that runs it, not for ``--python-version``): a requirement
+    whose marker is false there is dropped, the others lose their marker."""
+    from packaging.requirements import Requirement
+
+    env = {"python_version": python_version, "python_full_version": f"{python_version}.0"}
+    out = []
+    for text in reqs:
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate(env):
+            continue
+        req.marker = None
+        out.append(str(req))
+    return out
+
+
 def canonical(name: str) -> str:
     """PEP 503 name: ``transformer_engine_cu13`` -> ``transformer-engine-cu13``."""
     return re.sub(r"[-_.]+", "-", name).lower()
@@ -124,7 +141,7 @@ def resolve(python_version: str = "3.12", timeout_s: float = 600.0) -> dict:
     Raises RegistryUnreachable when the index cannot be reached, RuntimeError (naming pip's
     last error line) when the pins do not resolve together."""
     base, gpu = requirements()
-    reqs = base + gpu
+    reqs = for_python(base + gpu, python_version)
     check_index()
     t0 = time.perf_counter()
     try:
