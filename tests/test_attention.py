@@ -14,13 +14,13 @@ reference.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron_grpo.policy.attention import packed_attention
+from tests.conftest import tiny_variant_dirs
 from tests.dist_utils import run_distributed
 
 TOL = 1e-5
@@ -146,15 +146,7 @@ def _attention_worker(rank, world_size, models):
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory) -> dict[str, str]:
-    from megatron_grpo.models.tiny import build_hf_model
-
-    root = tmp_path_factory.mktemp("attention")
-    dirs = {}
-    for name, overrides in VARIANTS.items():
-        d = Path(root) / name
-        build_hf_model(d, "tiny", seed=3, **overrides)
-        dirs[name] = str(d)
-    return dirs
+    return tiny_variant_dirs(tmp_path_factory, "attention", VARIANTS)
 
 
 @pytest.mark.slow

@@ -54,7 +54,7 @@ def _zero_loss(logp, entropy, mb):
     return (logp * 0.0).sum(), {}
 
 
-def _build(hf_dir, ctx, dtype: str, dist_opt: str):
+def _build(hf_dir, ctx, dtype: str, dist_opt: str, recompute: str = "none"):
     from functools import partial
 
     from megatron_grpo.layouts.io import load_hf_into_megatron
@@ -64,7 +64,8 @@ def _build(hf_dir, ctx, dtype: str, dist_opt: str):
     spec = load_spec(hf_dir)
     init = partial(load_hf_into_megatron, hf_dir=hf_dir, spec=spec, ctx=ctx)
     optim = OptimConfig(lr=1e-3, clip_grad=1.0, distributed_optimizer=dist_opt)
-    return build_policy(spec, ctx, ModelConfig(dtype=dtype), optim, init_weights=init)
+    model = ModelConfig(dtype=dtype, recompute=recompute)
+    return build_policy(spec, ctx, model, optim, init_weights=init)
 
 
 def _steps(policy, ctx, first: int, last: int) -> list[float]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import tiny_variant_dirs
 from tests.dist_utils import run_distributed
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
@@ -86,15 +87,7 @@ def _layout_worker(rank, world_size, tp, pp, models, batch):
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory) -> dict[str, str]:
-    from megatron_grpo.models.tiny import build_hf_model
-
-    root = tmp_path_factory.mktemp("parity")
-    dirs = {}
-    for name, overrides in VARIANTS.items():
-        d = Path(root) / name
-        build_hf_model(d, "tiny", seed=3, **overrides)
-        dirs[name] = str(d)
-    return dirs
+    return tiny_variant_dirs(tmp_path_factory, "parity", VARIANTS)
 
 
 def hf_reference(hf_dir: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:

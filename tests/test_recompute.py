@@ -7,28 +7,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
+from megatron_grpo.config.schema import ParallelConfig
 from tests.dist_utils import run_distributed
 
 
 def _worker(rank, world, hf_dir, dtype):
-    from functools import partial
-
     from megatron_grpo.distributed import destroy_distributed, init_distributed
-    from megatron_grpo.layouts.io import load_hf_into_megatron
     from megatron_grpo.models.spec import load_spec
-    from megatron_grpo.policy import build_policy
-    from tests.test_gpu_config import _batch, _loss
+    from tests.test_gpu_config import _batch, _build, _loss
 
     spec = load_spec(hf_dir)
     ctx = init_distributed(ParallelConfig(), spec, seed=5)
     try:
         out = {}
         for mode in ("none", "full"):
-            p = build_policy(
-                spec, ctx, ModelConfig(dtype=dtype, recompute=mode), OptimConfig(lr=1e-3),
-                init_weights=partial(load_hf_into_megatron, hf_dir=hf_dir, spec=spec, ctx=ctx),
-            )  # fmt: skip
+            p = _build(hf_dir, ctx, dtype, "off", recompute=mode)
             batch = _batch(spec.vocab_size, seed=3)
             m = p.train_step(batch, _loss, micro_batch_size=2, token_budget=24)
             grads = {n: q.main_grad.clone() for n, q in p.models[0].named_parameters()}

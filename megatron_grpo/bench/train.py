@@ -285,11 +285,10 @@ class ProjectSide:
     def sizes(self) -> dict[str, Any]:
         """How the policy splits a batch: packed micro-batches of at most
         ``token_budget`` real tokens, as the trainer runs it (or padded rows, budget 0)."""
-        return {"micro_batch_size": self.args.micro_batch_size, "token_budget": self.token_budget}
-
-    @property
-    def token_budget(self) -> int | None:
-        return self.budget_of(self.args)
+        return {
+            "micro_batch_size": self.args.micro_batch_size,
+            "token_budget": self.budget_of(self.args),
+        }
 
     @staticmethod
     def budget_of(a: BenchTrainArgs) -> int | None:

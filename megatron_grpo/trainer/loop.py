@@ -177,16 +177,16 @@ class GRPOTrainer:
             keep = keep * overlong_filter_keep(batch["truncated"]).reshape(-1, 1).float()
         batch["loss_mask"] = batch["loss_mask"] * keep
         shard = dp_shard(batch, ctx.dp_rank, ctx.dp)
-        pi_logp = None
-        if g.ratio_mode == "exact":  # pi_k's log-probs, recomputed once before the SGD passes
-            shard["old_logp"] = pi_logp = self.policy.compute_logprobs(
-                shard, g.micro_batch_size, token_budget=self.token_budget
-            )["logp"]
-        if self.schedule.adaptive and pi_logp is None:  # the decision needs them
+        pi_logp = drift = None
+        # pi_k's log-probs, computed once before the SGD passes: the exact ratio's r' and the
+        # adaptive schedule's drift both read them
+        if g.ratio_mode == "exact" or self.schedule.adaptive:
             pi_logp = self.policy.compute_logprobs(
                 shard, g.micro_batch_size, token_budget=self.token_budget
             )["logp"]
-        drift = None if pi_logp is None else self.measure_drift(pi_logp, shard)
+            drift = self.measure_drift(pi_logp, shard)
+        if g.ratio_mode == "exact":
+            shard["old_logp"] = pi_logp
         gen = torch.Generator().manual_seed(self.cfg.seed * 7_654_321 + step)
         out = []
         for _ in range(g.sgd_iterations):
