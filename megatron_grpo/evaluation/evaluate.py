@@ -45,13 +45,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from checkpoints_tools.common import HF_SUBDIR, INFO_FILE, CheckpointInfo
 from megatron_grpo.checkpoint import load_checkpoint
+from megatron_grpo.checkpoint.conversion import HF_SUBDIR, INFO_FILE, CheckpointInfo
 from megatron_grpo.checkpoint.core import is_complete, resolve_checkpoint
 from megatron_grpo.config import Config, ConfigError, load_config, parse_overrides
 from megatron_grpo.data import build_prompt_source
 from megatron_grpo.distributed import destroy_distributed, init_distributed, spawn
 from megatron_grpo.layouts.io import load_hf_into_megatron
+from megatron_grpo.metrics.pass_at_k import mean_pass_at_k
 from megatron_grpo.models.spec import check_heads, load_spec
 from megatron_grpo.models.tiny import PRESETS
 from megatron_grpo.policy.policy import build_policy
@@ -107,23 +108,6 @@ class EvalResult:
     samples: int
     rows: list[dict[str, Any]] = field(default_factory=list)
     sync: dict[str, Any] = field(default_factory=dict)
-
-
-# ----------------------------------------------------------------------------- metrics
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from ``n`` samples with ``c`` correct: ``1 - C(n-c, k) / C(n, k)``
-    (Chen et al. 2021, eq. 1). ``k <= n``."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k needs 0 <= c({c}) <= n({n}) and 1 <= k({k}) <= n({n}).")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def mean_pass_at_k(correct_PK: list[list[bool]], k: int) -> float:
-    """pass@k averaged over prompts; ``correct_PK[p]`` holds prompt p's K sample outcomes."""
-    vals = [pass_at_k(len(row), sum(row), k) for row in correct_PK]
-    return sum(vals) / len(vals)
 
 
 # ----------------------------------------------------------------------------- sources
