@@ -14,6 +14,9 @@ really receive new weights for the checks to pass:
   the layouts' vLLM slicing -- independent of the plan's routing;
 - vLLM's read-back checksums equal those of the shards delivered (``bridge.verify``);
 - vLLM's prompt logprobs match the Megatron policy's on fixed sequences.
+
+The parts: ``sync_args`` (the arguments and the model), ``sync_rank`` (one spawned rank's
+measurements and checks) and ``sync_summary`` (the result over the ranks, the table).
 """
 
 from __future__ import annotations

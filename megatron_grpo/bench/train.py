@@ -33,6 +33,10 @@ included; ``mfu_with_attention`` adds them), peak memory (``torch.cuda.max_memor
 since the end of the warm-up; None on CPU). And per side, the longest single sequence that
 trains: lengths 1024, 2048, ... up to ``search_cap``, stopping at the first CUDA OOM.
 
+The parts: ``train_args`` (the arguments, device and spec), ``train_batch`` (the batch),
+``train_sides`` (the two sides), ``train_measure`` (timing, MFU, the length search, parity)
+and ``train_table`` (the console table); this module runs them in order.
+
 Imports: torch, transformers, megatron-core and the project's own modules, none of vLLM,
 ``datasets`` or ``math-verify`` (tests/test_bench_train.py runs the command with them blocked).
 """

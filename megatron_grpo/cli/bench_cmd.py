@@ -278,12 +278,8 @@ def run_project(args: argparse.Namespace) -> int:
     Calibrates step_time = T_other + S/v on the paper's two throughputs, computes the
     bridge's and the baseline's bytes per sync from the static plan, and predicts the
     v=1..20 throughput ratio for each sync-cost scenario. GPU-free, seconds."""
-    from megatron_grpo.bench.projection import (
-        Assumptions,
-        calibrate_from_throughput,
-        format_projection,
-        project,
-    )
+    from megatron_grpo.bench.projection import Assumptions, calibrate_from_throughput, project
+    from megatron_grpo.bench.projection_table import format_projection
 
     try:
         p = project(Assumptions(trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp),
