@@ -8,21 +8,18 @@ import json
 
 import pytest
 
-from megatron_grpo.bench.reproduce import (
-    CLAIMS,
+from megatron_grpo.bench.common import trailing_mean
+from megatron_grpo.bench.reproduce import ReproduceArgs, check_configs, estimate_s
+from megatron_grpo.bench.reproduce_claims import CLAIMS, plan_runs
+from megatron_grpo.bench.reproduce_stats import (
     INCONCLUSIVE,
     NOT_REPRODUCED,
     REPRODUCED,
-    ReproduceArgs,
     analyze_claim,
-    check_configs,
     combine,
-    estimate_s,
     judge,
-    plan_runs,
     steps_to_threshold,
     summarize_variant,
-    trailing_mean,
 )
 from tests._bench_helpers import run_bench
 
@@ -111,7 +108,7 @@ def test_paired_seeds_cancel_what_the_seed_does_to_both_variants():
 
 
 def test_claim_table_and_figure(tmp_path):
-    from megatron_grpo.bench.report import plot_claim, reproduce_markdown
+    from megatron_grpo.bench.report_reproduce import plot_claim, reproduce_markdown
 
     claim = CLAIMS[4]
     up = {1: [0.2, 0.5, 0.8, 0.9], 2: [0.4, 0.5, 0.8, 0.9]}

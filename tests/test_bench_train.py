@@ -1,4 +1,4 @@
-"""``megatron-grpo bench train`` (megatron_grpo/bench/train.py): the tiny preset end to end on
+"""``megatron-grpo bench train`` (megatron_grpo/bench/train*.py): the tiny preset end to end on
 CPU with vLLM, ``datasets`` and ``math-verify`` made unimportable (the GPU machine has none of
 them), the JSON's figures checked against each other and against the batch, and both sides'
 log-probs and first step compared on the same weights in fp32."""
@@ -15,14 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_grpo.bench.train import (
+from megatron_grpo.bench.train_batch import make_batch, micro_batches, one_sequence
+from megatron_grpo.bench.train_measure import (
     PEAK_BF16_TFLOPS,
     flop_params,
     known_peak_tflops,
     largest_trainable,
-    make_batch,
-    micro_batches,
-    one_sequence,
 )
 from megatron_grpo.cli.main import main
 from megatron_grpo.models.shapes import preset_spec

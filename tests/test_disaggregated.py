@@ -107,7 +107,7 @@ def test_disaggregated_trains_syncs_every_v_and_serves_the_trainers_weights(tmp_
 
 # ------------------------------------------------------------------------------ control
 def test_channel_gives_up_on_a_silent_peer_and_on_abort():
-    from megatron_grpo.rollout.server import Channel, PeerGone
+    from megatron_grpo.rollout.control import Channel, PeerGone
 
     store = dist.HashStore()
     ch = Channel(store, timeout_s=0.3)

@@ -105,7 +105,7 @@ def test_plan_bytes_of_the_7b_layouts():
 
 # ------------------------------------------------------------------------------ rollout.ahead
 def test_window_time_matches_the_hand_derived_limits():
-    from megatron_grpo.bench.projection import window_time
+    from megatron_grpo.bench.window_schedule import window_time
 
     r, t, s, v = 2.0, 3.0, 5.0, 4
     assert window_time(r, t, s, v, 0, "disaggregated") == v * (r + t) + s  # serial

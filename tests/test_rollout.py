@@ -325,7 +325,7 @@ def test_memory_kwargs_are_vllm_engine_args_on_both_devices(on_gpu, placement):
     argument would otherwise only fail on a user's GPU)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from megatron_grpo.rollout.engine import memory_kwargs
+    from megatron_grpo.rollout.vllm_setup import memory_kwargs
 
     kw = memory_kwargs(on_gpu, placement, 0.42, 0.5)
     args = EngineArgs(model="unused", **kw)

@@ -285,8 +285,9 @@ def test_drift_picture_only_for_runs_that_measured_drift(tmp_path):
 
 # ------------------------------------------------------------------------------ bench claim 5
 def test_claim_5_holds_the_syncs_equal_and_reports_them():
-    from megatron_grpo.bench.report import intervals_since_sync, reproduce_markdown
-    from megatron_grpo.bench.reproduce import CLAIMS, analyze_claim, matched_v, plan_runs
+    from megatron_grpo.bench.report_reproduce import intervals_since_sync, reproduce_markdown
+    from megatron_grpo.bench.reproduce_claims import CLAIMS, matched_sync_interval, plan_runs
+    from megatron_grpo.bench.reproduce_stats import analyze_claim
 
     runs, run_of = plan_runs([5])
     by = {r.name: r for r in runs}
@@ -295,7 +296,12 @@ def test_claim_5_holds_the_syncs_equal_and_reports_them():
     assert "sync.mode=adaptive" in by[run_of[(5, "adaptive")]].overrides
     assert [r.name for r in runs].index(matched.match) < [r.name for r in runs].index(matched.name)
     # 60 steps with 15 syncs -> v = 4 (15 syncs); 7 syncs -> v = 9 (6 syncs); none -> v = 60.
-    assert (matched_v(60, 15), matched_v(60, 7), matched_v(60, 0), matched_v(3, 9)) == (4, 9, 60, 1)
+    assert (
+        matched_sync_interval(60, 15),
+        matched_sync_interval(60, 7),
+        matched_sync_interval(60, 0),
+        matched_sync_interval(3, 9),
+    ) == (4, 9, 60, 1)
     assert intervals_since_sync([False, True, False, False, True]) == [1, 2, 1, 2, 3]
     curves = {"adaptive": {1: [0.2, 0.4], 2: [0.3, 0.5]},
               "fixed, same syncs": {1: [0.2, 0.4], 2: [0.3, 0.5]}, "v=1": {1: [0.2, 0.4], 2: [0.3, 0.5]}}  # fmt: skip

@@ -42,7 +42,12 @@ def config_nproc(config: str | None, overrides: Sequence[str]) -> int:
 
 
 def train_argv(
-    nproc: int, config: str | None, run_dir: Path, steps: int, v: int, overrides: Sequence[str]
+    nproc: int,
+    config: str | None,
+    run_dir: Path,
+    steps: int,
+    sync_interval: int,
+    overrides: Sequence[str],
 ) -> list[str]:
     """One benchmark run of ``megatron-grpo train`` (torchrun when ``nproc > 1``), with
     :data:`BENCH_OVERRIDES` and then ``overrides``."""
@@ -52,7 +57,7 @@ def train_argv(
         launch = [sys.executable, "-m", "megatron_grpo.cli.main"]
     # --overwrite: a re-run of the bench into the same out_dir replaces its runs.
     cmd = [*launch, "train", "--run-dir", str(run_dir), "--overwrite", "--steps", str(steps),
-           "--sync-interval", str(v)]  # fmt: skip
+           "--sync-interval", str(sync_interval)]  # fmt: skip
     if config:
         cmd += ["--config", config]
     return cmd + [*BENCH_OVERRIDES, *overrides]

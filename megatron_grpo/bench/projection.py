@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from megatron_grpo.bench.window_schedule import schedule_step_time
 from megatron_grpo.bridge.plan import build_plan, plan_report
 from megatron_grpo.distributed.placement import colocated_engines
 from megatron_grpo.layouts.megatron import MegatronLayout
@@ -74,27 +75,33 @@ def calibrate(x_a: float, v_a: int, x_b: float, v_b: int) -> tuple[float, float]
     return t_other, s
 
 
-def step_time(t_other: float, sync_s: float, v: float) -> float:
-    """Seconds per trainer step when a sync of ``sync_s`` seconds happens every ``v`` steps
-    (or every ``v`` steps on average: an adaptive run's mean interval)."""
-    if v < 1:
-        raise ValueError(f"v={v} must be >= 1.")
-    return t_other + sync_s / v
+def step_time(t_other: float, sync_s: float, sync_interval: float) -> float:
+    """Seconds per trainer step when a sync of ``sync_s`` seconds happens every
+    ``sync_interval`` steps
+    (or every ``sync_interval`` steps on average: an adaptive run's mean interval)."""
+    if sync_interval < 1:
+        raise ValueError(f"v={sync_interval} must be >= 1.")
+    return t_other + sync_s / sync_interval
 
 
-def throughput_ratio(t_other: float, sync_s: float, v: float, ref_v: float = 1) -> float:
-    """Steps/s at ``v`` over steps/s at ``ref_v`` (1 when ``sync_s`` is 0; grows with v)."""
-    return step_time(t_other, sync_s, ref_v) / step_time(t_other, sync_s, v)
+def throughput_ratio(
+    t_other: float, sync_s: float, sync_interval: float, ref_v: float = 1
+) -> float:
+    """Steps/s at ``sync_interval`` over steps/s at ``ref_v`` (1 when ``sync_s`` is 0; grows
+    with v)."""
+    return step_time(t_other, sync_s, ref_v) / step_time(t_other, sync_s, sync_interval)
 
 
-def sync_s_for_ratio(t_other: float, ratio: float, v: int) -> float:
+def sync_s_for_ratio(t_other: float, ratio: float, sync_interval: int) -> float:
     """The per-sync cost S that makes ``throughput_ratio(T_other, S, v) == ratio``."""
-    if v == 1:
+    if sync_interval == 1:
         raise ValueError("v=1: every S gives ratio 1; pick v > 1.")
     # (T + S) / (T + S/v) = r  ->  S (1 - r/v) = T (r - 1)
-    den = 1.0 - ratio / v
+    den = 1.0 - ratio / sync_interval
     if den <= 0:
-        raise ValueError(f"ratio {ratio} >= v={v} is unreachable (the bound is v as S -> inf).")
+        raise ValueError(
+            f"ratio {ratio} >= v={sync_interval} is unreachable (the bound is v as S -> inf)."
+        )
     return t_other * (ratio - 1.0) / den
 
 
@@ -119,12 +126,12 @@ class Assumptions:
     dtype_bytes: int = 2
     """bf16 weights on the wire."""
     nvlink_GBps: float = 450.0
-    """H100 SXM NVLink4, per GPU per direction (900 GB/s bidirectional); DESIGN.md §5:
-    15.2 GB in ~34 ms."""
+    """H100 SXM NVLink4, per GPU per direction (900 GB/s bidirectional): 15.2 GB in ~34 ms
+    (docs/benchmarks.md, "The anchors and the physical limits")."""
     pcie_GBps: float = 63.0
-    """PCIe Gen5 x16 usable (DESIGN.md §5: 15.2 GB in ~0.24 s)."""
+    """PCIe Gen5 x16 usable: 15.2 GB in ~0.24 s (docs/benchmarks.md, same section)."""
     nic_GBps: float = 50.0
-    """One 400 Gb/s NIC (DESIGN.md §5: 15.2 GB in ~0.30 s)."""
+    """One 400 Gb/s NIC: 15.2 GB in ~0.30 s (docs/benchmarks.md, same section)."""
     hbm_copy_GBps: float = 1675.0
     """A device-to-device copy on H100 (3.35 TB/s HBM3; a copy reads and writes)."""
     verl_sync_s: tuple[float, float] = (0.55, 0.79)
@@ -137,72 +144,6 @@ class Assumptions:
     """Gather+broadcast baseline on NVLink: NCCL's pipelined ring, ~M / link bandwidth
     for any number of receivers (the best case for the baseline; a naive root-sends-to-each
     broadcast would be (receivers - 1) x slower)."""
-
-
-# ------------------------------------------------------------------------------ schedule
-# rollout.ahead (rollout/ahead.py): what generating a window's batches ahead buys. With R the
-# seconds to generate (and score) one step's batch, T the trainer's seconds per step
-# (log-probs + SGD), S the seconds per sync, a window of v steps takes:
-#   serial                     v * (R + T) + S
-#   disaggregated, ahead >= v-1  R + v*T + S            when R <= T (the trainer is the pace)
-#                              v*R + T + S              when R > T  (the engines are)
-#   colocated, ahead >= v-1    R_batch(v) + v*T + S     (one call; no overlap on one device)
-# where R_batch(m) = R * (f + (1 - f) * m) models how a generate call of m steps' prompts
-# costs against one of a single step (f: the share of R that does not grow with the batch;
-# f = 0 on a saturated CPU, near 1 on a GPU far from saturation). ``window_time`` simulates
-# the schedule the code runs for any ahead (chunks of ahead+1 steps, each chunk launched when
-# the trainer asks for its first step), of which the lines above are the limits.
-
-
-def window_events(r: float, t: float, s: float, v: int, ahead: int, placement: str,
-                  batch_fixed: float = 0.0) -> list[tuple[str, str, float, float]]:  # fmt: skip
-    """The schedule of one sync window of ``v`` steps (the last one syncs) under
-    rollout.ahead, as ``(lane, label, start_s, end_s)`` with lanes ``vllm`` and ``trainer``.
-
-    ``r``: seconds to generate one step's batch, ``t``: trainer seconds per step, ``s``:
-    seconds per sync, ``placement``: ``colocated`` or ``disaggregated``, ``batch_fixed``:
-    the share f of ``r`` that a larger colocated call does not repeat (see above)."""
-    if v < 1 or ahead < 0 or min(r, t, s) < 0 or not 0 <= batch_fixed <= 1:
-        raise ValueError(
-            f"window_time(r={r}, t={t}, s={s}, v={v}, ahead={ahead}, batch_fixed="
-            f"{batch_fixed}): need v >= 1, ahead >= 0, times >= 0 and 0 <= batch_fixed <= 1."
-        )
-    if placement not in ("colocated", "disaggregated"):
-        raise ValueError(f"placement={placement!r}: 'colocated' or 'disaggregated'.")
-    events, trainer = [], 0.0
-    for first in range(0, v, ahead + 1):
-        m = min(ahead + 1, v - first)
-        if placement == "colocated":  # one call, then the trainer; nothing overlaps
-            gen = r * (batch_fixed + (1 - batch_fixed) * m) if m > 1 else r
-            steps = f"{first + 1}-{first + m}" if m > 1 else f"{first + 1}"
-            events.append(("vllm", f"gen {steps}", trainer, trainer + gen))
-            trainer += gen
-            for j in range(m):
-                events.append(("trainer", f"train {first + j + 1}", trainer, trainer + t))
-                trainer += t
-        else:  # queued back to back when the trainer asks for the chunk's first step
-            launched = trainer
-            for j in range(m):
-                ready = launched + (j + 1) * r
-                events.append(("vllm", f"gen {first + j + 1}", ready - r, ready))
-                start = max(ready, trainer)
-                events.append(("trainer", f"train {first + j + 1}", start, start + t))
-                trainer = start + t
-    events.append(("trainer", "sync", trainer, trainer + s))
-    events.append(("vllm", "sync", trainer, trainer + s))
-    return events
-
-
-def window_time(r: float, t: float, s: float, v: int, ahead: int, placement: str,
-                batch_fixed: float = 0.0) -> float:  # fmt: skip
-    """Seconds for one sync window (``window_events``' end)."""
-    return max(e[3] for e in window_events(r, t, s, v, ahead, placement, batch_fixed))
-
-
-def schedule_step_time(r: float, t: float, s: float, v: int, ahead: int, placement: str,
-                       batch_fixed: float = 0.0) -> float:  # fmt: skip
-    """Mean seconds per trainer step: ``window_time / v``."""
-    return window_time(r, t, s, v, ahead, placement, batch_fixed) / v
 
 
 def seven_b_disaggregated(
@@ -218,10 +159,10 @@ def seven_b_disaggregated(
     t_other, s = calibrate(xa, va, xb, vb)
     r, t = rollout_share * t_other, (1 - rollout_share) * t_other
     rows = []
-    for v in vs:
-        serial = schedule_step_time(r, t, s, v, 0, "disaggregated")
-        ahead = schedule_step_time(r, t, s, v, v - 1, "disaggregated")
-        rows.append({"v": v, "serial_step_s": serial, "ahead_step_s": ahead,
+    for sync_interval in vs:
+        serial = schedule_step_time(r, t, s, sync_interval, 0, "disaggregated")
+        ahead = schedule_step_time(r, t, s, sync_interval, sync_interval - 1, "disaggregated")
+        rows.append({"v": sync_interval, "serial_step_s": serial, "ahead_step_s": ahead,
                      "serial_it_s": 1 / serial, "ahead_it_s": 1 / ahead,
                      "speedup": serial / ahead})  # fmt: skip
     return {"rollout_s": r, "train_s": t, "sync_s": s, "rollout_share": rollout_share,
@@ -377,7 +318,10 @@ def project(
     b = plan_bytes(a)
     scenarios = default_scenarios(a, b, s_paper)
     for sc in scenarios:
-        sc.ratios = {v: throughput_ratio(t_other, sc.sync_s, v) for v in vs}
+        sc.ratios = {
+            sync_interval: throughput_ratio(t_other, sc.sync_s, sync_interval)
+            for sync_interval in vs
+        }
     by_layout = []
     for tp, pp in layouts:
         la = Assumptions(**{**asdict(a), "trainer_tp": tp, "trainer_pp": pp})
@@ -433,72 +377,3 @@ def calibrate_from_throughput(res: Mapping[str, Any]) -> dict[str, Any]:
             "predicted_ratio": throughput_ratio(t_other, s, r["v"], ref["v"]),
         })  # fmt: skip
     return {"reference_v": ref["v"], "t_other_s": t_other, "sync_s": s, "rows": rows}
-
-
-# ------------------------------------------------------------------------------ text
-
-
-def format_projection(p: Mapping[str, Any]) -> str:
-    c, a, b = p["calibration"], p["assumptions"], p["bytes"]
-    (va, xa), (vb, xb) = a["paper_it_s"]
-    vs = p["vs"]
-    out = [
-        f"Calibration ({a['model']}, {a['gpus']}xH100, vLLM TP={a['rollout_tp']} colocated):",
-        f"  1/{xa} = {1 / xa:.3f} s = T_other + S/{va}",
-        f"  1/{xb} = {1 / xb:.3f} s = T_other + S/{vb}",
-        f"  S = ({1 / xa:.3f} - {1 / xb:.3f}) / (1/{va} - 1/{vb}) = {c['sync_s']:.3f} s per sync;"
-        f" T_other = {c['t_other_s']:.3f} s per step "
-        f"(sync = {100 * c['sync_share_of_v1_step']:.1f}% of a v={va} step)",
-        f"Bytes per sync (bf16, trainer TP={a['trainer_tp']} PP={a['trainer_pp']} "
-        f"DP={a['gpus'] // (a['trainer_tp'] * a['trainer_pp'])} -> {b['engines']} engines x "
-        f"TP={a['rollout_tp']}): model {b['model_bytes'] / GB:.2f} GB; direct "
-        f"{b['direct_total'] / GiB:.2f} GiB ({b['direct_in_process'] / GiB:.2f} in-process, "
-        f"busiest rank {b['direct_busiest_rank'] / GiB:.2f} GiB cross); baseline "
-        f"{b['baseline_total'] / GiB:.2f} GiB (gather {b['baseline_gather_into_root'] / GiB:.2f}"
-        f" + broadcast wire {b['baseline_broadcast_wire'] / GiB:.2f} + root in-process)",
-        "",
-        f"{'scenario':<46}{'S (s)':>9}" + "".join(f"{f'v={v:g}':>8}" for v in vs),
-    ]
-    for s in p["scenarios"]:
-        out.append(
-            f"{s['name']:<46}{s['sync_s']:>9.3f}" + "".join(f"{s['ratios'][v]:>8.4f}" for v in vs)
-        )
-    if p.get("mean_interval") is not None:
-        out.append(f"(v={p['mean_interval']:g}: the observed mean interval of an adaptive run, "
-                   "--mean-interval; T_other + S / mean interval)")  # fmt: skip
-    out.append("")
-    out.append(f"{'trainer layout':<18}{'direct GiB':>11}{'busiest':>9}{'baseline GiB':>13}"
-               f"{'direct s':>10}{'base s':>9}{'dir v10':>9}{'base v10':>9}")  # fmt: skip
-    for lay in p["layouts"]:
-        lb = lay["bytes"]
-        out.append(
-            f"TP{lay['trainer_tp']} PP{lay['trainer_pp']} DP{lay['trainer_dp']:<9}"
-            f"{lb['direct_total'] / GiB:>11.2f}{lb['direct_busiest_rank'] / GiB:>9.2f}"
-            f"{lb['baseline_total'] / GiB:>13.2f}{lay['direct_wire_s']:>10.4f}"
-            f"{lay['baseline_wire_s']:>9.4f}{lay['direct_ratio_v10']:>9.4f}"
-            f"{lay['baseline_ratio_v10']:>9.4f}"
-        )
-    sch = p.get("schedule_7b_disaggregated")
-    if sch:
-        out += [
-            "",
-            f"rollout.ahead, 7B disaggregated on 2 nodes (vLLM node + trainer node; R = "
-            f"{sch['rollout_s']:.2f} s, T = {sch['train_s']:.2f} s: T_other split "
-            f"{sch['rollout_share']:.0%} rollout, an assumption; S = {sch['sync_s']:.2f} s):",
-            f"{'v':>4}{'serial s/step':>15}{'ahead s/step':>14}{'serial it/s':>13}"
-            f"{'ahead it/s':>12}{'speedup':>9}",
-        ]
-        for row in sch["rows"]:
-            out.append(
-                f"{row['v']:>4}{row['serial_step_s']:>15.2f}{row['ahead_step_s']:>14.2f}"
-                f"{row['serial_it_s']:>13.4f}{row['ahead_it_s']:>12.4f}{row['speedup']:>9.3f}"
-            )
-    g = p["gap"]
-    out += [
-        "",
-        f"Gap: the paper's S is {g['paper_S_over_verl_nccl']:.0f}x verl's NCCL sync and "
-        f"{g['paper_S_over_direct_wire']:.0f}x the bridge's NVLink wire time; 1.10x at v=10 "
-        f"needs S >= {g['S_needed_for_1.10x_at_v10']:.2f} s, 1.35x needs "
-        f"{g['S_needed_for_1.35x_at_v10']:.2f} s.",
-    ]
-    return "\n".join(out)

@@ -37,8 +37,8 @@ from megatron_grpo.bench.common import (
     run_logged,
     train_argv,
 )
-from megatron_grpo.bench.projection import schedule_step_time
 from megatron_grpo.bench.report import write_throughput_report
+from megatron_grpo.bench.window_schedule import schedule_step_time
 from megatron_grpo.config import load_config
 from megatron_grpo.metrics.logger import read_metrics
 from megatron_grpo.rollout.server import PIN_ENV
@@ -85,7 +85,7 @@ class ThroughputArgs:
 
 
 def check_args(a: ThroughputArgs) -> None:
-    if not a.vs or any(v < 1 for v in a.vs):
+    if not a.vs or any(sync_interval < 1 for sync_interval in a.vs):
         raise ValueError(f"--v {a.vs}: give sync periods >= 1, e.g. --v 1,2,5,10.")
     if len(set(a.vs)) != len(a.vs):
         raise ValueError(f"--v {a.vs}: each v once.")
@@ -102,7 +102,7 @@ def check_args(a: ThroughputArgs) -> None:
             f"--steps({a.steps}) leaves no measured step after --warmup({a.warmup}): use "
             f"--steps {a.warmup + max(a.vs)} or more."
         )
-    bad = [v for v in a.vs if n % v]
+    bad = [sync_interval for sync_interval in a.vs if n % sync_interval]
     if bad:
         lcm = math.lcm(*a.vs)
         raise ValueError(
@@ -127,10 +127,13 @@ def default_config() -> str | None:
     return str(path) if path.is_file() else None
 
 
-def train_command(a: ThroughputArgs, v: int, run_dir: Path, ahead: int = 0) -> list[str]:
-    """The command line of the run for sync period ``v`` (and rollout.ahead ``ahead``)."""
+def train_command(
+    a: ThroughputArgs, sync_interval: int, run_dir: Path, ahead: int = 0
+) -> list[str]:
+    """The command line of the run for sync period ``sync_interval`` (and rollout.ahead
+    ``ahead``)."""
     extra = [] if a.aheads == [0] else [f"rollout.ahead={ahead}"]
-    return train_argv(a.nproc, a.config, run_dir, a.steps, v, [*a.overrides, *extra])
+    return train_argv(a.nproc, a.config, run_dir, a.steps, sync_interval, [*a.overrides, *extra])
 
 
 """CPU lists (``0``, ``0-3``, ``0,2``) that ``rollout.server.join_world`` applies with
@@ -155,20 +158,24 @@ def _f(row: Mapping[str, Any], key: str) -> float:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else 0.0
 
 
-def analyze_run(rows: Sequence[Mapping[str, Any]], v: int, warmup: int) -> dict[str, Any]:
+def analyze_run(
+    rows: Sequence[Mapping[str, Any]], sync_interval: int, warmup: int
+) -> dict[str, Any]:
     """Rates and phase means of one run's metrics rows, its first ``warmup`` steps left out."""
-    return analyze_rounds([rows], v, warmup)
+    return analyze_rounds([rows], sync_interval, warmup)
 
 
 def analyze_rounds(
-    rounds: Sequence[Sequence[Mapping[str, Any]]], v: int, warmup: int, ahead: int = 0
+    rounds: Sequence[Sequence[Mapping[str, Any]]], sync_interval: int, warmup: int, ahead: int = 0
 ) -> dict[str, Any]:
     """Like :func:`analyze_run` over several runs of the same v (rounds), their measured
     steps pooled; ``steps_per_s_by_round`` keeps each round's own rate."""
     per_round = [[r for r in rows if r["step"] > warmup] for rows in rounds]
     if not all(per_round):
         n_rows = [len(rows) for rows in rounds]
-        raise ValueError(f"v={v}: no step after the {warmup} warm-up step(s) in {n_rows} rows")
+        raise ValueError(
+            f"v={sync_interval}: no step after the {warmup} warm-up step(s) in {n_rows} rows"
+        )
     measured = [r for rr in per_round for r in rr]
     rows = rounds[0]
     n = len(measured)
@@ -181,7 +188,7 @@ def analyze_rounds(
     sync_s = [_f(r, "time_sync") for r in synced]
     by_round = [len(rr) / sum(_f(r, "time_step") for r in rr) for rr in per_round]
     return {
-        "v": v,
+        "v": sync_interval,
         "ahead": ahead,
         "rounds": len(rounds),
         "steps_logged": len(rows),
@@ -210,16 +217,16 @@ def _key(r: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def predicted_ahead_speedup(serial: Mapping[str, Any], run: Mapping[str, Any]) -> float | None:
-    """What ``bench.projection.window_time`` predicts for ``run``'s rollout.ahead from the
+    """What ``bench.window_schedule.window_time`` predicts for ``run``'s rollout.ahead from the
     serial run's phases: R = rollout + reward, T = logprobs + train + other, S = seconds per
     sync (colocated: no batching gain assumed, f = 0, as on a saturated CPU)."""
-    p, v = serial["phase_mean_s"], serial["v"]
+    p, sync_interval = serial["phase_mean_s"], serial["v"]
     r, t = p["rollout"] + p["reward"], p["logprobs"] + p["train"] + p["other"]
     s = serial["sync_time_mean_s"] or 0.0
     placement = run.get("placement", "colocated")
     ahead = run.get("ahead", 0)
-    return schedule_step_time(r, t, s, v, 0, placement) / schedule_step_time(
-        r, t, s, v, ahead, placement
+    return schedule_step_time(r, t, s, sync_interval, 0, placement) / schedule_step_time(
+        r, t, s, sync_interval, ahead, placement
     )
 
 
@@ -274,43 +281,45 @@ def run_bench_throughput(a: ThroughputArgs, report: bool = True) -> dict[str, An
     env = pin_env(os.sched_getaffinity(0)) if a.pin and placement == "disaggregated" else {}
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    pairs = [(v, x) for v in sorted(a.vs) for x in sorted(a.aheads)]
+    pairs = [(sync_interval, x) for sync_interval in sorted(a.vs) for x in sorted(a.aheads)]
     commands: dict[tuple[int, int], str] = {}
     rows_of: dict[tuple[int, int], list] = {k: [] for k in pairs}
     walls: dict[tuple[int, int], list[float]] = {k: [] for k in pairs}
     loads: dict[tuple[int, int], list] = {k: [] for k in pairs}
     t_all = time.perf_counter()
     for rnd in range(a.rounds):  # round-robin: every pair sees the same drift of background load
-        for v, x in pairs:
-            name = f"v{v}" if a.aheads == [0] else f"v{v}_a{x}"
+        for sync_interval, x in pairs:
+            name = f"v{sync_interval}" if a.aheads == [0] else f"v{sync_interval}_a{x}"
             name += "" if a.rounds == 1 else f"_r{rnd}"
             run_dir = out / name
-            cmd = train_command(a, v, run_dir, x)
-            commands.setdefault((v, x), " ".join(cmd))
+            cmd = train_command(a, sync_interval, run_dir, x)
+            commands.setdefault((sync_interval, x), " ".join(cmd))
             print(f"[bench throughput] {name}: {' '.join(cmd)}", flush=True)
             run_dir.mkdir(parents=True, exist_ok=True)
             load_before = loadavg()
             wall = run_logged(cmd, out / f"{name}.log", a.timeout_s, a.threads, env)
             rows = read_metrics(run_dir / "metrics.jsonl")
-            rows_of[(v, x)].append(rows)
-            walls[(v, x)].append(wall)
+            rows_of[(sync_interval, x)].append(rows)
+            walls[(sync_interval, x)].append(wall)
             # On a shared machine other jobs' load moves every rate: keep it with the figures.
-            loads[(v, x)].append([load_before, loadavg()])
-            one = analyze_run(rows, v, a.warmup)
+            loads[(sync_interval, x)].append([load_before, loadavg()])
+            one = analyze_run(rows, sync_interval, a.warmup)
             print(
                 f"[bench throughput] {name}: {one['steps_per_s']:.4f} steps/s, "
                 f"{one['num_syncs']} syncs, {wall:.0f} s wall",
                 flush=True,
             )
     runs = []
-    for v, x in pairs:
-        res = analyze_rounds(rows_of[(v, x)], v, a.warmup, ahead=x)
-        res.update(placement=placement, wall_s=walls[(v, x)], loadavg_1m=loads[(v, x)][0],
-                   loadavg_1m_by_round=loads[(v, x)])  # fmt: skip
+    for sync_interval, x in pairs:
+        res = analyze_rounds(rows_of[(sync_interval, x)], sync_interval, a.warmup, ahead=x)
+        res.update(placement=placement, wall_s=walls[(sync_interval, x)],
+                   loadavg_1m=loads[(sync_interval, x)][0],
+                   loadavg_1m_by_round=loads[(sync_interval, x)])  # fmt: skip
         runs.append(res)
     result = compare(runs)
     result.update(
-        args=asdict(a), commands={f"v{v}_a{x}": c for (v, x), c in commands.items()},
+        args=asdict(a),
+        commands={f"v{sync_interval}_a{x}": c for (sync_interval, x), c in commands.items()},
         wall_s=time.perf_counter() - t_all, pinning=env or None,
         warmup_note=f"the first {a.warmup} step(s) of every run are excluded from rates/means",
         machine=machine_info(),

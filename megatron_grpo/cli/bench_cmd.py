@@ -126,7 +126,9 @@ def run_train(args: argparse.Namespace) -> int:
     and --max-len, right-padded): useful tokens/s, MFU, peak memory, their ratio, the
     log-prob difference of the two on the same weights, and (on GPU) the longest sequence
     each side trains. Prints a table, writes JSON (docs/benchmarks.md)."""
-    from megatron_grpo.bench.train import BenchTrainArgs, format_table, run_bench_train
+    from megatron_grpo.bench.train import run_bench_train
+    from megatron_grpo.bench.train_args import BenchTrainArgs
+    from megatron_grpo.bench.train_table import format_table
     from megatron_grpo.cli.errors import exit_on
 
     with exit_on(ValueError, 2):  # ConfigError is a ValueError
@@ -276,12 +278,8 @@ def run_project(args: argparse.Namespace) -> int:
     Calibrates step_time = T_other + S/v on the paper's two throughputs, computes the
     bridge's and the baseline's bytes per sync from the static plan, and predicts the
     v=1..20 throughput ratio for each sync-cost scenario. GPU-free, seconds."""
-    from megatron_grpo.bench.projection import (
-        Assumptions,
-        calibrate_from_throughput,
-        format_projection,
-        project,
-    )
+    from megatron_grpo.bench.projection import Assumptions, calibrate_from_throughput, project
+    from megatron_grpo.bench.projection_table import format_projection
 
     try:
         p = project(Assumptions(trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp),
@@ -313,7 +311,9 @@ def run_sync(args: argparse.Namespace) -> int:
     Spawns lcm(tp*pp, rollout-tp) local ranks, each a Megatron trainer rank hosting one
     colocated vLLM TP rank; runs the bridge, the baseline and a raw flat transfer of the
     same bytes over the same gloo group; prints a table, writes JSON."""
-    from megatron_grpo.bench.sync import BenchSyncArgs, format_table, run_bench_sync
+    from megatron_grpo.bench.sync import run_bench_sync
+    from megatron_grpo.bench.sync_args import BenchSyncArgs
+    from megatron_grpo.bench.sync_summary import format_table
     from megatron_grpo.cli.errors import exit_on_user_error
 
     with exit_on_user_error():

@@ -1,6 +1,6 @@
 """``RolloutEngine``: a thin layer over ``vllm.LLM`` that samples GRPO groups with logprobs.
 
-Two placements (DESIGN.md §3):
+Two placements (docs/rollout.md, ``RolloutEngine``):
 
 - ``colocated``: the engine is created inside an already running ``torch.distributed``
   world (torchrun, or processes spawned with a gloo group) with
@@ -24,9 +24,9 @@ temperature, top-k and top-p, i.e. the policy's logprob at temperature 1.
 ``logprobs_mode="processed"`` returns the logprob under the distribution actually sampled
 from (after temperature scaling and top-k/top-p masking); the trainer and eval use it
 (``from_config``), and the policy divides its logits by the same temperature, so the ratio
-pi/alpha compares the sampled distribution on both sides (DESIGN.md §7). At T=0 (greedy)
-vLLM's processed log-probs are the T=1 ``log_softmax`` (``Sampler.sample``, all-greedy
-branch). Prompt logprobs are the raw T=1 values in both modes
+pi/alpha compares the sampled distribution on both sides (docs/algorithms.md,
+"Temperature"). At T=0 (greedy) vLLM's processed log-probs are the T=1 ``log_softmax``
+(``Sampler.sample``, all-greedy branch). Prompt logprobs are the raw T=1 values in both modes
 (``gpu_model_runner._get_prompt_logprobs_dict``).
 
 Weight sync goes through ``megatron_grpo.bridge.receiver`` (vLLM's reload protocol); this
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -45,6 +44,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+from megatron_grpo.rollout.vllm_setup import (
+    bind_cpu_threads,
+    external_launcher_replica,
+    memory_kwargs,
+    own_cpu_shm_segment,
+    shutdown_in_process,
+    vllm_on_gpu,
+)
 
 if TYPE_CHECKING:
     from megatron_grpo.bridge.receiver import ShardReceiver
@@ -71,26 +79,6 @@ class Sample:
     """``"length"`` (hit ``max_new_tokens``) or ``"stop"`` (EOS or a stop token)."""
     weight_version: str | None = None
     """The weight version (``RolloutEngine.weight_version``) the engine held when sampling."""
-
-
-def _on_gpu() -> bool:
-    return torch.cuda.is_available()
-
-
-def memory_kwargs(
-    on_gpu: bool, placement: str, gpu_memory_utilization: float, cpu_kv_cache_gb: float
-) -> dict[str, Any]:
-    """vLLM's memory arguments, the one place ``LLM(...)`` differs by device: on GPU the
-    share of the device and, colocated, sleep mode (vLLM's sleep/wake are CUDA-only); on CPU
-    the KV cache size (the same knob as VLLM_CPU_KVCACHE_SPACE, vllm/v1/worker/cpu_worker.py
-    ``determine_available_memory`` reads ``cache_config.kv_cache_memory_bytes``).
-    tests/test_rollout.py checks both sides' names against vLLM's ``EngineArgs``."""
-    if on_gpu:
-        return {
-            "gpu_memory_utilization": gpu_memory_utilization,
-            "enable_sleep_mode": placement == "colocated",
-        }
-    return {"kv_cache_memory_bytes": int(cpu_kv_cache_gb * 2**30)}
 
 
 class RolloutEngine:
@@ -127,7 +115,7 @@ class RolloutEngine:
         self.seed = seed
         self.model_path = str(model_path)
         self.replica_index = 0
-        on_gpu = _on_gpu()
+        on_gpu = vllm_on_gpu()
         kwargs: dict[str, Any] = dict(
             model=self.model_path,
             tensor_parallel_size=tp,
@@ -144,14 +132,10 @@ class RolloutEngine:
         )
         kwargs.update(memory_kwargs(on_gpu, placement, gpu_memory_utilization, cpu_kv_cache_gb))
         if placement == "colocated":
-            self._prepare_external_launcher(tp)
+            self.replica_index = external_launcher_replica(tp)
             kwargs["distributed_executor_backend"] = "external_launcher"
-        elif not on_gpu and tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            ncpu = len(os.sched_getaffinity(0))
-            per = max(1, ncpu // tp)
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-                f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(tp)
-            )
+        elif not on_gpu:
+            bind_cpu_threads(tp)
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
         self._version = 0
@@ -183,35 +167,6 @@ class RolloutEngine:
             seed=cfg.seed,
             **kwargs,
         )
-
-    # ------------------------------------------------------------------ placement
-    def _prepare_external_launcher(self, tp: int) -> None:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "placement='colocated' runs vLLM inside an existing torch.distributed world "
-                "(external_launcher), but no process group is initialized: call "
-                "torch.distributed.init_process_group first (torchrun), or use "
-                "placement='disaggregated'."
-            )
-        world, rank = dist.get_world_size(), dist.get_rank()
-        if world % tp:
-            raise ValueError(
-                f"rollout.tp={tp} must divide the world size {world}: external_launcher puts "
-                f"ranks [k*tp, (k+1)*tp) in rollout replica k. Set rollout.tp to a divisor of "
-                f"{world}."
-            )
-        # vllm/v1/executor/uniproc_executor.py: ExecutorWithExternalLauncher reads RANK and
-        # LOCAL_RANK from the environment (torchrun sets them; spawned processes may not).
-        os.environ.setdefault("RANK", str(rank))
-        os.environ.setdefault("LOCAL_RANK", str(rank))
-        if int(os.environ["RANK"]) != rank:
-            raise RuntimeError(
-                f"RANK={os.environ['RANK']} in the environment but torch.distributed rank is "
-                f"{rank}: external_launcher would build the wrong groups; fix the launcher."
-            )
-        self.replica_index = rank // tp
 
     @property
     def is_colocated(self) -> bool:
@@ -306,7 +261,7 @@ class RolloutEngine:
         (vllm/entrypoints/llm.py ``LLM.sleep``; the memory is vLLM's CuMemAllocator pools,
         vllm/device_allocator/cumem.py). Needs ``enable_sleep_mode`` (set for colocated
         engines on GPU)."""
-        if not _on_gpu():
+        if not vllm_on_gpu():
             log.info("rollout: sleep() is a no-op on CPU (vLLM has no sleep mode there).")
             return
         self.llm.sleep(level=level)
@@ -314,7 +269,7 @@ class RolloutEngine:
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Re-allocate what ``sleep`` freed: ``tags=["weights"]`` first (the weight sync
         writes into them), ``["kv_cache"]`` just before generating; None: everything."""
-        if not _on_gpu():
+        if not vllm_on_gpu():
             log.info("rollout: wake_up() is a no-op on CPU.")
             return
         self.llm.wake_up(tags=tags)
@@ -452,52 +407,12 @@ class RolloutEngine:
         if llm is None:
             return
         self.llm = None  # type: ignore[assignment]
-        shm = self._own_cpu_shm_segment() if self.is_colocated else None
+        shm = own_cpu_shm_segment() if self.is_colocated else None
         if self.is_colocated:
-            self._shutdown_in_process(llm)
+            shutdown_in_process(llm)
         else:
             llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
         if shm is not None:
             shm.unlink(missing_ok=True)
-
-    @staticmethod
-    def _own_cpu_shm_segment() -> Path | None:
-        """This rank's /dev/shm segment of vLLM's CPU TP all-reduce, or None.
-
-        vLLM's CPU SHM communicator (vllm/distributed/device_communicators/cpu_communicator.py,
-        ``_CPUSHMDistributed``) creates one segment per TP rank, named after
-        ``VLLM_DIST_IDENT`` and the group (cpu_worker.py sets the identifier from the init
-        method, which under external_launcher is ``env://`` for every run), and nothing
-        unlinks it: the next colocated TP>1 engine on the machine then fails with ``create
-        shm in SHMManager failed. errno: 17``. Each rank unlinks its own segment at shutdown
-        (the other ranks' mappings stay valid).
-        """
-        from vllm.distributed import parallel_state as vps
-
-        try:
-            tp = vps.get_tp_group()
-        except AssertionError:  # no vLLM groups
-            return None
-        mod = getattr(tp.device_communicator, "dist_module", None)
-        name = getattr(mod, "group_name", None)
-        if not name:
-            return None
-        return Path("/dev/shm") / f"{name.lstrip('/')}_{tp.rank_in_group}"
-
-    @staticmethod
-    def _shutdown_in_process(llm: Any) -> None:
-        """EngineCore.shutdown (vllm/v1/engine/core.py) minus destroying the default group:
-        stop the executor and scheduler, then destroy only vLLM's own groups."""
-        from vllm.distributed import parallel_state as vps
-
-        core = llm.llm_engine.engine_core.engine_core
-        core.model_executor.shutdown()
-        if core.scheduler is not None:
-            core.scheduler.shutdown()
-        gc.unfreeze()
-        vps.destroy_model_parallel()
-        if vps._WORLD is not None:  # a new_group over WORLD, not WORLD itself
-            vps._WORLD.destroy()
-            vps._WORLD = None

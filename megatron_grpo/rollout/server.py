@@ -14,7 +14,7 @@ Three channels, each with one job:
   asserts ``world_size == tp*pp*cp*dp``) and its optimizer/checkpoint code calls
   ``torch.distributed`` collectives on the default group, so giving the trainers their own
   default group is the one change that keeps all of that untouched.
-- **control** (this module): small pickled messages in torchrun's rendezvous store
+- **control** (``rollout/control.py``): small pickled messages in torchrun's rendezvous store
   (``TCPStore``): trainer rank 0 posts commands ``cmd/<seq>`` (generate, init_transfer,
   update, stop), each driver answers ``res/<seq>/<e>``; waits poll with liveness checks
   (heartbeat counters both ways), so a dead peer ends in a clear error, never a hang.
@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import signal
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,23 +42,17 @@ from megatron_grpo.bridge.weight_sync import PlanInputs, init_transfer_group, re
 from megatron_grpo.config import Config
 from megatron_grpo.distributed.placement import RankPlacement, place_ranks
 from megatron_grpo.rollout.colocated import engine_slice
+from megatron_grpo.rollout.control import Channel, engine_beat, trainer_beat
 from megatron_grpo.rollout.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
 
-_PREFIX = "megatron_grpo/ctl/"
-_HEARTBEAT_S = 2.0
-_POLL_S = 0.02
 # torchrun's environment, dropped in the driver before vLLM spawns its processes: they must
 # not mistake themselves for ranks of the torchrun world.
 _TORCHRUN_ENV = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
     "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
 )  # fmt: skip
-
-
-class PeerGone(RuntimeError):
-    """The other side of the control channel stopped beating."""
 
 
 @dataclass
@@ -132,69 +124,6 @@ def pin_role(is_trainer: bool, rollout_tp: int) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", spec)
 
 
-# ------------------------------------------------------------------------------ channel
-class Channel:
-    """Pickled messages and heartbeats in a key-value store (the control channel)."""
-
-    def __init__(self, store: Any, timeout_s: float) -> None:
-        self.store = dist.PrefixStore(_PREFIX, store)
-        self.timeout_s = timeout_s
-        self._beat_stop = threading.Event()
-
-    def post(self, key: str, obj: Any) -> None:
-        self.store.set(key, pickle.dumps(obj))
-
-    def beat_forever(self, key: str) -> None:
-        """Bump ``key`` every few seconds from a daemon thread until ``stop_beating``."""
-
-        def beat() -> None:
-            while not self._beat_stop.is_set():
-                try:
-                    self.store.add(key, 1)
-                except Exception:  # noqa: BLE001 - the store is gone: the job is ending
-                    return
-                self._beat_stop.wait(_HEARTBEAT_S)
-
-        self.store.add(key, 1)
-        threading.Thread(target=beat, name=f"heartbeat-{key}", daemon=True).start()
-
-    def stop_beating(self) -> None:
-        self._beat_stop.set()
-
-    def wait(self, key: str, alive: list[str], what: str, take: bool = True) -> Any:
-        """The object at ``key`` once posted; raises ``PeerGone`` when any heartbeat in
-        ``alive`` has not moved for ``timeout_s`` (a peer that never started counts)."""
-        last = {k: (self.store.add(k, 0), time.monotonic()) for k in alive}
-        while not self.store.check([key]):
-            if self.store.check(["abort"]):
-                reason = pickle.loads(self.store.get("abort"))
-                raise PeerGone(f"gave up waiting for {what}: {reason}")
-            now = time.monotonic()
-            for k in alive:
-                value = self.store.add(k, 0)
-                if value != last[k][0]:
-                    last[k] = (value, now)
-                elif now - last[k][1] > self.timeout_s:
-                    raise PeerGone(
-                        f"waited {self.timeout_s:.0f}s (parallel.timeout_s) for {what}, and "
-                        f"heartbeat {k!r} stopped: that process died or hangs. Check its log; "
-                        "the other ranks stop."
-                    )
-            time.sleep(_POLL_S)
-        value = pickle.loads(self.store.get(key))
-        if take:
-            self.store.delete_key(key)
-        return value
-
-
-def _trainer_beat() -> str:
-    return "hb/trainer"
-
-
-def _engine_beat(e: int) -> str:
-    return f"hb/engine/{e}"
-
-
 # ------------------------------------------------------------------------------ server
 def serve(cfg: Config, world: DisaggregatedWorld) -> dict[str, Any]:
     """A rollout rank's whole life: host (driver) or idle beside an engine until ``stop``."""
@@ -261,7 +190,7 @@ def _start_engine(cfg: Config, hf_dir: Any, e: int, ch: Channel) -> Any:
             cfg.rollout.tp,
             torch.cuda.device_count(),
         )
-    ch.beat_forever(_engine_beat(e))
+    ch.beat_forever(engine_beat(e))
     t0 = time.perf_counter()
     try:
         engine = RolloutEngine.from_config(hf_dir, cfg.rollout)
@@ -276,7 +205,7 @@ def _start_engine(cfg: Config, hf_dir: Any, e: int, ch: Channel) -> Any:
 def _serve_loop(cfg: Config, ch: Channel, engine: Any, e: int, rank: int) -> dict[str, Any]:
     seq = 0
     while True:
-        cmd = ch.wait(f"cmd/{seq}", [_trainer_beat()], f"command {seq} from trainer rank 0",
+        cmd = ch.wait(f"cmd/{seq}", [trainer_beat()], f"command {seq} from trainer rank 0",
                       take=False)  # fmt: skip
         op = cmd["op"]
         if op == "stop":
@@ -325,7 +254,7 @@ class RolloutClient:
         self._seq = 0
         self._stopped = False
         if self.ch is not None:
-            self.ch.beat_forever(_trainer_beat())
+            self.ch.beat_forever(trainer_beat())
 
     # -- rank 0's side of the protocol
     def _post(self, op: str, **payload: Any) -> int:
@@ -338,7 +267,7 @@ class RolloutClient:
         assert self.ch is not None
         out = []
         for e in range(self.engines):
-            r = self.ch.wait(f"res/{seq}/{e}", [_engine_beat(e)], f"engine {e}'s {what}")
+            r = self.ch.wait(f"res/{seq}/{e}", [engine_beat(e)], f"engine {e}'s {what}")
             if isinstance(r, dict) and "error" in r:
                 raise RuntimeError(
                     f"rollout engine {e} (rank {self.world.placement.engines[e][0]}) failed "
@@ -373,7 +302,7 @@ class RolloutClient:
             assert self.ch is not None
             secs = []
             for e in range(self.engines):
-                r = self.ch.wait(f"ready/{e}", [_engine_beat(e)], f"engine {e} to start")
+                r = self.ch.wait(f"ready/{e}", [engine_beat(e)], f"engine {e} to start")
                 if "error" in r:
                     raise RuntimeError(f"rollout engine {e} failed to start: {r['error']}")
                 secs.append(r["seconds"])

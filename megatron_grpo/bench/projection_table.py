@@ -1,0 +1,76 @@
+"""``bench project``'s text report (the model: ``bench/projection.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from megatron_grpo.bench.projection import GB, GiB
+
+
+def format_projection(p: Mapping[str, Any]) -> str:
+    c, a, b = p["calibration"], p["assumptions"], p["bytes"]
+    (va, xa), (vb, xb) = a["paper_it_s"]
+    vs = p["vs"]
+    out = [
+        f"Calibration ({a['model']}, {a['gpus']}xH100, vLLM TP={a['rollout_tp']} colocated):",
+        f"  1/{xa} = {1 / xa:.3f} s = T_other + S/{va}",
+        f"  1/{xb} = {1 / xb:.3f} s = T_other + S/{vb}",
+        f"  S = ({1 / xa:.3f} - {1 / xb:.3f}) / (1/{va} - 1/{vb}) = {c['sync_s']:.3f} s per sync;"
+        f" T_other = {c['t_other_s']:.3f} s per step "
+        f"(sync = {100 * c['sync_share_of_v1_step']:.1f}% of a v={va} step)",
+        f"Bytes per sync (bf16, trainer TP={a['trainer_tp']} PP={a['trainer_pp']} "
+        f"DP={a['gpus'] // (a['trainer_tp'] * a['trainer_pp'])} -> {b['engines']} engines x "
+        f"TP={a['rollout_tp']}): model {b['model_bytes'] / GB:.2f} GB; direct "
+        f"{b['direct_total'] / GiB:.2f} GiB ({b['direct_in_process'] / GiB:.2f} in-process, "
+        f"busiest rank {b['direct_busiest_rank'] / GiB:.2f} GiB cross); baseline "
+        f"{b['baseline_total'] / GiB:.2f} GiB (gather {b['baseline_gather_into_root'] / GiB:.2f}"
+        f" + broadcast wire {b['baseline_broadcast_wire'] / GiB:.2f} + root in-process)",
+        "",
+        f"{'scenario':<46}{'S (s)':>9}"
+        + "".join(f"{f'v={sync_interval:g}':>8}" for sync_interval in vs),
+    ]
+    for s in p["scenarios"]:
+        out.append(
+            f"{s['name']:<46}{s['sync_s']:>9.3f}"
+            + "".join(f"{s['ratios'][sync_interval]:>8.4f}" for sync_interval in vs)
+        )
+    if p.get("mean_interval") is not None:
+        out.append(f"(v={p['mean_interval']:g}: the observed mean interval of an adaptive run, "
+                   "--mean-interval; T_other + S / mean interval)")  # fmt: skip
+    out.append("")
+    out.append(f"{'trainer layout':<18}{'direct GiB':>11}{'busiest':>9}{'baseline GiB':>13}"
+               f"{'direct s':>10}{'base s':>9}{'dir v10':>9}{'base v10':>9}")  # fmt: skip
+    for lay in p["layouts"]:
+        lb = lay["bytes"]
+        out.append(
+            f"TP{lay['trainer_tp']} PP{lay['trainer_pp']} DP{lay['trainer_dp']:<9}"
+            f"{lb['direct_total'] / GiB:>11.2f}{lb['direct_busiest_rank'] / GiB:>9.2f}"
+            f"{lb['baseline_total'] / GiB:>13.2f}{lay['direct_wire_s']:>10.4f}"
+            f"{lay['baseline_wire_s']:>9.4f}{lay['direct_ratio_v10']:>9.4f}"
+            f"{lay['baseline_ratio_v10']:>9.4f}"
+        )
+    sch = p.get("schedule_7b_disaggregated")
+    if sch:
+        out += [
+            "",
+            f"rollout.ahead, 7B disaggregated on 2 nodes (vLLM node + trainer node; R = "
+            f"{sch['rollout_s']:.2f} s, T = {sch['train_s']:.2f} s: T_other split "
+            f"{sch['rollout_share']:.0%} rollout, an assumption; S = {sch['sync_s']:.2f} s):",
+            f"{'v':>4}{'serial s/step':>15}{'ahead s/step':>14}{'serial it/s':>13}"
+            f"{'ahead it/s':>12}{'speedup':>9}",
+        ]
+        for row in sch["rows"]:
+            out.append(
+                f"{row['v']:>4}{row['serial_step_s']:>15.2f}{row['ahead_step_s']:>14.2f}"
+                f"{row['serial_it_s']:>13.4f}{row['ahead_it_s']:>12.4f}{row['speedup']:>9.3f}"
+            )
+    g = p["gap"]
+    out += [
+        "",
+        f"Gap: the paper's S is {g['paper_S_over_verl_nccl']:.0f}x verl's NCCL sync and "
+        f"{g['paper_S_over_direct_wire']:.0f}x the bridge's NVLink wire time; 1.10x at v=10 "
+        f"needs S >= {g['S_needed_for_1.10x_at_v10']:.2f} s, 1.35x needs "
+        f"{g['S_needed_for_1.35x_at_v10']:.2f} s.",
+    ]
+    return "\n".join(out)

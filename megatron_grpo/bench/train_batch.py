@@ -1,0 +1,96 @@
+"""``bench train``'s GRPO batch (the command: ``bench/train.py``): the seeded right-padded
+batch both sides run, the loss inputs its first log-prob pass gives it, its padded
+micro-batches, and the one-sequence batch of the longest-sequence search."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_grpo.algorithms.aggregation import compute_global_normalizers, make_loss_fn
+from megatron_grpo.config.schema import GRPOConfig
+
+LOGP_NOISE = 0.05
+"""Std of the noise that makes ``rollout_logp`` differ from the trainer's log-probs."""
+
+
+def make_batch(
+    vocab_size: int, rows: int, prompt_len: int, min_len: int, max_len: int, seed: int
+) -> dict[str, torch.Tensor]:
+    """A right-padded GRPO batch on the CPU: ``input_ids``, ``attention_mask`` (1 on real
+    tokens), ``loss_mask`` and ``response_mask`` (1 on response tokens), ``advantages``
+    (whitened normal, one per row). Token ids avoid the three special ids of the tiny
+    tokenizer."""
+    g = torch.Generator().manual_seed(seed)
+    lo = max(1, prompt_len - prompt_len // 8)
+    prompts = torch.randint(lo, prompt_len + 1, (rows,), generator=g).tolist()
+    responses = torch.randint(min_len, max_len + 1, (rows,), generator=g).tolist()
+    length = max(p + r for p, r in zip(prompts, responses))
+    ids = torch.zeros(rows, length, dtype=torch.long)
+    attn = torch.zeros(rows, length)
+    resp = torch.zeros(rows, length)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        ids[b, : p + r] = torch.randint(3, vocab_size, (p + r,), generator=g)
+        attn[b, : p + r] = 1
+        resp[b, p : p + r] = 1
+    adv = torch.randn(rows, generator=g)
+    adv = (adv - adv.mean()) / adv.std().clamp(min=1e-6) if rows > 1 else adv
+    return {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "loss_mask": resp,
+        "response_mask": resp.clone(),
+        "advantages": adv,
+    }
+
+
+def add_loss_inputs(batch: dict, logp: torch.Tensor, seed: int) -> dict:
+    """The batch with what the GRPO loss reads: ``old_logp`` and ``ref_logp`` (the log-prob
+    pass's ``logp``), ``rollout_logp`` (the same plus noise, on response tokens) and the
+    global normalizers of a one-rank mini-batch."""
+    g = torch.Generator().manual_seed(seed + 1)
+    mask = batch["loss_mask"]
+    noise = torch.randn(logp.shape, generator=g) * LOGP_NOISE
+    out = dict(
+        batch, old_logp=logp * mask, ref_logp=logp * mask, rollout_logp=(logp + noise) * mask
+    )
+    out.update(compute_global_normalizers(mask))
+    return out
+
+
+def grpo_loss_fn():
+    """The clipped off-policy surrogate with a k3 KL term (beta 0.1, the paper's GSM8K
+    setup) and token-mean aggregation, built once as the trainer builds it."""
+    return make_loss_fn(GRPOConfig(kl_coef=0.1))
+
+
+def micro_batches(batch: dict, size: int) -> list[tuple[slice, int, dict]]:
+    """(rows, trimmed length, micro-batch) of ``size`` rows in order, each trimmed to its
+    own longest sequence (the padded path of ``Policy``; right padding needs no mask)."""
+    b, seq = batch["input_ids"].shape
+    out = []
+    for start in range(0, b, size):
+        rows = slice(start, min(start + size, b))
+        nz = batch["attention_mask"][rows].nonzero()
+        length = max(int(nz[:, 1].max()) + 1 if len(nz) else 1, 2)
+        mb = {}
+        for k, v in batch.items():
+            t = v[rows] if v.dim() >= 1 else v
+            mb[k] = t[:, :length].contiguous() if t.dim() >= 2 and t.shape[1] == seq else t
+        out.append((rows, length, mb))
+    return out
+
+
+def one_sequence(vocab_size: int, length: int, prompt_len: int, seed: int) -> dict:
+    """A batch of one sequence of exactly ``length`` tokens, its first
+    ``min(prompt_len, length // 2)`` the prompt (what the length search trains)."""
+    g = torch.Generator().manual_seed(seed)
+    resp = torch.zeros(1, length)
+    resp[:, min(prompt_len, length // 2) :] = 1
+    ids = torch.randint(3, vocab_size, (1, length), generator=g)
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones(1, length),
+        "loss_mask": resp,
+        "response_mask": resp.clone(),
+        "advantages": torch.ones(1),
+    }

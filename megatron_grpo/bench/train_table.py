@@ -1,0 +1,82 @@
+"""``bench train``'s console table (the command: ``bench/train.py``)."""
+
+from __future__ import annotations
+
+
+def _packing(budget: int | None) -> str:
+    return f"packed, {budget:,} tokens per micro-batch" if budget else "padded rows"
+
+
+def _num(x: float | None, fmt: str, na: str = "n/a") -> str:
+    return na if x is None else format(x, fmt)
+
+
+def _phase_cells(d: dict) -> str:
+    """One phase's four columns (seconds, tokens/s, MFU, peak GiB), or CUDA OOM."""
+    if d.get("oom"):
+        return f"{'CUDA OOM':>40}"
+    mfu = None if d["mfu"] is None else 100 * d["mfu"]
+    return (
+        f"{d['median_s']:>9.4f}{d['useful_tokens_per_s']:>11,.0f}"
+        f"{_num(mfu, '.1f') + ('%' if mfu is not None else ''):>9}"
+        f"{_num(d['peak_gib'], '.2f'):>11}"
+    )
+
+
+def format_table(res: dict) -> str:
+    """The console table of a ``bench train`` result."""
+    b, spec = res["batch"], res["spec"]
+    peak = res["peak_tflops"]
+    lines = [
+        f"bench train: {res['preset']} ({res['sides']['project']['num_parameters'] / 1e6:.1f}M "
+        f"params, {spec['num_layers']} layers), {res['device_name']}, {res['dtype']}, peak "
+        f"{_num(peak, '.0f')} TFLOP/s",
+        f"batch: {b['rows']} rows, prompts ~{b['prompt_len']}, responses {b['min_len']}.."
+        f"{b['max_len']} (seed {b['seed']}): {b['useful_tokens']:,} useful tokens, "
+        f"{b['padded_tokens']:,} padded; micro-batch {b['micro_batch_size']} rows (project: "
+        f"{_packing(b['project_micro_batch_tokens'])}); median of "
+        f"{res['steps']} after {res['warmup']} warm-up",
+        f"{'':<12}{'train step':^40}{'log-prob pass':^40}",
+        f"{'side':<12}"
+        + f"{'s':>9}{'tok/s':>11}{'MFU 6N':>9}{'peak GiB':>11}"
+        + f"{'s':>9}{'tok/s':>11}{'MFU 2N':>9}{'peak GiB':>11}",
+    ]
+
+    for name, s in res["sides"].items():
+        lines.append(f"{name:<12}" + _phase_cells(s["train"]) + _phase_cells(s["logprob"]))
+    r = res["ratio"]
+    lines.append(
+        f"{'project/hf':<12}{_num(r['train'], '.2f') + 'x tokens/s':>40}"
+        f"{_num(r['logprob'], '.2f') + 'x tokens/s':>40}"
+    )
+    if res["search"]:
+        parts = []
+        for name, s in res["sides"].items():
+            ls = s["largest_trainable"]
+            fail = [t["length"] for t in ls["tried"] if not t["ok"]]
+            ok = [t for t in ls["tried"] if t["ok"]]
+            at = f" ({ok[-1]['peak_gib']:.1f} GiB)" if ok and ok[-1]["peak_gib"] else ""
+            end = f", {fail[0]:,} OOM" if fail else f", cap {ls['cap']:,}"
+            parts.append(f"{name} {_num(ls['largest'], ',')}{at}{end}")
+        lines.append("largest sequence that trains: " + "; ".join(parts))
+    par = res["logprob_parity"]
+    if par:
+        lines.append(
+            f"log-prob parity on the same initial weights: max |diff| "
+            f"{par['max_abs_diff']:.2e}, mean {par['mean_abs_diff']:.2e} over "
+            f"{par['tokens']:,} tokens"
+        )
+    fs = {n: s.get("first_step") for n, s in res["sides"].items()}
+    if all(fs.values()):
+        lines.append(
+            "first step: "
+            + "; ".join(
+                f"{n} loss {v['loss']:.6f} grad norm {v['grad_norm']:.6f}" for n, v in fs.items()
+            )
+        )
+    lines.append(
+        f"MFU: {res['flop_params'] / 1e6:.1f}M matmul parameters x 6 (train) / 2 "
+        "(log-prob) FLOPs per useful token, attention FLOPs not included "
+        "(JSON: mfu_with_attention)"
+    )
+    return "\n".join(lines)

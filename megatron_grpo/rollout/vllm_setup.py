@@ -1,0 +1,117 @@
+"""How ``RolloutEngine`` (rollout/engine.py) builds and tears down a ``vllm.LLM`` in each
+placement (docs/rollout.md, ``RolloutEngine``): the memory arguments by device, the checks
+and environment ``external_launcher`` needs, the CPU thread binding of a standalone TP > 1
+engine, and a colocated engine's teardown that leaves the trainer's process group alone."""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def vllm_on_gpu() -> bool:
+    """Whether vLLM runs on a CUDA device here (its sleep mode and memory arguments differ)."""
+    return torch.cuda.is_available()
+
+
+def memory_kwargs(
+    on_gpu: bool, placement: str, gpu_memory_utilization: float, cpu_kv_cache_gb: float
+) -> dict[str, Any]:
+    """vLLM's memory arguments, the one place ``LLM(...)`` differs by device: on GPU the
+    share of the device and, colocated, sleep mode (vLLM's sleep/wake are CUDA-only); on CPU
+    the KV cache size (the same knob as VLLM_CPU_KVCACHE_SPACE, vllm/v1/worker/cpu_worker.py
+    ``determine_available_memory`` reads ``cache_config.kv_cache_memory_bytes``).
+    tests/test_rollout.py checks both sides' names against vLLM's ``EngineArgs``."""
+    if on_gpu:
+        return {
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "enable_sleep_mode": placement == "colocated",
+        }
+    return {"kv_cache_memory_bytes": int(cpu_kv_cache_gb * 2**30)}
+
+
+def external_launcher_replica(tp: int) -> int:
+    """Check the torch.distributed world for ``external_launcher`` and set RANK/LOCAL_RANK
+    where the launcher did not; returns this rank's rollout replica (``rank // tp``)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "placement='colocated' runs vLLM inside an existing torch.distributed world "
+            "(external_launcher), but no process group is initialized: call "
+            "torch.distributed.init_process_group first (torchrun), or use "
+            "placement='disaggregated'."
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % tp:
+        raise ValueError(
+            f"rollout.tp={tp} must divide the world size {world}: external_launcher puts "
+            f"ranks [k*tp, (k+1)*tp) in rollout replica k. Set rollout.tp to a divisor of "
+            f"{world}."
+        )
+    # vllm/v1/executor/uniproc_executor.py: ExecutorWithExternalLauncher reads RANK and
+    # LOCAL_RANK from the environment (torchrun sets them; spawned processes may not).
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    if int(os.environ["RANK"]) != rank:
+        raise RuntimeError(
+            f"RANK={os.environ['RANK']} in the environment but torch.distributed rank is "
+            f"{rank}: external_launcher would build the wrong groups; fix the launcher."
+        )
+    return rank // tp
+
+
+def bind_cpu_threads(tp: int) -> None:
+    """A standalone CPU engine with TP > 1: one block of cores per worker in
+    ``VLLM_CPU_OMP_THREADS_BIND`` unless the caller set it (vLLM's NUMA auto-binding asserts
+    on small machines, vllm/utils/ompmultiprocessing.py)."""
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        ncpu = len(os.sched_getaffinity(0))
+        per = max(1, ncpu // tp)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(tp)
+        )
+
+
+def own_cpu_shm_segment() -> Path | None:
+    """This rank's /dev/shm segment of vLLM's CPU TP all-reduce, or None.
+
+    vLLM's CPU SHM communicator (vllm/distributed/device_communicators/cpu_communicator.py,
+    ``_CPUSHMDistributed``) creates one segment per TP rank, named after
+    ``VLLM_DIST_IDENT`` and the group (cpu_worker.py sets the identifier from the init
+    method, which under external_launcher is ``env://`` for every run), and nothing
+    unlinks it: the next colocated TP>1 engine on the machine then fails with ``create
+    shm in SHMManager failed. errno: 17``. Each rank unlinks its own segment at shutdown
+    (the other ranks' mappings stay valid).
+    """
+    from vllm.distributed import parallel_state as vps
+
+    try:
+        tp = vps.get_tp_group()
+    except AssertionError:  # no vLLM groups
+        return None
+    mod = getattr(tp.device_communicator, "dist_module", None)
+    name = getattr(mod, "group_name", None)
+    if not name:
+        return None
+    return Path("/dev/shm") / f"{name.lstrip('/')}_{tp.rank_in_group}"
+
+
+def shutdown_in_process(llm: Any) -> None:
+    """EngineCore.shutdown (vllm/v1/engine/core.py) minus destroying the default group:
+    stop the executor and scheduler, then destroy only vLLM's own groups."""
+    from vllm.distributed import parallel_state as vps
+
+    core = llm.llm_engine.engine_core.engine_core
+    core.model_executor.shutdown()
+    if core.scheduler is not None:
+        core.scheduler.shutdown()
+    gc.unfreeze()
+    vps.destroy_model_parallel()
+    if vps._WORLD is not None:  # a new_group over WORLD, not WORLD itself
+        vps._WORLD.destroy()
+        vps._WORLD = None
