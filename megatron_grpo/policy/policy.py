@@ -162,6 +162,11 @@ class Policy:
         return bool(self.training and self.training.distributed_optimizer)
 
     # ------------------------------------------------------------------- forward plumbing
+    def _split(self, batch: Batch, micro_batch_size: int, token_budget: int | None) -> list:
+        return split_batch(
+            batch, micro_batch_size, token_budget, self._length_multiple, can_pack=self.can_pack
+        )
+
     def _run_schedule(self, mbs: list, step_fn: Callable, forward_only: bool) -> list:
         num_mb = len(mbs)
         if self.ctx.vpp and num_mb % self.ctx.pp:
@@ -183,11 +188,11 @@ class Policy:
             forward_only=forward_only,
         )
 
-    def _schedule_step(self, rows: LossFn) -> Callable:
+    def _schedule_step(self, score: LossFn) -> Callable:
         """megatron's ``forward_step_func`` for one micro-batch: the model's logits, and a
         reduction that scores them (``logp``, ``entropy`` [n, L] of the padded rows) and
         hands them with the micro-batch's tensors, moved to the logits' device, to
-        ``rows(logp, entropy, mb) -> (loss, reduced)``."""
+        ``score(logp, entropy, mb) -> (loss, reduced)``."""
 
         def step(data_iterator, model):
             mb, pack = next(data_iterator)
@@ -199,7 +204,7 @@ class Policy:
                     for k, v in mb.items()
                 }
                 logp, ent = self._row_logp_entropy(logits, dev_mb, pack)
-                loss, reduced = rows(logp, ent, dev_mb)
+                loss, reduced = score(logp, ent, dev_mb)
                 return loss, torch.tensor(1, dtype=torch.int), reduced
 
             return out, reduce
@@ -267,18 +272,15 @@ class Policy:
         that many real tokens (``micro_batch_size`` is then not used); the last pipeline
         stage computes them and broadcasts to the others.
         """
-        mbs = split_batch(
-            batch, micro_batch_size, token_budget, self._length_multiple, can_pack=self.can_pack
-        )
+        mbs = self._split(batch, micro_batch_size, token_budget)
         ids = batch["input_ids"]
         for m in self.models:
             m.eval()
 
-        def rows(logp, ent, mb):
+        def keep(logp, ent, mb):
             return logp.new_zeros(()), {"logp": logp, "entropy": ent}
 
-        step = self._schedule_step(rows)
-        results = self._run_schedule(mbs, step, forward_only=True)
+        results = self._run_schedule(mbs, self._schedule_step(keep), forward_only=True)
         out = torch.zeros(2, *ids.shape, dtype=torch.float32, device=self.ctx.device)
         if self.ctx.is_last_stage:
             for (rows, length, _, _), r in zip(mbs, results):
@@ -313,15 +315,13 @@ class Policy:
                 "train_step on a forward-only Policy (built without optim_cfg): build it "
                 "with build_policy(..., optim_cfg=...)."
             )
-        mbs = split_batch(
-            batch, micro_batch_size, token_budget, self._length_multiple, can_pack=self.can_pack
-        )
+        mbs = self._split(batch, micro_batch_size, token_budget)
         for m in self.chunks:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-        def rows(logp, ent, mb):
+        def loss_of(logp, ent, mb):
             loss, metrics = loss_fn(logp, ent, mb)
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar loss, got {tuple(loss.shape)}")
@@ -329,7 +329,7 @@ class Policy:
             reduced.update({k: torch.as_tensor(v).detach().float() for k, v in metrics.items()})
             return loss, reduced
 
-        results = self._run_schedule(mbs, self._schedule_step(rows), forward_only=False)
+        results = self._run_schedule(mbs, self._schedule_step(loss_of), forward_only=False)
         stats = self._reduce_metrics(results, len(mbs))
 
         self.optimizer.prepare_grads()

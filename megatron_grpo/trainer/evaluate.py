@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 from checkpoints_tools.common import HF_SUBDIR, INFO_FILE, CheckpointInfo
 from megatron_grpo.checkpoint import load_checkpoint
-from megatron_grpo.checkpoint.core import is_complete, resolve_checkpoint
+from megatron_grpo.checkpoint.store import is_complete, resolve_checkpoint
 from megatron_grpo.config import Config, ConfigError, load_config, parse_overrides
 from megatron_grpo.data import build_prompt_source
 from megatron_grpo.distributed import destroy_distributed, init_distributed, spawn
