@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_grpo.policy.optimizer import TrainingParts
 
 OPTIMIZER_CKPT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 """``metadata`` for megatron's optimizer ``sharded_state_dict`` (read by the distributed
@@ -87,10 +90,12 @@ def init_distributed_optimizer_state(optimizer) -> None:
                     st["exp_avg_sq"] = torch.zeros_like(p)
 
 
-def sharded_state(models: list, parts=None, for_loading: bool = False) -> dict[str, Any]:
+def sharded_state(
+    models: list, parts: TrainingParts | None = None, for_loading: bool = False
+) -> dict[str, Any]:
     """megatron dist_checkpointing state: ``model`` (``model0``, ``model1``... with vpp), and
-    with ``parts`` (a trainable policy's ``policy.optimizer.TrainingParts``) ``optimizer``
-    and ``lr_schedule``.
+    with ``parts`` (a trainable policy's DDP chunks, optimizer and schedule) ``optimizer`` and
+    ``lr_schedule``.
 
     ``for_loading=True`` builds the template to load into: a fresh optimizer has no Adam
     moments yet, and megatron's ``sharded_state_dict(..., is_loading=True)`` creates their
@@ -123,7 +128,7 @@ def sharded_state(models: list, parts=None, for_loading: bool = False) -> dict[s
 
 
 @torch.no_grad()
-def load_sharded_state(models: list, parts, state: dict[str, Any]) -> None:
+def load_sharded_state(models: list, parts: TrainingParts | None, state: dict[str, Any]) -> None:
     """Apply a state loaded by ``dist_checkpointing.load(sharded_state(...), ...)``.
 
     Under ``no_grad``: the distributed optimizer copies into its main params, which are
