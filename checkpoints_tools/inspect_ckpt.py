@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpoints_tools.common import CheckpointInfo, find_dist_checkpoint
+from megatron_grpo.checkpoint.conversion import CheckpointInfo, find_dist_checkpoint
 
 
 def inspect_checkpoint(ckpt: str | Path) -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoints_tools.common import (
+from megatron_grpo.checkpoint.conversion import (
     DTYPES,
     HF_SUBDIR,
     CheckpointInfo,

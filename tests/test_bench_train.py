@@ -25,7 +25,7 @@ from megatron_grpo.bench.train import (
     one_sequence,
 )
 from megatron_grpo.cli.main import main
-from megatron_grpo.plan.model import preset_spec
+from megatron_grpo.models.shapes import preset_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKED = ("vllm", "datasets", "math_verify")

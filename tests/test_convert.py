@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints_tools.common import ConvertError, atomic_output_dir
 from checkpoints_tools.hf_to_mcore import hf_to_mcore
+from megatron_grpo.checkpoint.conversion import ConvertError, atomic_output_dir
 from megatron_grpo.layouts.io import CheckpointError
 from megatron_grpo.models.spec import UnsupportedModelError
 from megatron_grpo.models.tiny import build_hf_model

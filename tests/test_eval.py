@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from megatron_grpo.trainer.evaluate import eval_world, mean_pass_at_k, pass_at_k
+from megatron_grpo.evaluation.evaluate import eval_world
+from megatron_grpo.metrics.pass_at_k import mean_pass_at_k, pass_at_k
 from tests._eval_helpers import cli, read_dump, vllm_reference
 
 

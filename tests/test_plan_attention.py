@@ -1,5 +1,5 @@
 """``plan``'s activation model follows the attention kernel and the micro-batch packing
-(plan/memory.py): megatron's unfused attention adds its [b, heads, s, s] scores, SDPA and
+(dry_run/memory.py): megatron's unfused attention adds its [b, heads, s, s] scores, SDPA and
 Transformer-Engine do not, and packed micro-batches count the token budget.
 
 The figures measured on one H100 (issue 22; bf16, the Qwen2.5-0.5B shape, one sequence per
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 from megatron_grpo.config.schema import Config, DataConfig, GRPOConfig, ModelConfig, RolloutConfig
+from megatron_grpo.dry_run.memory import GIB, activation_bytes, estimate_memory
 from megatron_grpo.models.spec import spec_from_hf_config
 from megatron_grpo.models.tiny import hf_config_dict
-from megatron_grpo.plan.memory import GIB, activation_bytes, estimate_memory
 
 SPEC = spec_from_hf_config(hf_config_dict("Qwen2.5-0.5B"))
 

@@ -11,8 +11,10 @@ import pytest
 
 from megatron_grpo.cli.main import main
 from megatron_grpo.config import load_config
-from megatron_grpo.plan import build_launch_plan, place_ranks, resolve_spec
-from megatron_grpo.plan.memory import GIB, trainer_params_per_rank
+from megatron_grpo.distributed.placement import place_ranks
+from megatron_grpo.dry_run import build_launch_plan
+from megatron_grpo.dry_run.memory import GIB, trainer_params_per_rank
+from megatron_grpo.models.shapes import resolve_spec
 
 REPO = Path(__file__).resolve().parents[1]
 CFG_7B = str(REPO / "configs" / "qwen2.5-7b-throughput.yaml")

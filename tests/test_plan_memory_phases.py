@@ -11,10 +11,10 @@ import pytest
 
 from megatron_grpo.cli.main import main
 from megatron_grpo.config import load_config
+from megatron_grpo.dry_run import build_launch_plan
+from megatron_grpo.dry_run.memory import GIB, RUNTIME_OVERHEAD_BYTES
 from megatron_grpo.models.spec import spec_from_hf_config
 from megatron_grpo.models.tiny import hf_config_dict
-from megatron_grpo.plan import build_launch_plan
-from megatron_grpo.plan.memory import GIB, RUNTIME_OVERHEAD_BYTES
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -197,7 +197,8 @@ def test_summary_counts_the_syncs_made_and_the_mean_interval():
 # ------------------------------------------------------------------------------ plan, project
 def test_plan_and_projection_take_an_observed_mean_interval():
     from megatron_grpo.bench.projection import project, throughput_ratio
-    from megatron_grpo.plan import PlanError, build_launch_plan, resolve_spec
+    from megatron_grpo.dry_run import PlanError, build_launch_plan
+    from megatron_grpo.models.shapes import resolve_spec
 
     spec, _ = resolve_spec("x", preset="Qwen2.5-7B")
     cfg_7b = Path(__file__).resolve().parents[1] / "configs" / "qwen2.5-7b-throughput.yaml"

@@ -35,7 +35,7 @@ def main():
     from megatron_grpo.distributed import destroy_distributed, init_distributed
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.policy.policy import build_policy
-    from megatron_grpo.trainer.evaluate import load_megatron_weights, resolve_model
+    from megatron_grpo.evaluation.source import load_megatron_weights, resolve_model
 
     source = resolve_model(sys.argv[1])
     spec = load_spec(source.hf_dir)

@@ -58,9 +58,9 @@ def _e2e(rank: int, world: int, root: str) -> dict:
     from megatron_grpo.bridge.weight_sync import colocated_sender
     from megatron_grpo.config.schema import ModelConfig, ParallelConfig, SyncConfig
     from megatron_grpo.distributed import init_distributed
+    from megatron_grpo.distributed.placement import colocated_engines
     from megatron_grpo.layouts.io import load_hf_into_megatron
     from megatron_grpo.models.spec import load_spec
-    from megatron_grpo.plan.placement import colocated_engines
     from megatron_grpo.policy.policy import build_policy
     from megatron_grpo.rollout import RolloutEngine
 

@@ -37,10 +37,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatron_grpo.bridge.plan import build_plan, plan_report
+from megatron_grpo.distributed.placement import colocated_engines
 from megatron_grpo.layouts.megatron import MegatronLayout
+from megatron_grpo.models.shapes import preset_spec
 from megatron_grpo.models.spec import megatron_padded_vocab
-from megatron_grpo.plan.model import preset_spec
-from megatron_grpo.plan.placement import colocated_engines
 
 GB = 1e9
 GiB = float(1 << 30)

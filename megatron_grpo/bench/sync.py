@@ -39,13 +39,13 @@ from megatron_grpo.bridge.verify import (
 from megatron_grpo.config import ConfigError
 from megatron_grpo.config.schema import ModelConfig, ParallelConfig
 from megatron_grpo.distributed import init_distributed, spawn
+from megatron_grpo.distributed.placement import colocated_engines
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.layouts.io import HFCheckpointReader, load_hf_into_megatron
 from megatron_grpo.layouts.megatron import MegatronLayout
 from megatron_grpo.layouts.pieces import assemble
 from megatron_grpo.models.spec import check_heads, load_spec
 from megatron_grpo.models.tiny import PRESETS, build_hf_model
-from megatron_grpo.plan.placement import colocated_engines
 from megatron_grpo.platform.cpu import device_mode_suspended
 from megatron_grpo.policy.policy import build_policy
 from megatron_grpo.rollout.engine import RolloutEngine

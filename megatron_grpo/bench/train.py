@@ -56,9 +56,9 @@ from megatron_grpo.distributed import destroy_distributed, init_distributed
 from megatron_grpo.layouts import hf as hf_names
 from megatron_grpo.layouts import megatron as mg_names
 from megatron_grpo.layouts.io import gather_hf_state_dict
+from megatron_grpo.models.shapes import preset_spec
 from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.models.tiny import hf_config_dict
-from megatron_grpo.plan.model import preset_spec
 from megatron_grpo.policy.logprob import token_logprobs
 from megatron_grpo.policy.model_builder import resolve_dtype
 from megatron_grpo.policy.policy import build_policy

@@ -14,7 +14,7 @@ One face, ``WeightSender`` (``sync(policy) -> SyncReport``, ``syncs``, ``last_ve
     quantized layers are redone exactly as after a checkpoint load.
   - disaggregated (``RemoteEngines``): the first ``n_train`` torchrun ranks train, the last
     ``num_engines * rollout.tp`` ranks each stand for one TP rank of a vLLM engine whose
-    workers are separate processes (``plan.placement.place_ranks``). Trainer ranks only
+    workers are separate processes (``distributed.placement.place_ranks``). Trainer ranks only
     send; the sink is the engines' control messages (the rollout layer's, seen here as two
     callables) that open the update on the engines and report its end.
 
@@ -271,7 +271,7 @@ def colocated_sender(
     engines: list[list[int]],
 ) -> WeightSender:
     """This rank's sender into its colocated ``engine`` (``sync.method``, ``sync.verify``);
-    ``engines[e]``: the global ranks of engine ``e``'s TP ranks (``plan.placement``)."""
+    ``engines[e]``: the global ranks of engine ``e``'s TP ranks (``distributed.placement``)."""
     inputs = PlanInputs.of(model_dir, ctx, policy, sync, len(engines[0]), engines)
 
     def verify(policy: Any, sent: dict[str, Checksum] | None) -> dict:

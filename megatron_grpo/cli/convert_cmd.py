@@ -57,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _user_errors(fn):
     def wrapped(args: argparse.Namespace) -> int:
-        from checkpoints_tools.common import ConvertError
+        from megatron_grpo.checkpoint.conversion import ConvertError
         from megatron_grpo.cli.errors import exit_on_user_error
         from megatron_grpo.layouts.io import CheckpointError
         from megatron_grpo.layouts.megatron import UnknownParameterError

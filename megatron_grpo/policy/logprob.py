@@ -26,7 +26,7 @@ pipeline stage, in the training dtype (``elem`` bytes), Vl = padded vocab / tp:
   ``grad_output.contiguous()`` of its transposed view; the chunks' fp32 temporaries stay
   bounded by ``logprob_peak_bytes``.
 
-``plan`` counts ``3 * elem * n * Vl`` for these plus the chunk bound (plan/memory.py
+``plan`` counts ``3 * elem * n * Vl`` for these plus the chunk bound (dry_run/memory.py
 ``activation_bytes``): 13.9 GiB at n = 16,384 tokens of Qwen's 151,936-column vocabulary in
 bf16, tp = 1. A fused linear + log-softmax would remove them (only [chunk, Vl] fp32 at a
 time, recomputing the chunk's logits from the hidden states in backward: four output-layer
@@ -65,7 +65,7 @@ logits, the zero-filled logits, p, the gradient chunk and two products of the en
 def logprob_peak_bytes(tokens: int, local_vocab: int, chunk_tokens: int = CHUNK_TOKENS) -> int:
     """Upper bound of the fp32 temporaries one ``vocab_parallel_logprob_entropy`` call holds
     at once (forward or backward) for ``tokens`` rows of ``local_vocab`` columns; used by
-    ``megatron-grpo plan`` (plan/memory.py)."""
+    ``megatron-grpo plan`` (dry_run/memory.py)."""
     return LOGPROB_TEMPS_PER_CHUNK * 4 * min(tokens, chunk_tokens) * local_vocab
 
 

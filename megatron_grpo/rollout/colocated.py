@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_grpo.bridge.weight_sync import WeightSender, colocated_sender
-from megatron_grpo.plan.placement import colocated_engines
+from megatron_grpo.distributed.placement import colocated_engines
 from megatron_grpo.rollout.engine import RolloutEngine
 
 
@@ -74,7 +74,7 @@ class ColocatedRollout:
 def build_colocated(hf_dir, spec, ctx, cfg, policy, **engine_kwargs) -> tuple[ColocatedRollout, WeightSender]:  # fmt: skip
     """This rank's vLLM engine (serving ``hf_dir``; ``engine_kwargs`` go to
     ``RolloutEngine``) and the resharding bridge that feeds it ``policy``'s shards. Shared
-    by training and ``megatron-grpo eval`` (trainer/evaluate.py)."""
+    by training and ``megatron-grpo eval`` (evaluation/evaluate.py)."""
     engine = RolloutEngine.from_config(hf_dir, cfg.rollout, **engine_kwargs)
     engines = colocated_engines(ctx.world_size, cfg.rollout.tp)
     sender = colocated_sender(hf_dir, spec, ctx, policy, engine, cfg.sync, engines)

@@ -1,6 +1,6 @@
 """Disaggregated placement: rollout ranks serve vLLM engines, trainer ranks drive them.
 
-One torchrun world, split by ``plan.placement.place_ranks``: the first ``n_train`` ranks
+One torchrun world, split by ``distributed.placement.place_ranks``: the first ``n_train`` ranks
 train, the last ``num_engines * rollout.tp`` serve (engine ``e`` = consecutive ranks
 ``engines[e]``; its first rank, the *driver*, owns a standalone ``RolloutEngine`` whose
 worker processes vLLM spawns; the other ranks of the engine idle until told to stop).
@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from megatron_grpo.bridge.weight_sync import PlanInputs, init_transfer_group, remote_sender
 from megatron_grpo.config import Config
-from megatron_grpo.plan.placement import RankPlacement, place_ranks
+from megatron_grpo.distributed.placement import RankPlacement, place_ranks
 from megatron_grpo.rollout.colocated import engine_slice
 from megatron_grpo.rollout.engine import RolloutEngine
 
@@ -229,7 +229,7 @@ def engine_devices(visible: str | None, local_rank: int, tp: int, device_count: 
     ``visible`` is the inherited ``CUDA_VISIBLE_DEVICES`` (Slurm sets it to the job's GPUs
     on the node, e.g. ``"4,5,6,7"`` or GPU UUIDs), or None, when the node's
     ``device_count`` GPUs are all visible. The driver's rollout ranks are consecutive local
-    ranks (``plan.placement.place_ranks``), so engine ``e`` gets the GPUs of its own ranks;
+    ranks (``distributed.placement.place_ranks``), so engine ``e`` gets the GPUs of its own ranks;
     taking ``0..tp-1`` instead would stack every engine of a node on the same GPUs.
     """
     if visible is None:

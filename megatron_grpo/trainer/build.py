@@ -19,12 +19,12 @@ from megatron_grpo.algorithms.aggregation import make_loss_fn
 from megatron_grpo.config import Config, format_config, save_config
 from megatron_grpo.data import build_prompt_source
 from megatron_grpo.distributed import destroy_distributed, init_distributed
+from megatron_grpo.distributed.placement import validate_world
 from megatron_grpo.layouts.io import load_hf_into_megatron
 from megatron_grpo.metrics import MetricsLogger, PhaseTimer
 from megatron_grpo.metrics.console import console_err, say_rank0
 from megatron_grpo.models.prepare import prepare_model_dir
 from megatron_grpo.models.spec import load_spec
-from megatron_grpo.plan.placement import validate_world
 from megatron_grpo.policy.policy import build_policy
 from megatron_grpo.rewards import build_reward
 from megatron_grpo.rewards.scoring import GroupScorer

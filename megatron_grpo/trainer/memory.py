@@ -23,7 +23,7 @@ disaggregated engines (their own GPUs), every vLLM call and every offload is ski
 ``active`` is False. Each phase boundary records the GPU memory (``gpu_memory``): allocated
 and reserved now, and the peak since the previous boundary; the loop logs them per step in
 metrics.jsonl (``gpu_memory``). What each phase holds is what ``megatron-grpo plan`` counts
-(plan/memory.py).
+(dry_run/memory.py).
 """
 
 from __future__ import annotations

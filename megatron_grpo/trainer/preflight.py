@@ -14,9 +14,9 @@ from pathlib import Path
 
 from megatron_grpo.config import Config, ConfigError
 from megatron_grpo.data import build_prompt_source
+from megatron_grpo.distributed.placement import validate_world
 from megatron_grpo.models.prepare import check_model_path
 from megatron_grpo.models.spec import check_heads, load_spec
-from megatron_grpo.plan.placement import validate_world
 from megatron_grpo.rewards import check_reward
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from megatron_grpo.config import Config
 from megatron_grpo.data import build_prompt_source
-from megatron_grpo.trainer.evaluate import mean_pass_at_k
+from megatron_grpo.metrics.pass_at_k import mean_pass_at_k
 
 
 class Validator:

@@ -52,7 +52,7 @@ def ctx():
     """A world-1 trainer context (nccl with CUDA, gloo otherwise) for the whole session."""
     from megatron_grpo.config.schema import ParallelConfig
     from megatron_grpo.distributed import destroy_distributed, init_distributed
-    from megatron_grpo.plan.model import preset_spec
+    from megatron_grpo.models.shapes import preset_spec
 
     c = init_distributed(ParallelConfig(), preset_spec("tiny"), seed=7)
     yield c

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from megatron_grpo.bridge.weight_sync import colocated_sender
+from megatron_grpo.distributed.placement import colocated_engines
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.layouts.pieces import scatter
 from megatron_grpo.models.spec import load_spec
-from megatron_grpo.plan.placement import colocated_engines
 from megatron_grpo.rollout.colocated import ColocatedRollout
 from megatron_grpo.rollout.engine import Sample
 

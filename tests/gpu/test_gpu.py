@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_grpo.config.schema import ModelConfig, OptimConfig
-from megatron_grpo.plan.model import preset_spec
+from megatron_grpo.models.shapes import preset_spec
 from tests.gpu.conftest import needs_cuda
 
 GIB = float(1 << 30)
@@ -306,7 +306,7 @@ def test_transport_world_size_1_self_links(ctx, device, figures):
 def test_chunked_logprob_peak_vs_plan(device, figures):
     """The vocab-parallel log-prob of one micro-batch (DeepScaleR's: Qwen's 151,936 columns)
     stays within what ``plan`` counts for it: logits, their gradient and the chunk's fp32
-    temporaries (plan/memory.py ``activation_bytes``)."""
+    temporaries (dry_run/memory.py ``activation_bytes``)."""
     needs_cuda()
     from megatron_grpo.policy.logprob import logprob_peak_bytes, vocab_parallel_logprob_entropy
 
@@ -322,7 +322,7 @@ def test_chunked_logprob_peak_vs_plan(device, figures):
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     measured = torch.cuda.max_memory_allocated() - base + logits.numel() * 2
-    plan_bytes = 3 * 2 * n * v + logprob_peak_bytes(n, v)  # plan.memory.activation_bytes
+    plan_bytes = 3 * 2 * n * v + logprob_peak_bytes(n, v)  # dry_run.memory.activation_bytes
     figures["logprob_tokens"] = n
     figures["logprob_peak_gib"] = measured / GIB
     figures["logprob_plan_gib"] = plan_bytes / GIB

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from megatron_grpo.config.schema import ModelConfig, OptimConfig
-from megatron_grpo.plan.model import preset_spec
+from megatron_grpo.models.shapes import preset_spec
 from tests.gpu.conftest import needs_cuda
 from tests.test_attention import dense_block_causal
 
@@ -189,7 +189,7 @@ def test_packed_training_on_cuda(ctx, device, figures):
 def test_long_packed_sequence_peak_vs_plan(ctx, device, figures):
     needs_cuda()
     from megatron_grpo.config.schema import Config, DataConfig, GRPOConfig, RolloutConfig
-    from megatron_grpo.plan.memory import estimate_memory
+    from megatron_grpo.dry_run.memory import estimate_memory
     from megatron_grpo.policy import build_policy
 
     seq, preset = 16384, "Qwen2.5-1.5B"

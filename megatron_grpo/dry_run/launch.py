@@ -7,11 +7,9 @@ from typing import Any
 
 from megatron_grpo.bridge.plan import PlanReport, build_plan, plan_report
 from megatron_grpo.config.schema import Config, ConfigError
+from megatron_grpo.distributed.placement import RankPlacement, place_ranks
 from megatron_grpo.distributed.setup import validate_parallel
-from megatron_grpo.layouts import vllm as vl
-from megatron_grpo.layouts.megatron import MegatronLayout
-from megatron_grpo.models.spec import ModelSpec, megatron_padded_vocab
-from megatron_grpo.plan.memory import (
+from megatron_grpo.dry_run.memory import (
     DTYPE_BYTES,
     GIB,
     MemoryReport,
@@ -20,7 +18,9 @@ from megatron_grpo.plan.memory import (
     kv_bytes_per_token,
     plan_dtype,
 )
-from megatron_grpo.plan.placement import RankPlacement, place_ranks
+from megatron_grpo.layouts import vllm as vl
+from megatron_grpo.layouts.megatron import MegatronLayout
+from megatron_grpo.models.spec import ModelSpec, megatron_padded_vocab
 
 
 class PlanError(ConfigError):
@@ -214,7 +214,40 @@ def build_launch_plan(
                         "summary.json's mean_sync_interval of an adaptive run).")  # fmt: skip
     if mean_interval is None and cfg.sync.mode == "fixed":
         mean_interval = float(cfg.sync.interval)
-    world = nodes * gpus_per_node
+    ranks, dp, warnings = _place(cfg, spec, nodes * gpus_per_node, gpus_per_node)
+    p, r = cfg.parallel, cfg.rollout
+    engines = len(ranks.engines)
+    capacity = int(gpu_memory_gb * GIB)
+    mem = estimate_memory(
+        spec, cfg, dp=dp, num_engines=engines, colocated=ranks.placement == "colocated",
+        capacity_bytes=capacity, recompute=recompute,
+    )  # fmt: skip
+    _check_memory(mem, capacity, gpu_memory_gb, cfg, spec, warnings)
+    dtype = plan_dtype(cfg)
+    layout = MegatronLayout(
+        p.tp, p.pp, p.vpp or 1, dp,
+        padded_vocab=megatron_padded_vocab(spec.vocab_size, p.tp, cfg.model.make_vocab_size_divisible_by),
+    )  # fmt: skip
+    sync_plan = build_plan(spec, layout, r.tp, ranks.engines, element_size=DTYPE_BYTES[dtype])
+    report = plan_report(sync_plan)
+    cross_node = sum(
+        n for (s, d), n in report.bytes_per_link.items() if s // gpus_per_node != d // gpus_per_node
+    )
+    plan = LaunchPlan(
+        nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_bytes=capacity, model=model,
+        spec=spec, ranks=ranks, tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, rollout_tp=r.tp,
+        dtype=dtype, recompute=recompute or cfg.model.recompute == "full", memory=mem, sync=report,
+        cross_node_sync_bytes=cross_node, warnings=warnings, max_model_len=r.max_model_len,
+        rollout=r, sync_interval=mean_interval,
+    )  # fmt: skip
+    return plan
+
+
+def _place(
+    cfg: Config, spec: ModelSpec, world: int, gpus_per_node: int
+) -> tuple[RankPlacement, int, list[str]]:
+    """Which ranks train and serve, the trainer's DP size, and the cluster shape's
+    warnings; raise PlanError when the placement cannot work on this cluster."""
     p, r = cfg.parallel, cfg.rollout
     try:
         ranks = place_ranks(r, world)
@@ -251,30 +284,7 @@ def build_launch_plan(
                 f"{len(ranks.rollout_ranks)} rollout ranks are not whole nodes of "
                 f"{gpus_per_node} GPUs: one node mixes trainer and vLLM ranks."
             )
-    capacity = int(gpu_memory_gb * GIB)
-    mem = estimate_memory(
-        spec, cfg, dp=dp, num_engines=engines, colocated=ranks.placement == "colocated",
-        capacity_bytes=capacity, recompute=recompute,
-    )  # fmt: skip
-    _check_memory(mem, capacity, gpu_memory_gb, cfg, spec, warnings)
-    dtype = plan_dtype(cfg)
-    layout = MegatronLayout(
-        p.tp, p.pp, p.vpp or 1, dp,
-        padded_vocab=megatron_padded_vocab(spec.vocab_size, p.tp, cfg.model.make_vocab_size_divisible_by),
-    )  # fmt: skip
-    sync_plan = build_plan(spec, layout, r.tp, ranks.engines, element_size=DTYPE_BYTES[dtype])
-    report = plan_report(sync_plan)
-    cross_node = sum(
-        n for (s, d), n in report.bytes_per_link.items() if s // gpus_per_node != d // gpus_per_node
-    )
-    plan = LaunchPlan(
-        nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_bytes=capacity, model=model,
-        spec=spec, ranks=ranks, tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, rollout_tp=r.tp,
-        dtype=dtype, recompute=recompute or cfg.model.recompute == "full", memory=mem, sync=report,
-        cross_node_sync_bytes=cross_node, warnings=warnings, max_model_len=r.max_model_len,
-        rollout=r, sync_interval=mean_interval,
-    )  # fmt: skip
-    return plan
+    return ranks, dp, warnings
 
 
 def _check_memory(

@@ -6,17 +6,8 @@ engines, which generate. So an evaluation also checks the bridge: with ``--greed
 responses must equal those of vLLM loading the same HF weights itself
 (``tests/test_eval.py``).
 
-Model sources (:func:`resolve_model`):
-
-- an HF directory (``config.json`` + safetensors): ``layouts.io.load_hf_into_megatron``;
-- a training run directory, its ``checkpoints/`` or a ``step_NNNNNN/`` directory: the
-  ``policy`` part's ``model`` state via dist_checkpointing (any TP/PP); config and tokenizer
-  from ``--hf-config``, else the run's ``config.yaml`` (``model.hf_path``);
-- a ``convert hf-to-mcore`` output: its dist checkpoint; config and tokenizer from its
-  ``hf/`` folder (or ``--hf-config``).
-
-For Megatron checkpoints vLLM starts from dummy weights (``load_format="dummy"``): every
-value it generates with came through the bridge.
+Model sources: ``evaluation/source.py`` (an HF directory, a training run or step, or a
+``convert hf-to-mcore`` output).
 
 Placement: colocated, as in training (``rollout.colocated.build_colocated``): every rank is a
 Megatron rank hosting one vLLM TP rank; ``world = lcm(tp*pp, rollout_tp)`` spawned ranks
@@ -43,43 +34,19 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from checkpoints_tools.common import HF_SUBDIR, INFO_FILE, CheckpointInfo
-from megatron_grpo.checkpoint import load_checkpoint
-from megatron_grpo.checkpoint.store import is_complete, resolve_checkpoint
 from megatron_grpo.config import Config, ConfigError, load_config, parse_overrides
 from megatron_grpo.data import build_prompt_source
 from megatron_grpo.distributed import destroy_distributed, init_distributed, spawn
+from megatron_grpo.evaluation.source import ModelSource, load_megatron_weights, resolve_model
 from megatron_grpo.layouts.io import load_hf_into_megatron
+from megatron_grpo.metrics.pass_at_k import mean_pass_at_k
 from megatron_grpo.models.spec import check_heads, load_spec
-from megatron_grpo.models.tiny import PRESETS
 from megatron_grpo.policy.policy import build_policy
 from megatron_grpo.rewards import build_reward
 from megatron_grpo.rollout.colocated import build_colocated
 from megatron_grpo.trainer.batch import collate
-
-SourceKind = Literal["hf", "training", "converted"]
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where the weights and the HF config/tokenizer come from."""
-
-    kind: SourceKind
-    path: Path
-    """The HF directory, the training step directory, or the converted checkpoint."""
-    hf_dir: Path
-    """config.json + tokenizer files (the weights too when ``kind == "hf"``)."""
-    step: int | None = None
-
-    def describe(self) -> str:
-        if self.kind == "hf":
-            return f"{self.path} (HF directory)"
-        if self.kind == "training":
-            return f"{self.path} (training checkpoint, step {self.step})"
-        step = f", step {self.step}" if self.step is not None else ""
-        return f"{self.path} (converted Megatron checkpoint{step})"
 
 
 @dataclass
@@ -107,102 +74,6 @@ class EvalResult:
     samples: int
     rows: list[dict[str, Any]] = field(default_factory=list)
     sync: dict[str, Any] = field(default_factory=dict)
-
-
-# ----------------------------------------------------------------------------- metrics
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from ``n`` samples with ``c`` correct: ``1 - C(n-c, k) / C(n, k)``
-    (Chen et al. 2021, eq. 1). ``k <= n``."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k needs 0 <= c({c}) <= n({n}) and 1 <= k({k}) <= n({n}).")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def mean_pass_at_k(correct_PK: list[list[bool]], k: int) -> float:
-    """pass@k averaged over prompts; ``correct_PK[p]`` holds prompt p's K sample outcomes."""
-    vals = [pass_at_k(len(row), sum(row), k) for row in correct_PK]
-    return sum(vals) / len(vals)
-
-
-# ----------------------------------------------------------------------------- sources
-def _run_dir_hf(run_dir: Path) -> Path:
-    """The HF directory a training run trained from (its ``config.yaml``'s model.hf_path)."""
-    cfg_file = run_dir / "config.yaml"
-    if not cfg_file.is_file():
-        raise ConfigError(
-            f"{run_dir} has no config.yaml to find the model's HF config: pass --hf-config "
-            "with the HF directory the run trained from."
-        )
-    hf_path = load_config(cfg_file).model.hf_path
-    hf = run_dir / "hf_model" / hf_path if hf_path in PRESETS else Path(hf_path)
-    if not (hf / "config.json").is_file():
-        raise ConfigError(
-            f"{cfg_file} names model.hf_path={hf_path!r}, but {hf} has no config.json: pass "
-            "--hf-config with the HF directory the run trained from."
-        )
-    return hf
-
-
-def resolve_model(model: str, hf_config: str | None = None) -> ModelSource:
-    """Classify ``--model`` (see the module docstring); errors name the path and the fix."""
-    path = Path(model)
-    override = Path(hf_config) if hf_config else None
-    if override is not None and not (override / "config.json").is_file():
-        raise ConfigError(f"--hf-config {override} has no config.json: pass an HF directory.")
-    if not path.is_dir():
-        raise ConfigError(
-            f"--model {model}: no such directory; pass an HF model directory, a training run "
-            "(or its checkpoints/step_NNNNNN) or a `convert hf-to-mcore` output."
-        )
-    if (path / INFO_FILE).is_file():
-        info = CheckpointInfo.read(path)
-        hf = override or path / HF_SUBDIR
-        if not (hf / "config.json").is_file():
-            raise ConfigError(f"{path} carries no {HF_SUBDIR}/config.json: pass --hf-config.")
-        if info is not None and info.model_spec() != load_spec(hf):
-            raise ConfigError(
-                f"--hf-config {hf} describes another model than {path} was written for "
-                f"({info.model_spec().family}, {info.model_spec().num_layers} layers)."
-            )
-        return ModelSource("converted", path, hf, info.step if info else None)
-    if (path / "config.json").is_file():
-        if not any(path.glob("*.safetensors")):
-            raise ConfigError(f"--model {model} has a config.json but no *.safetensors weights.")
-        return ModelSource("hf", path, override or path)
-    if is_complete(path) or (path / "checkpoints").is_dir() or path.name == "checkpoints":
-        step_dir = resolve_checkpoint(path)
-        if not (step_dir / "policy").is_dir():
-            raise ConfigError(f"{step_dir} has no policy/ part: it is not a training checkpoint.")
-        state = json.loads((step_dir / "state.json").read_text())
-        hf = override or _run_dir_hf(step_dir.parent.parent)
-        return ModelSource("training", step_dir, hf, state.get("step"))
-    raise ConfigError(
-        f"--model {model} is neither an HF directory (config.json), a training run / "
-        "checkpoints / step_NNNNNN directory (state.json), nor a converted checkpoint "
-        f"({INFO_FILE}): point it at one of those."
-    )
-
-
-def load_megatron_weights(policy, source: ModelSource) -> None:
-    """Fill ``policy`` (any TP/PP) from a Megatron checkpoint; collective over the world.
-
-    dist_checkpointing stores global tensors and the vocabulary rows allow a different
-    padding, so the saving layout does not matter (docs/convert.md)."""
-    if source.kind == "training":
-        # Only the model: the template has no optimizer entries, and dist_checkpointing's
-        # default strictness (ASSUME_OK_UNEXPECTED) skips the checkpoint's extra keys.
-        loaded = load_checkpoint(
-            source.path, {"policy": policy.sharded_state_dict()}, restore_rng=False
-        )
-        policy.load_sharded_state_dict(loaded.state_dicts["policy"])
-    else:
-        from megatron.core import dist_checkpointing
-
-        policy.load_sharded_state_dict(
-            dist_checkpointing.load(policy.sharded_state_dict(), str(source.path))
-        )
 
 
 # ----------------------------------------------------------------------------- plan

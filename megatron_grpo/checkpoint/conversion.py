@@ -1,4 +1,6 @@
-"""Shared pieces of the conversion tools: dtypes, metadata, atomic output, the runtime.
+"""Shared pieces of the conversion tools (``checkpoints_tools``): dtypes, metadata, atomic
+output, the runtime. Here, not in the tools, because ``megatron-grpo eval`` reads a converted
+checkpoint too (``evaluation/source.py``).
 
 A converted Megatron checkpoint directory (``CKPT_DIR``) holds:
 
