@@ -251,10 +251,10 @@ def test_nccl_branch_arguments_are_the_cpu_ones(monkeypatch):
     import inspect
 
     from megatron_grpo.distributed import setup
-    from megatron_grpo.policy import policy
+    from megatron_grpo.policy import optimizer
 
-    src = inspect.getsource(policy.Policy._setup_training)
-    assert "use_gloo_process_groups=False" in src and "pg_collection=self.ctx.pg_collection" in src
+    src = inspect.getsource(optimizer._build_optimizer)
+    assert "use_gloo_process_groups=False" in src and "pg_collection=ctx.pg_collection" in src
     src = inspect.getsource(setup.init_distributed)
     assert "create_gloo_process_groups=False" in src
     assert setup.process_group_backend("nccl") == "cpu:gloo,cuda:nccl"

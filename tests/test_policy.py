@@ -9,10 +9,10 @@ from functools import partial
 import pytest
 import torch
 
-from megatron_grpo.config.schema import OptimConfig
+from megatron_grpo.config.schema import ConfigError, OptimConfig
 from megatron_grpo.policy.batching import micro_batches
 from megatron_grpo.policy.logprob import token_logprobs, vocab_parallel_logprob_entropy
-from megatron_grpo.policy.policy import LRSchedule
+from megatron_grpo.policy.lr_schedule import LRSchedule
 from tests.dist_utils import run_distributed
 
 VOCAB, PADDED = 10, 16  # 6 padding columns, like megatron's padded vocabulary
@@ -105,6 +105,31 @@ def test_lr_schedule_warmup_then_cosine():
     assert got == pytest.approx([0.5, 1.0, *cos])
     c = LRSchedule(OptimConfig(lr=2.0, warmup_steps=0), 10)
     assert [c.lr_at(k) for k in (0, 5, 50)] == [2.0, 2.0, 2.0]
+
+
+def test_lr_schedule_owns_its_step_and_state():
+    """The schedule advances itself, sets the optimizer's rate, and a resumed one continues
+    where it was saved; a cosine schedule of another length is refused, naming both."""
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=2, lr_schedule="cosine")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=99.0)
+    s = LRSchedule(cfg, 6, opt)
+    assert opt.param_groups[0]["lr"] == s.current_lr == 0.5
+    for _ in range(3):
+        s.step()
+    assert s.state_dict() == {"step_count": 3, "total_steps": 6}
+    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=99.0)
+    resumed = LRSchedule(cfg, 6, opt2)
+    resumed.load_state_dict(s.state_dict())
+    assert resumed.state_dict() == s.state_dict()
+    assert opt2.param_groups[0]["lr"] == s.current_lr == s.lr_at(3)
+    with pytest.raises(
+        ConfigError, match=r"total_steps=6 optimizer steps but this run's config gives 8"
+    ):
+        LRSchedule(cfg, 8).load_state_dict(s.state_dict())
+    # A constant schedule's length enters no rate: a longer run resumes under it.
+    longer = LRSchedule(OptimConfig(lr=2.0), 8)
+    longer.load_state_dict({"step_count": 3, "total_steps": 6})
+    assert longer.state_dict() == {"step_count": 3, "total_steps": 8} and longer.current_lr == 2.0
 
 
 def test_micro_batches_trim_to_their_own_longest_sequence():

@@ -312,6 +312,94 @@ def entropy_bonus(entropy_BT: Tensor, coef: float) -> Tensor:
 
 
 # --------------------------------------------------------------------------------- builder
+TisFn = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Metrics]]
+CoreFn = Callable[..., tuple[Tensor, Metrics]]  # (logp, adv, mask, rollout_logp, old_logp)
+
+
+def _tis_weight_fn(c, exact: bool) -> TisFn | None:
+    """``grpo.tis``: the truncated (or masked) token/sequence IS weight ``pi_k/alpha``."""
+    if c.tis == "none":
+        return None
+    if not exact:
+        raise ValueError(
+            f"grpo.tis={c.tis!r} needs grpo.ratio_mode=exact (the trainer's pi_k log-probs): "
+            "set grpo.ratio_mode=exact or grpo.tis=none."
+        )
+    ratio_fn = token_is_ratio if c.tis.startswith("token") else seq_is_ratio
+    cap_fn = partial(truncate_weight if c.tis.endswith("truncate") else mask_weight, cap=c.tis_cap)
+    return partial(mismatch_tis_weight, ratio_fn=ratio_fn, cap_fn=cap_fn)
+
+
+def _off_policy_clip_fn(c, exact: bool, with_tis: bool) -> CoreFn:
+    eps = {"eps_low": c.clip_eps_low, "eps_high": c.clip_eps_high}
+    clip = partial(off_policy_clip_loss, **eps, dual_clip_c=c.dual_clip_c)
+    if with_tis:
+
+        def core(logp, adv, mask, rollout_logp, old_logp):
+            return clip(logp, old_logp, adv, mask)
+    elif exact:
+
+        def core(logp, adv, mask, rollout_logp, old_logp):
+            return clip(logp, rollout_logp, adv, mask, prox_logp_BT=old_logp)
+    else:
+
+        def core(logp, adv, mask, rollout_logp, old_logp):
+            return clip(logp, rollout_logp, adv, mask)
+
+    return core
+
+
+def _rec_fn(c) -> CoreFn:
+    eps_lo, eps_hi = c.clip_eps_low, c.clip_eps_high
+    mask_fn = {
+        "none": rec_mask_none,
+        "one_side": partial(rec_mask_one_side, eps_low=eps_lo, eps_high=eps_hi),
+        "two_side": partial(rec_mask_two_side, eps_low=eps_lo, eps_high=eps_hi),
+        "ring": partial(
+            rec_mask_ring,
+            eps_low=eps_lo,
+            eps_high=eps_hi,
+            ring_eps_low=c.rec_ring_eps_low,
+            ring_eps_high=c.rec_ring_eps_high,
+        ),
+    }[c.rec_clip]
+    weight_fn = {
+        "none": rec_weight_none,
+        "is": rec_weight_is,
+        "tis": partial(rec_weight_tis, eps_low=c.rec_ring_eps_low, eps_high=c.rec_ring_eps_high),
+    }[c.rec_weight]
+    return partial(rec_loss, clip_mask_fn=mask_fn, weight_fn=weight_fn)
+
+
+def _surrogate_fn(c, exact: bool, with_tis: bool) -> CoreFn:
+    """``grpo.policy_loss``: ``(logp, adv, mask, rollout_logp, old_logp) -> (loss_BT,
+    metrics)``; rec and gspo take ``pi_old`` = ``old_logp`` (exact) or ``rollout_logp``."""
+    if c.policy_loss == "off_policy_clip":
+        return _off_policy_clip_fn(c, exact, with_tis)
+    if c.policy_loss == "rec":
+        ratio_loss = _rec_fn(c)
+    elif c.policy_loss == "gspo":
+        ratio_loss = partial(gspo_loss, eps_low=c.clip_eps_low, eps_high=c.clip_eps_high)
+    else:
+        raise ValueError(f"grpo.policy_loss={c.policy_loss!r}: use off_policy_clip, rec or gspo.")
+
+    def core(logp, adv, mask, rollout_logp, old_logp):
+        return ratio_loss(logp, old_logp if exact else rollout_logp, adv, mask)
+
+    return core
+
+
+def _regularizer_fn(c) -> Callable[[Tensor, Tensor], Tensor] | None:
+    """``grpo.regularizer``: ``(logp, pi_old logp) -> per-token term``, or None."""
+    if c.regularizer == "none" or c.regularizer_coef == 0:
+        return None
+    if c.regularizer == "asymre":
+        return lambda logp, old: asymre_term(logp, c.regularizer_coef)
+    if c.regularizer == "opmd":
+        return lambda logp, old: opmd_term(logp, old, c.regularizer_coef)
+    raise ValueError(f"grpo.regularizer={c.regularizer!r}: use none, asymre or opmd.")
+
+
 def build_policy_loss(grpo_cfg) -> PolicyLossFn:
     """Compose the policy-loss closure from ``GRPOConfig`` once.
 
@@ -332,86 +420,9 @@ def build_policy_loss(grpo_cfg) -> PolicyLossFn:
     """
     c = grpo_cfg
     exact = c.ratio_mode == "exact"
-    eps_lo, eps_hi = c.clip_eps_low, c.clip_eps_high
-
-    tis_fn: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Metrics]] | None = None
-    if c.tis != "none":
-        if not exact:
-            raise ValueError(
-                f"grpo.tis={c.tis!r} needs grpo.ratio_mode=exact (the trainer's pi_k log-probs): "
-                "set grpo.ratio_mode=exact or grpo.tis=none."
-            )
-        ratio_fn = token_is_ratio if c.tis.startswith("token") else seq_is_ratio
-        cap_fn = partial(
-            truncate_weight if c.tis.endswith("truncate") else mask_weight, cap=c.tis_cap
-        )
-        tis_fn = partial(mismatch_tis_weight, ratio_fn=ratio_fn, cap_fn=cap_fn)
-
-    def pick_old(rollout_logp: Tensor, old_logp: Tensor | None) -> Tensor:
-        return old_logp if exact else rollout_logp  # type: ignore[return-value]
-
-    core: Callable[..., tuple[Tensor, Metrics]]
-    if c.policy_loss == "off_policy_clip":
-        clip = partial(
-            off_policy_clip_loss, eps_low=eps_lo, eps_high=eps_hi, dual_clip_c=c.dual_clip_c
-        )
-        if tis_fn is not None:
-
-            def core(logp, adv, mask, rollout_logp, old_logp):
-                return clip(logp, old_logp, adv, mask)
-        elif exact:
-
-            def core(logp, adv, mask, rollout_logp, old_logp):
-                return clip(logp, rollout_logp, adv, mask, prox_logp_BT=old_logp)
-        else:
-
-            def core(logp, adv, mask, rollout_logp, old_logp):
-                return clip(logp, rollout_logp, adv, mask)
-    elif c.policy_loss == "rec":
-        mask_fn = {
-            "none": rec_mask_none,
-            "one_side": partial(rec_mask_one_side, eps_low=eps_lo, eps_high=eps_hi),
-            "two_side": partial(rec_mask_two_side, eps_low=eps_lo, eps_high=eps_hi),
-            "ring": partial(
-                rec_mask_ring,
-                eps_low=eps_lo,
-                eps_high=eps_hi,
-                ring_eps_low=c.rec_ring_eps_low,
-                ring_eps_high=c.rec_ring_eps_high,
-            ),
-        }[c.rec_clip]
-        weight_fn = {
-            "none": rec_weight_none,
-            "is": rec_weight_is,
-            "tis": partial(
-                rec_weight_tis, eps_low=c.rec_ring_eps_low, eps_high=c.rec_ring_eps_high
-            ),
-        }[c.rec_weight]
-        rec = partial(rec_loss, clip_mask_fn=mask_fn, weight_fn=weight_fn)
-
-        def core(logp, adv, mask, rollout_logp, old_logp):
-            return rec(logp, pick_old(rollout_logp, old_logp), adv, mask)
-    elif c.policy_loss == "gspo":
-        gspo = partial(gspo_loss, eps_low=eps_lo, eps_high=eps_hi)
-
-        def core(logp, adv, mask, rollout_logp, old_logp):
-            return gspo(logp, pick_old(rollout_logp, old_logp), adv, mask)
-    else:
-        raise ValueError(f"grpo.policy_loss={c.policy_loss!r}: use off_policy_clip, rec or gspo.")
-
-    reg_fn: Callable[[Tensor, Tensor], Tensor] | None
-    if c.regularizer == "none" or c.regularizer_coef == 0:
-        reg_fn = None
-    elif c.regularizer == "asymre":
-
-        def reg_fn(logp, old):
-            return asymre_term(logp, c.regularizer_coef)
-    elif c.regularizer == "opmd":
-
-        def reg_fn(logp, old):
-            return opmd_term(logp, old, c.regularizer_coef)
-    else:
-        raise ValueError(f"grpo.regularizer={c.regularizer!r}: use none, asymre or opmd.")
+    tis_fn = _tis_weight_fn(c, exact)
+    core = _surrogate_fn(c, exact, with_tis=tis_fn is not None)
+    reg_fn = _regularizer_fn(c)
 
     def policy_loss(
         logp_BT: Tensor,
@@ -431,7 +442,7 @@ def build_policy_loss(grpo_cfg) -> PolicyLossFn:
             loss = loss * w
             metrics.update(tis_metrics)
         if reg_fn is not None:
-            loss = loss + reg_fn(logp_BT, pick_old(rollout_logp_BT, old_logp_BT))
+            loss = loss + reg_fn(logp_BT, old_logp_BT if exact else rollout_logp_BT)
         return loss, metrics
 
     return policy_loss

@@ -19,7 +19,7 @@ one is complete.
 Integrity: state.json records the size and CRC32 of every other file of the checkpoint
 (``files``). ``load_checkpoint`` checks them first and raises one line naming the damaged
 file (truncated shard, missing rng file or ``.metadata``, broken state.json);
-``find_intact`` skips damaged checkpoints, newest first, which is how ``--resume`` falls
+``find_intact`` (``checkpoint.store``) skips damaged checkpoints, newest first, which is how ``--resume`` falls
 back to the newest intact one.
 
 ``save_checkpoint`` and ``load_checkpoint`` are collective: every rank of the default
@@ -35,7 +35,6 @@ import logging
 import os
 import re
 import shutil
-import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,26 +44,30 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.checkpoint.rng import get_rng_state, set_rng_state
+from megatron_grpo.checkpoint.store import (
+    LATEST_FILE,
+    RNG_DIR,
+    STATE_FILE,
+    TMP_SUFFIX,
+    CheckpointError,
+    checkpoints_root,
+    gather_files,
+    list_checkpoints,
+    rank_world,
+    resolve_checkpoint,
+    step_dir_name,
+    verify_checkpoint,
+)
 from megatron_grpo.platform.lifetime import start_checkpoint_manager
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-CHECKPOINTS_DIR = "checkpoints"
-LATEST_FILE = "latest"
-STATE_FILE = "state.json"
-RNG_DIR = "rng"
-TMP_SUFFIX = ".tmp"
-_STEP_RE = re.compile(r"^step_(\d+)$")
 _NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _RESERVED = {RNG_DIR}
 
 StateDictSource = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
 """A (sharded) state dict, or a function returning one (built only when needed)."""
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or does not match what is asked of it."""
 
 
 @dataclass
@@ -107,77 +110,7 @@ class LoadedCheckpoint:
     saved_world_size: int
 
 
-# -- paths -----------------------------------------------------------------------------------
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def checkpoints_root(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / CHECKPOINTS_DIR
-
-
-def is_complete(path: str | os.PathLike) -> bool:
-    """A finished checkpoint: a ``step_N`` directory (not ``.tmp``) holding state.json."""
-    path = Path(path)
-    return bool(_STEP_RE.match(path.name)) and (path / STATE_FILE).is_file()
-
-
-def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run as (step, path), oldest first; ``.tmp`` dirs ignored."""
-    root = checkpoints_root(run_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = _STEP_RE.match(p.name)
-        if m and p.is_dir() and is_complete(p):
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def find_latest(run_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint to resume from, or None when the run has none.
-
-    The ``latest`` pointer when it names a complete checkpoint; otherwise (pointer missing or
-    stale) the complete checkpoint with the highest step. ``.tmp`` directories are ignored.
-    """
-    root = checkpoints_root(run_dir)
-    pointer = root / LATEST_FILE
-    if pointer.is_file():
-        target = root / pointer.read_text().strip()
-        if is_complete(target):
-            return target
-        log.warning(
-            "%s names %s, which is not a complete checkpoint; scanning instead", pointer, target
-        )
-    found = list_checkpoints(run_dir)
-    return found[-1][1] if found else None
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A step directory from a step directory, a run directory or its checkpoints/ folder."""
-    path = Path(path)
-    if is_complete(path):
-        return path
-    if path.name.endswith(TMP_SUFFIX):
-        raise CheckpointError(f"{path} is an unfinished checkpoint (.tmp): load a complete one.")
-    run_dir = path.parent if path.name == CHECKPOINTS_DIR else path
-    latest = find_latest(run_dir)
-    if latest is None:
-        raise CheckpointError(
-            f"no complete checkpoint under {path} (looked for {checkpoints_root(run_dir)}/"
-            f"step_NNNNNN/{STATE_FILE}): pass a run directory that has one, or start fresh."
-        )
-    return latest
-
-
 # -- distributed helpers ---------------------------------------------------------------------
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -213,95 +146,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-# -- integrity -------------------------------------------------------------------------------
-def _crc32(path: Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
-
-
-def _payload_files(step_dir: Path) -> list[Path]:
-    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != STATE_FILE)
-
-
-def _gather_files(step_dir: Path, rank: int, world: int) -> dict[str, list]:
-    """``{relative path: [size, crc32]}`` of every file under ``step_dir`` but state.json;
-    each rank checksums every ``world``-th file and the shares are gathered."""
-    mine = {
-        str(p.relative_to(step_dir)): [p.stat().st_size, _crc32(p)]
-        for p in _payload_files(step_dir)[rank::world]
-    }
-    if world == 1:
-        return mine
-    shares: list = [None] * world
-    dist.all_gather_object(shares, mine)
-    return {k: v for share in shares for k, v in share.items()}
-
-
-def damage(path: str | os.PathLike, rank: int = 0, world: int = 1) -> str | None:
-    """The first damaged file of a checkpoint in one sentence (None: intact).
-
-    Checks state.json, then every file's size and CRC32 against the record written at save
-    (this rank checks every ``world``-th file). Checkpoints written before sizes were
-    recorded are checked for state.json only.
-    """
-    step_dir = Path(path)
-    try:
-        meta = json.loads((step_dir / STATE_FILE).read_text())
-    except (OSError, ValueError) as e:
-        return f"{step_dir / STATE_FILE} is unreadable ({type(e).__name__}: {e})"
-    files = meta.get("files")
-    if not isinstance(files, dict):
-        return None
-    for rel, (size, crc) in sorted(files.items())[rank::world]:
-        p = step_dir / rel
-        if not p.is_file():
-            return f"{p} is missing"
-        if p.stat().st_size != size:
-            return f"{p} has {p.stat().st_size} bytes, {size} when saved (truncated?)"
-        if _crc32(p) != crc:
-            return f"{p} does not match the checksum recorded when it was saved"
-    return None
-
-
-def verify_checkpoint(path: str | os.PathLike) -> None:
-    """Raise CheckpointError naming the damaged file when a checkpoint is not intact.
-
-    Collective when torch.distributed is initialized (every rank checks a share of the files);
-    every rank raises the same error.
-    """
-    step_dir = Path(path)
-    rank, world = _rank_world()
-    problems: list = [damage(step_dir, rank, world)]
-    if world > 1:
-        problems = [None] * world
-        dist.all_gather_object(problems, damage(step_dir, rank, world))
-    found = next((p for p in problems if p), None)
-    if found:
-        raise CheckpointError(
-            f"checkpoint {step_dir.name} is damaged: {found}; resume from an older checkpoint "
-            "(--resume falls back by itself) or delete this one."
-        )
-
-
-def find_intact(run_dir: str | os.PathLike) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint of a run that passes ``verify_checkpoint`` (``latest`` first),
-    and the one-line reasons of the damaged ones skipped on the way. Collective."""
-    latest = find_latest(run_dir)
-    ordered = [p for _, p in reversed(list_checkpoints(run_dir)) if p != latest]
-    skipped = []
-    for candidate in [latest, *ordered] if latest else ordered:
-        try:
-            verify_checkpoint(candidate)
-        except CheckpointError as e:
-            skipped.append(str(e))
-            continue
-        return candidate, skipped
-    return None, skipped
-
-
 # -- save ------------------------------------------------------------------------------------
 def _commit(tmp: Path, final: Path, root: Path) -> None:
     """Rank 0: make the finished ``tmp`` the checkpoint ``final`` and point ``latest`` at it.
@@ -334,6 +178,27 @@ def _prune(root: Path, keep_last: int, newest: int) -> list[Path]:
     return doomed
 
 
+def _make_tmp(root: Path, tmp: Path, subs: list[str]) -> None:
+    """Rank 0: an empty ``tmp`` with ``subs``, after removing the leftovers of a save that
+    crashed (this step or any other; they are never read)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob("*" + TMP_SUFFIX):
+        if stale.is_dir():
+            shutil.rmtree(stale)
+        else:
+            stale.unlink()
+    for sub in subs:
+        (tmp / sub).mkdir(parents=True)
+
+
+def _write_state(tmp: Path, meta: dict[str, Any]) -> None:
+    """state.json is written last: its presence marks the directory as complete."""
+    with open(tmp / STATE_FILE, "w") as f:
+        json.dump(meta, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save_checkpoint(
     run_dir: str | os.PathLike,
     loop_state: LoopState,
@@ -354,7 +219,7 @@ def save_checkpoint(
         keep_last: keep this many most recent checkpoints (None keeps all).
         save_rng: write this rank's RNG states to ``rng/rank_NNNNN.pt``.
     """
-    rank, world = _rank_world()
+    rank, world = rank_world()
     state_dicts = dict(state_dicts or {})
     _check_names(state_dicts)
     if state_dicts and not (dist.is_available() and dist.is_initialized()):
@@ -371,15 +236,7 @@ def save_checkpoint(
     tmp = final.with_name(final.name + TMP_SUFFIX)
 
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        # Leftovers of a save that crashed (this step or any other) are never read: drop them.
-        for stale in root.glob("*" + TMP_SUFFIX):
-            if stale.is_dir():
-                shutil.rmtree(stale)
-            else:
-                stale.unlink()
-        for sub in [*state_dicts, RNG_DIR]:
-            (tmp / sub).mkdir(parents=True)
+        _make_tmp(root, tmp, [*state_dicts, RNG_DIR])
     _barrier()
 
     if state_dicts:
@@ -392,7 +249,7 @@ def save_checkpoint(
     if save_rng:
         torch.save(get_rng_state(), tmp / RNG_DIR / f"rank_{rank:05d}.pt")
     _barrier()  # every rank's files are in tmp before rank 0 seals it
-    files = _gather_files(tmp, rank, world)
+    files = gather_files(tmp, rank, world)
 
     if rank == 0:
         meta = {
@@ -404,11 +261,7 @@ def save_checkpoint(
             "loop_state": asdict(loop_state),
             "files": files,
         }
-        # state.json is written last: its presence marks the directory as complete.
-        with open(tmp / STATE_FILE, "w") as f:
-            json.dump(meta, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_state(tmp, meta)
         _commit(tmp, final, root)
         if keep_last is not None:
             for p in _prune(root, keep_last, step):
@@ -433,6 +286,48 @@ def read_state(path: str | os.PathLike) -> dict[str, Any]:
             f"reads {FORMAT_VERSION}: load it with the megatron-grpo version that wrote it."
         )
     return meta
+
+
+def _load_sharded(
+    step_dir: Path, wanted: Mapping[str, StateDictSource], strict: Any
+) -> dict[str, dict[str, Any]]:
+    """``dist_checkpointing.load`` of each wanted part into its template; collective."""
+    loaded: dict[str, dict[str, Any]] = {}
+    if wanted:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise CheckpointError(
+                f"loading sharded state dicts {list(wanted)} needs torch.distributed "
+                "(dist_checkpointing.load is collective): call init_distributed() first."
+            )
+        from megatron.core import dist_checkpointing
+
+        kwargs = {} if strict is None else {"strict": strict}
+        for name, template in wanted.items():
+            loaded[name] = dist_checkpointing.load(
+                dict(_resolve(template)), str(step_dir / name), **kwargs
+            )
+    return loaded
+
+
+def _restore_rng(step_dir: Path, meta: dict[str, Any], rank: int, world: int) -> bool:
+    """Set this rank's RNG states from the checkpoint when it saved them and the world size
+    matches (else a warning); whether they were restored."""
+    if not meta.get("rng"):
+        return False
+    rng_file = step_dir / RNG_DIR / f"rank_{rank:05d}.pt"
+    if meta["world_size"] != world:
+        log.warning(
+            "checkpoint %s was saved by %d ranks, this run has %d: RNG states are not "
+            "restored (random draws will differ from an uninterrupted run)",
+            step_dir,
+            meta["world_size"],
+            world,
+        )
+        return False
+    if not rng_file.is_file():
+        raise CheckpointError(f"{rng_file} is missing: the checkpoint is damaged.")
+    set_rng_state(torch.load(rng_file, weights_only=True, map_location="cpu"))
+    return True
 
 
 def load_checkpoint(
@@ -462,7 +357,7 @@ def load_checkpoint(
     """
     step_dir = resolve_checkpoint(path)
     meta = read_state(step_dir)
-    rank, world = _rank_world()
+    rank, world = rank_world()
     if verify:
         verify_checkpoint(step_dir)
     templates = dict(templates or {})
@@ -476,39 +371,9 @@ def load_checkpoint(
             f"{step_dir} has no {required_missing} (it holds {meta['state_dicts']}): load only "
             "those, or pass the name in optional=."
         )
-    loaded: dict[str, dict[str, Any]] = {}
-    wanted = [n for n in templates if n not in missing]
-    if wanted:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise CheckpointError(
-                f"loading sharded state dicts {wanted} needs torch.distributed "
-                "(dist_checkpointing.load is collective): call init_distributed() first."
-            )
-        from megatron.core import dist_checkpointing
-
-        kwargs = {} if strict is None else {"strict": strict}
-        for name in wanted:
-            loaded[name] = dist_checkpointing.load(
-                dict(_resolve(templates[name])), str(step_dir / name), **kwargs
-            )
-
-    rng_restored = False
-    if restore_rng and meta.get("rng"):
-        rng_file = step_dir / RNG_DIR / f"rank_{rank:05d}.pt"
-        if meta["world_size"] != world:
-            log.warning(
-                "checkpoint %s was saved by %d ranks, this run has %d: RNG states are not "
-                "restored (random draws will differ from an uninterrupted run)",
-                step_dir,
-                meta["world_size"],
-                world,
-            )
-        elif not rng_file.is_file():
-            raise CheckpointError(f"{rng_file} is missing: the checkpoint is damaged.")
-        else:
-            set_rng_state(torch.load(rng_file, weights_only=True, map_location="cpu"))
-            rng_restored = True
-
+    wanted = {n: templates[n] for n in templates if n not in missing}
+    loaded = _load_sharded(step_dir, wanted, strict)
+    rng_restored = restore_rng and _restore_rng(step_dir, meta, rank, world)
     return LoadedCheckpoint(
         path=step_dir,
         loop_state=LoopState(**meta["loop_state"]),

@@ -93,8 +93,17 @@ def validate_parallel(
     Raises ``ConfigError`` naming the values and the fix. ``has_cuda`` defaults to
     ``torch.cuda.is_available()``; options that only run on GPU are refused without it.
     """
-    tp, pp, cp, vpp = parallel.tp, parallel.pp, parallel.cp, parallel.vpp
     cuda = torch.cuda.is_available() if has_cuda is None else has_cuda
+    dp = _data_parallel_size(parallel, world_size)
+    _check_device_options(parallel, cuda)
+    if spec is not None:
+        _check_model_split(spec, parallel.tp, parallel.pp, parallel.vpp)
+    return dp
+
+
+def _data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
+    """``parallel.dp``, or WORLD_SIZE over the model-parallel size when it is 0."""
+    tp, pp, cp = parallel.tp, parallel.pp, parallel.cp
     model_parallel = tp * pp * cp
     sizes = f"tp({tp})*pp({pp})" + (f"*cp({cp})" if cp > 1 else "")
     if world_size < 1:
@@ -115,9 +124,12 @@ def validate_parallel(
             if world_size % model_parallel == 0:
                 fix = f"set parallel.dp={world_size // model_parallel} or {fix}"
             raise ConfigError(f"{sizes}*dp({dp})={total} != WORLD_SIZE({world_size}): {fix}.")
+    return dp
 
-    backend = parallel.backend
-    if backend == "nccl" and not cuda:
+
+def _check_device_options(parallel: ParallelConfig, cuda: bool) -> None:
+    """Refuse the options that only run on GPU when there is none."""
+    if parallel.backend == "nccl" and not cuda:
         raise ConfigError(
             "parallel.backend='nccl' needs CUDA, and no CUDA device is available: set "
             "parallel.backend=auto (gloo on CPU)."
@@ -127,9 +139,10 @@ def validate_parallel(
             "parallel.sequence_parallel=true is a GPU memory optimisation and is not supported "
             "on CPU: set parallel.sequence_parallel=false."
         )
-    if spec is None:
-        return dp
 
+
+def _check_model_split(spec: ModelSpec, tp: int, pp: int, vpp: int | None) -> None:
+    """The model's heads, query groups, FFN width and layers split evenly over tp, pp, vpp."""
     np_, ng, hn = spec.num_heads, spec.num_kv_heads, spec.head_dim
     if np_ % tp:
         raise ConfigError(
@@ -166,7 +179,6 @@ def validate_parallel(
             f"{'chunk' if vpp else 'stage'} holds the same number of layers; choose "
             f"{'pp*vpp' if vpp else 'parallel.pp'} from {_divisors(spec.num_layers)}."
         )
-    return dp
 
 
 def process_group_backend(backend: str) -> str:
@@ -190,49 +202,11 @@ def _resolve_backend(parallel: ParallelConfig) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(
-    parallel: ParallelConfig,
-    spec: ModelSpec | None = None,
-    *,
-    seed: int = 1234,
-    store: dist.Store | None = None,
-    world_size: int | None = None,
-) -> ParallelContext:
-    """Initialize torch.distributed and megatron's parallel groups; return the context.
-
-    Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (torchrun's
-    environment). Without WORLD_SIZE it runs as a single process (an in-memory store).
-    On CPU the platform layer (``megatron_grpo.platform.cpu``) is applied first.
-    ``seed`` seeds megatron's model-parallel RNG tracker (per-TP-rank streams).
-
-    ``store`` and ``world_size``: a trainer *sub-world* (disaggregated placement: the first
-    ``world_size`` torchrun ranks train). The default process group is then built over
-    those ranks only, from ``store``, so megatron's ``initialize_model_parallel`` (which
-    sizes everything from the default group, ``megatron/core/parallel_state.py``), DDP and
-    checkpoint barriers see exactly the trainer ranks, unchanged.
-    """
-    from megatron.core import parallel_state as mpu
-    from megatron.core import tensor_parallel
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    if not torch.cuda.is_available():
-        apply_cpu_platform()
-
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    dp = validate_parallel(parallel, world_size, spec)
-    backend = _resolve_backend(parallel)
-    pg_backend = process_group_backend(backend)
-    timeout = timedelta(seconds=parallel.timeout_s)
-
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-
+def _init_process_group(
+    pg_backend: str, timeout: timedelta, rank: int, world_size: int, store: dist.Store | None
+) -> None:
+    """The default process group: over ``store``'s sub-world, torchrun's environment, or a
+    single in-memory process; an existing one is kept when its size matches."""
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
             raise RuntimeError(
@@ -258,23 +232,20 @@ def init_distributed(
             backend=pg_backend, timeout=timeout, rank=0, world_size=1, store=dist.HashStore()
         )
 
-    if mpu.model_parallel_is_initialized():
-        mpu.destroy_model_parallel()
-    mpu.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tp,
-        pipeline_model_parallel_size=parallel.pp,
-        virtual_pipeline_model_parallel_size=parallel.vpp,
-        context_parallel_size=parallel.cp,
-        distributed_timeout_minutes=max(1, math.ceil(parallel.timeout_s / 60)),
-        # No extra gloo groups, on either backend: every group is created with the run's
-        # backend string, "cpu:gloo,cuda:nccl" on GPU (process_group_backend), so CPU tensors
-        # already have a gloo path, and the optimizer takes megatron's pg_collection, with
-        # which it refuses gloo groups (policy/policy.py _setup_training).
-        create_gloo_process_groups=False,
-    )
-    # Megatron's layers fork the "model-parallel-rng" stream (tensor_parallel/random.py);
-    # it must exist before any model is built.
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+def _context_from_megatron(
+    parallel: ParallelConfig,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    dp: int,
+    device: torch.device,
+    backend: str,
+) -> ParallelContext:
+    """The ``ParallelContext`` of megatron's freshly initialized groups: the one place that
+    reads megatron's global getters."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
     return ParallelContext(
         rank=rank,
@@ -301,6 +272,70 @@ def init_distributed(
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
         sequence_parallel=parallel.sequence_parallel,
     )
+
+
+def init_distributed(
+    parallel: ParallelConfig,
+    spec: ModelSpec | None = None,
+    *,
+    seed: int = 1234,
+    store: dist.Store | None = None,
+    world_size: int | None = None,
+) -> ParallelContext:
+    """Initialize torch.distributed and megatron's parallel groups; return the context.
+
+    Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (torchrun's
+    environment). Without WORLD_SIZE it runs as a single process (an in-memory store).
+    On CPU the platform layer (``megatron_grpo.platform.cpu``) is applied first.
+    ``seed`` seeds megatron's model-parallel RNG tracker (per-TP-rank streams).
+
+    ``store`` and ``world_size``: a trainer *sub-world* (disaggregated placement: the first
+    ``world_size`` torchrun ranks train). The default process group is then built over
+    those ranks only, from ``store``, so megatron's ``initialize_model_parallel`` (which
+    sizes everything from the default group, ``megatron/core/parallel_state.py``), DDP and
+    checkpoint barriers see exactly the trainer ranks, unchanged.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    if not torch.cuda.is_available():
+        apply_cpu_platform()
+
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    dp = validate_parallel(parallel, world_size, spec)
+    backend = _resolve_backend(parallel)
+    pg_backend = process_group_backend(backend)
+    timeout = timedelta(seconds=parallel.timeout_s)
+
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+
+    _init_process_group(pg_backend, timeout, rank, world_size, store)
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        distributed_timeout_minutes=max(1, math.ceil(parallel.timeout_s / 60)),
+        # No extra gloo groups, on either backend: every group is created with the run's
+        # backend string, "cpu:gloo,cuda:nccl" on GPU (process_group_backend), so CPU tensors
+        # already have a gloo path, and the optimizer takes megatron's pg_collection, with
+        # which it refuses gloo groups (policy/optimizer.py _build_optimizer).
+        create_gloo_process_groups=False,
+    )
+    # Megatron's layers fork the "model-parallel-rng" stream (tensor_parallel/random.py);
+    # it must exist before any model is built.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+    return _context_from_megatron(parallel, rank, world_size, local_rank, dp, device, backend)
 
 
 def destroy_distributed() -> None:

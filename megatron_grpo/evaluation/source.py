@@ -22,7 +22,7 @@ from typing import Literal
 
 from megatron_grpo.checkpoint import load_checkpoint
 from megatron_grpo.checkpoint.conversion import HF_SUBDIR, INFO_FILE, CheckpointInfo
-from megatron_grpo.checkpoint.core import is_complete, resolve_checkpoint
+from megatron_grpo.checkpoint.store import is_complete, resolve_checkpoint
 from megatron_grpo.config import ConfigError, load_config
 from megatron_grpo.models.spec import load_spec
 from megatron_grpo.models.tiny import PRESETS

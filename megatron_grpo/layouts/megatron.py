@@ -206,6 +206,53 @@ def _prefixed(pieces: tuple[Piece, ...], prefix: str) -> tuple[Piece, ...]:
     return tuple(Piece(prefix + p.src if p.src else None, p.start, p.length) for p in pieces)
 
 
+def _layer_shard(
+    spec: ModelSpec, name: str, pre: str, suffix: str, t: int, r: int
+) -> ShardLayout | None:
+    """The shard of transformer-layer parameter ``name`` (``suffix`` after the layer index;
+    ``pre`` the HF layer prefix) on TP rank ``r`` of ``t``, or None if it is not one."""
+    h, hn, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
+    if suffix in (NORM_NAMES["local"][0], NORM_NAMES["te"][0]):
+        return ShardLayout(name, (h,), 0, (Piece(pre + "input_layernorm.weight", 0, h),))
+    if suffix in (NORM_NAMES["local"][1], NORM_NAMES["te"][1]):
+        return ShardLayout(name, (h,), 0, (Piece(pre + "post_attention_layernorm.weight", 0, h),))
+    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = suffix.rsplit(".", 1)[1]
+        if kind == "bias" and not spec.qkv_bias:
+            raise UnknownParameterError(f"{name}: {spec.family} has no QKV bias")
+        full = _qkv_interleaved(spec, kind)
+        rows = (spec.num_heads + 2 * spec.num_kv_heads) * hn // t
+        pieces = _prefixed(cut(full, r * rows, rows), pre)
+        shape = (rows, h) if kind == "weight" else (rows,)
+        return ShardLayout(name, shape, 0, pieces)
+    if spec.qk_norm and suffix in (
+        "self_attention.q_layernorm.weight",
+        "self_attention.k_layernorm.weight",
+    ):
+        which = "q_norm" if ".q_" in suffix else "k_norm"
+        return ShardLayout(name, (hn,), 0, (Piece(f"{pre}self_attn.{which}.weight", 0, hn),))
+    if suffix == "self_attention.linear_proj.weight":
+        cols = spec.num_heads * hn // t
+        return ShardLayout(
+            name, (h, cols), 1, (Piece(pre + "self_attn.o_proj.weight", r * cols, cols),)
+        )
+    if suffix == "mlp.linear_fc1.weight":
+        rows = f // t
+        pieces = merge(
+            [
+                Piece(pre + "mlp.gate_proj.weight", r * rows, rows),
+                Piece(pre + "mlp.up_proj.weight", r * rows, rows),
+            ]
+        )
+        return ShardLayout(name, (2 * rows, h), 0, pieces)
+    if suffix == "mlp.linear_fc2.weight":
+        cols = f // t
+        return ShardLayout(
+            name, (h, cols), 1, (Piece(pre + "mlp.down_proj.weight", r * cols, cols),)
+        )
+    return None
+
+
 def shard(
     spec: ModelSpec,
     ml: MegatronLayout,
@@ -223,8 +270,7 @@ def shard(
     Raises :class:`UnknownParameterError` naming the name when it is not a parameter of
     this model on this chunk.
     """
-    t, r = ml.tp, tp_rank
-    h, hn, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
+    t, r, h = ml.tp, tp_rank, spec.hidden_size
     local = strip_wrappers(name)
     first, last = is_first_chunk(ml, pp_rank, vp_stage), is_last_chunk(ml, pp_rank, vp_stage)
     vm = ml.vocab(spec)
@@ -241,47 +287,9 @@ def shard(
     m = _LAYER_RE.match(local)
     if m and int(m.group(1)) < layers_per_chunk(spec, ml):
         layer = layer_offset(spec, ml, pp_rank, vp_stage) + int(m.group(1))
-        pre, suffix = hf.layer_prefix(layer), m.group(2)
-        if suffix in (NORM_NAMES["local"][0], NORM_NAMES["te"][0]):
-            return ShardLayout(name, (h,), 0, (Piece(pre + "input_layernorm.weight", 0, h),))
-        if suffix in (NORM_NAMES["local"][1], NORM_NAMES["te"][1]):
-            return ShardLayout(
-                name, (h,), 0, (Piece(pre + "post_attention_layernorm.weight", 0, h),)
-            )
-        if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-            kind = suffix.rsplit(".", 1)[1]
-            if kind == "bias" and not spec.qkv_bias:
-                raise UnknownParameterError(f"{name}: {spec.family} has no QKV bias")
-            full = _qkv_interleaved(spec, kind)
-            rows = (spec.num_heads + 2 * spec.num_kv_heads) * hn // t
-            pieces = _prefixed(cut(full, r * rows, rows), pre)
-            shape = (rows, h) if kind == "weight" else (rows,)
-            return ShardLayout(name, shape, 0, pieces)
-        if spec.qk_norm and suffix in (
-            "self_attention.q_layernorm.weight",
-            "self_attention.k_layernorm.weight",
-        ):
-            which = "q_norm" if ".q_" in suffix else "k_norm"
-            return ShardLayout(name, (hn,), 0, (Piece(f"{pre}self_attn.{which}.weight", 0, hn),))
-        if suffix == "self_attention.linear_proj.weight":
-            cols = spec.num_heads * hn // t
-            return ShardLayout(
-                name, (h, cols), 1, (Piece(pre + "self_attn.o_proj.weight", r * cols, cols),)
-            )
-        if suffix == "mlp.linear_fc1.weight":
-            rows = f // t
-            pieces = merge(
-                [
-                    Piece(pre + "mlp.gate_proj.weight", r * rows, rows),
-                    Piece(pre + "mlp.up_proj.weight", r * rows, rows),
-                ]
-            )
-            return ShardLayout(name, (2 * rows, h), 0, pieces)
-        if suffix == "mlp.linear_fc2.weight":
-            cols = f // t
-            return ShardLayout(
-                name, (h, cols), 1, (Piece(pre + "mlp.down_proj.weight", r * cols, cols),)
-            )
+        found = _layer_shard(spec, name, hf.layer_prefix(layer), m.group(2), t, r)
+        if found is not None:
+            return found
     raise UnknownParameterError(
         f"unknown Megatron parameter {name!r} on pipeline stage {pp_rank}, virtual stage "
         f"{vp_stage} of a {spec.family} model with {layers_per_chunk(spec, ml)} layers per chunk "

@@ -3,7 +3,8 @@ log-probs/entropy, forward-only log-probs through megatron's pipeline schedule, 
 train step (DDP + megatron optimizer)."""
 
 from megatron_grpo.policy.logprob import token_logprobs, vocab_parallel_logprob_entropy
-from megatron_grpo.policy.policy import Batch, LossFn, LRSchedule, Policy, build_policy
+from megatron_grpo.policy.lr_schedule import LRSchedule
+from megatron_grpo.policy.policy import Batch, LossFn, Policy, build_policy
 
 __all__ = [
     "Batch",

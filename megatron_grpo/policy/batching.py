@@ -1,5 +1,16 @@
 """How a batch becomes micro-batches: ``micro_batch_size`` padded rows, or rows packed end to
-end under a token budget (``PackedRows``; the batch contract is in ``policy.policy``)."""
+end under a token budget (``PackedRows``; the batch contract is in ``policy.policy``).
+
+- ``micro_batch_size`` rows, each micro-batch right-padded to its own longest row (the
+  default, and what megatron's unfused attention supports);
+- or, with ``token_budget``, consecutive rows holding at most that many real tokens, packed
+  end to end into one sequence (megatron's ``thd`` format, ``PackedRows``): no compute on
+  padding, and short rows share a micro-batch (the dynamic batch size of verl / NeMo-RL).
+  Documents attend only within themselves (``policy.attention``, or TE's THD attention) and
+  RoPE restarts in each, so log-probs equal the padded ones and a step's gradient does not
+  depend on the packing (tests/test_packing.py). ``loss_fn`` still sees padded [n, L] rows:
+  the pack's log-probs are scattered back to them.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_grpo.config.schema import Config
+from megatron_grpo.config.schema import Config, ConfigError
 
 Batch = dict[str, torch.Tensor]
 
@@ -185,3 +196,28 @@ def packed_micro_batches(
         pack = PackedRows.build(batch["input_ids"][rows], lengths[rows], multiple)
         out.append((rows, length, _slice_rows(batch, rows, length), pack))
     return out
+
+
+def split_batch(
+    batch: Batch,
+    micro_batch_size: int,
+    token_budget: int | None,
+    multiple: int = 1,
+    *,
+    can_pack: bool = True,
+) -> list[tuple[slice, int, Batch, PackedRows | None]]:
+    """Micro-batches of ``batch``: packed under ``token_budget`` when it is given, else
+    ``micro_batch_size`` padded rows (pack None). ``can_pack`` is False under megatron's
+    unfused attention, which refuses packed sequences."""
+    if token_budget is None:
+        return [
+            (rows, n, mb, None) for rows, n, mb in micro_batches(batch, micro_batch_size, multiple)
+        ]
+    if not can_pack:
+        raise ConfigError(
+            "packed micro-batches (a token budget) need the SDPA or Transformer-Engine "
+            "attention, but model.local_attention=unfused (megatron's DotProductAttention "
+            "refuses packed sequences): set model.local_attention=sdpa or "
+            "grpo.pack_sequences=false."
+        )
+    return packed_micro_batches(batch, token_budget, multiple)

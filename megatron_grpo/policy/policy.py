@@ -44,17 +44,8 @@ it twice, and both are undone here:
 - ``distributed/finalize_model_grads.py::finalize_model_grads`` would then divide by the
   all-reduced ``num_tokens``; our ``finalize_model_grads_func`` passes ``num_tokens=None``.
 
-Micro-batches
--------------
-- ``micro_batch_size`` rows, each micro-batch right-padded to its own longest row (the
-  default, and what megatron's unfused attention supports);
-- or, with ``token_budget``, consecutive rows holding at most that many real tokens, packed
-  end to end into one sequence (megatron's ``thd`` format, ``PackedRows``): no compute on
-  padding, and short rows share a micro-batch (the dynamic batch size of verl / NeMo-RL).
-  Documents attend only within themselves (``policy.attention``, or TE's THD attention) and
-  RoPE restarts in each, so log-probs equal the padded ones and a step's gradient does not
-  depend on the packing (tests/test_packing.py). ``loss_fn`` still sees padded [n, L] rows:
-  the pack's log-probs are scattered back to them.
+Micro-batches (``policy.batching``): ``micro_batch_size`` padded rows, or rows packed end to
+end under a token budget; ``loss_fn`` sees padded [n, L] rows either way.
 """
 
 from __future__ import annotations
@@ -70,105 +61,23 @@ import torch.distributed as dist
 from megatron_grpo.config.schema import ConfigError, ModelConfig, OptimConfig
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec
-from megatron_grpo.policy.batching import PackedRows, micro_batches, packed_micro_batches
+from megatron_grpo.policy.batching import PackedRows, split_batch
+from megatron_grpo.policy.checkpoint_state import load_sharded_state, sharded_state
 from megatron_grpo.policy.logprob import token_logprobs
+from megatron_grpo.policy.lr_schedule import LRSchedule
 from megatron_grpo.policy.model_builder import (
     build_model,
     padded_vocab_size,
     resolve_transformer_impl,
 )
+from megatron_grpo.policy.optimizer import (
+    clip_gradients,
+    finalize_grads_without_token_scaling,
+    setup_training,
+)
 
 Batch = dict[str, torch.Tensor]
-
-OPTIMIZER_CKPT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
-"""``metadata`` for megatron's optimizer ``sharded_state_dict`` (read by the distributed
-optimizer; the plain optimizers take and ignore it): see ``Policy.sharded_state_dict``."""
 LossFn = Callable[[torch.Tensor, torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-class LRSchedule:
-    """Linear warmup over ``warmup_steps``, then constant or cosine decay to ``min_lr``.
-
-    ``lr_at(k)`` is the rate used by optimizer step k (0-based): ``lr*(k+1)/warmup`` during
-    warmup (so step 0 already moves), then ``lr`` (constant) or
-    ``min_lr + (lr-min_lr)*(1+cos(pi*progress))/2`` with progress over ``total_steps``.
-    """
-
-    def __init__(self, optim: OptimConfig, total_steps: int) -> None:
-        self.lr, self.min_lr = optim.lr, optim.min_lr
-        self.warmup, self.style = optim.warmup_steps, optim.lr_schedule
-        self.total_steps = max(total_steps, 1)
-        self.step_count = 0
-
-    def lr_at(self, k: int) -> float:
-        if self.warmup and k < self.warmup:
-            return self.lr * (k + 1) / self.warmup
-        if self.style == "constant":
-            return self.lr
-        span = max(self.total_steps - self.warmup, 1)
-        progress = min(max((k - self.warmup) / span, 0.0), 1.0)
-        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step_count": self.step_count, "total_steps": self.total_steps}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step_count = int(state["step_count"])
-
-
-def _finalize_grads_without_token_scaling(model, num_tokens, pg_collection=None, **kwargs):
-    """megatron's finalize_model_grads (DP all-reduce, tied-embedding all-reduce across PP
-    stages) with ``num_tokens=None``: the loss_fn already applies global normalizers."""
-    from megatron.core.distributed import finalize_model_grads
-
-    return finalize_model_grads(model, None, pg_collection=pg_collection, **kwargs)
-
-
-@contextlib.contextmanager
-def _torch_adam_step_kept(optimizer) -> Iterator[None]:
-    """Let megatron-core 0.16.1's DistributedOptimizer load a ``fully_reshardable`` state into
-    torch's Adam (the optimizer megatron uses without TE or Apex) exactly. Two faults of its
-    distrib_optimizer.py are answered, both only while the block runs:
-
-    - ``load_parameter_state_from_fully_reshardable`` drops each parameter's ``step`` from the
-      loaded tensors, and ``_set_main_param_and_optimizer_states`` then copies every key of
-      the live state, ``step`` included, from them: ``KeyError: 'step'``. ``step`` was
-      already restored by ``load_state_dict`` (from the param groups, before the parameter
-      state), so the live ``step`` is handed back to that copy, which leaves it as restored.
-    - that ``load_state_dict`` gives every parameter the SAME ``step`` tensor; torch's Adam
-      increments each parameter's ``step`` in place, so the shared counter would advance once
-      per parameter per step and skew Adam's bias correction after a resume. Each parameter
-      gets its own copy at the end (the plain optimizer deep-copies it the same way:
-      optimizer.py ``_restore_common_per_param_step``)."""
-    subs = [
-        s
-        for s in getattr(optimizer, "chained_optimizers", [optimizer])
-        if hasattr(s, "_set_main_param_and_optimizer_states")
-    ]
-
-    def keep_step(sub, original):
-        def set_states(model_param, tensors):
-            if "step" not in tensors:
-                group, order = sub.model_param_group_index_map[model_param]
-                live = sub.optimizer.state[sub.optimizer.param_groups[group]["params"][order]]
-                if "step" in live:
-                    tensors = {**tensors, "step": live["step"]}
-            return original(model_param, tensors)
-
-        return set_states
-
-    for sub in subs:
-        sub._set_main_param_and_optimizer_states = keep_step(
-            sub, sub._set_main_param_and_optimizer_states
-        )
-    try:
-        yield
-    finally:
-        for sub in subs:
-            del sub._set_main_param_and_optimizer_states  # the class's method again
-            for st in sub.optimizer.state.values():
-                if torch.is_tensor(st.get("step")):
-                    st["step"] = st["step"].clone()
 
 
 class Policy:
@@ -203,7 +112,7 @@ class Policy:
         self.config = self.models[0].config
         # See the module docstring: no division by num_microbatches, plain DP sum.
         self.config.calculate_per_token_loss = True
-        self.config.finalize_model_grads_func = _finalize_grads_without_token_scaling
+        self.config.finalize_model_grads_func = finalize_grads_without_token_scaling
         self.vocab_size = spec.vocab_size
         self.vocab_per_rank = padded_vocab_size(spec, ctx, model_cfg) // ctx.tp
         self.trainable = optim_cfg is not None
@@ -226,104 +135,37 @@ class Policy:
                 "interleaved schedule deadlocks with per-micro-batch sequence lengths; set "
                 "parallel.vpp=null (forward-only policies accept vpp)."
             )
-        if self.trainable:
-            self._setup_training(optim_cfg, total_steps)
-        else:
-            self.chunks = self.models
+        # DDP, optimizer and LR schedule (policy.optimizer); None when forward-only
+        self.training = (
+            setup_training(self.models, ctx, optim_cfg, total_steps) if self.trainable else None
+        )
+        if self.training is None:
             for m in self.models:
                 m.eval()
                 m.requires_grad_(False)
-            self.optimizer = None
-            self.scheduler = None
-            self.distributed_optimizer = False
 
-    # ----------------------------------------------------------------------------- setup
-    def _use_distributed_optimizer(self, optim_cfg: OptimConfig) -> bool:
-        """``optim.distributed_optimizer``: ``auto`` is on with CUDA and off on CPU; ``on`` runs
-        megatron's DistributedOptimizer on either device (the CPU suite trains with it)."""
-        if optim_cfg.distributed_optimizer == "auto":
-            return self.ctx.device.type == "cuda"
-        return optim_cfg.distributed_optimizer == "on"
+    @property
+    def chunks(self) -> list:
+        """What megatron's schedule runs: the DDP-wrapped chunks, or the bare models."""
+        return self.training.chunks if self.training else self.models
 
-    def _setup_training(self, optim_cfg: OptimConfig, total_steps: int) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    @property
+    def optimizer(self):
+        return self.training.optimizer if self.training else None
 
-        dist_opt = self._use_distributed_optimizer(optim_cfg)
-        ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            use_distributed_optimizer=dist_opt,
-            overlap_grad_reduce=False,
-            # NaN/inf gradients are detected by train_step and skip the step instead of
-            # raising inside the all-reduce.
-            check_for_nan_in_grad=False,
-        )
-        self.chunks = [
-            DistributedDataParallel(
-                self.config,
-                ddp_cfg,
-                m,
-                disable_bucketing=i > 0,
-                pg_collection=self.ctx.pg_collection,
-            )
-            for i, m in enumerate(self.models)
-        ]
-        dtype = self.config.params_dtype
-        opt_cfg = OptimizerConfig(
-            optimizer="adam",
-            lr=optim_cfg.lr,
-            min_lr=optim_cfg.min_lr,
-            weight_decay=optim_cfg.weight_decay,
-            adam_beta1=optim_cfg.adam_beta1,
-            adam_beta2=optim_cfg.adam_beta2,
-            adam_eps=optim_cfg.adam_eps,
-            clip_grad=optim_cfg.clip_grad,
-            bf16=dtype == torch.bfloat16,
-            fp16=dtype == torch.float16,
-            params_dtype=dtype,
-            use_distributed_optimizer=dist_opt,
-        )
-        self.distributed_optimizer = dist_opt
-        # One rule for the optimizer's groups: megatron's own (pg_collection), no extra gloo
-        # groups. megatron refuses gloo groups together with a pg_collection
-        # (process_groups_config.py, setup_process_groups_for_optimizer), and none is needed:
-        # every group of a run is created "cpu:gloo,cuda:nccl" (distributed/setup.py
-        # process_group_backend), so CPU-side collectives already have a gloo backend.
-        self.optimizer = get_megatron_optimizer(
-            opt_cfg,
-            self.chunks,
-            use_gloo_process_groups=False,
-            pg_collection=self.ctx.pg_collection,
-        )
-        # schedules.py backward_step applies grad_scale_func to the last stage's loss (loss
-        # scaling for fp16; 1.0 for fp32/bf16).
-        self.config.grad_scale_func = self.optimizer.scale_loss
-        self.scheduler = LRSchedule(optim_cfg, total_steps)
-        self._set_lr(self.scheduler.lr_at(0))
+    @property
+    def scheduler(self) -> LRSchedule | None:
+        return self.training.scheduler if self.training else None
 
-    def _set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+    @property
+    def distributed_optimizer(self) -> bool:
+        return bool(self.training and self.training.distributed_optimizer)
 
     # ------------------------------------------------------------------- forward plumbing
-    def _split(
-        self, batch: Batch, micro_batch_size: int, token_budget: int | None
-    ) -> list[tuple[slice, int, Batch, PackedRows | None]]:
-        """Micro-batches of ``batch``: packed under ``token_budget`` when it is given, else
-        ``micro_batch_size`` padded rows (module docstring)."""
-        if token_budget is None:
-            return [
-                (rows, n, mb, None)
-                for rows, n, mb in micro_batches(batch, micro_batch_size, self._length_multiple)
-            ]
-        if not self.can_pack:
-            raise ConfigError(
-                "packed micro-batches (a token budget) need the SDPA or Transformer-Engine "
-                "attention, but model.local_attention=unfused (megatron's DotProductAttention "
-                "refuses packed sequences): set model.local_attention=sdpa or "
-                "grpo.pack_sequences=false."
-            )
-        return packed_micro_batches(batch, token_budget, self._length_multiple)
+    def _split(self, batch: Batch, micro_batch_size: int, token_budget: int | None) -> list:
+        return split_batch(
+            batch, micro_batch_size, token_budget, self._length_multiple, can_pack=self.can_pack
+        )
 
     def _run_schedule(self, mbs: list, step_fn: Callable, forward_only: bool) -> list:
         num_mb = len(mbs)
@@ -345,6 +187,29 @@ class Policy:
             micro_batch_size=max(shape[0] for shape in shapes),
             forward_only=forward_only,
         )
+
+    def _schedule_step(self, score: LossFn) -> Callable:
+        """megatron's ``forward_step_func`` for one micro-batch: the model's logits, and a
+        reduction that scores them (``logp``, ``entropy`` [n, L] of the padded rows) and
+        hands them with the micro-batch's tensors, moved to the logits' device, to
+        ``score(logp, entropy, mb) -> (loss, reduced)``."""
+
+        def step(data_iterator, model):
+            mb, pack = next(data_iterator)
+            out = self._model_forward(model, mb, pack)
+
+            def reduce(logits):
+                dev_mb = {
+                    k: (v.to(logits.device) if isinstance(v, torch.Tensor) else v)
+                    for k, v in mb.items()
+                }
+                logp, ent = self._row_logp_entropy(logits, dev_mb, pack)
+                loss, reduced = score(logp, ent, dev_mb)
+                return loss, torch.tensor(1, dtype=torch.int), reduced
+
+            return out, reduce
+
+        return step
 
     def _logp_entropy(self, logits: torch.Tensor, input_ids: torch.Tensor):
         # the temperature divides each fp32 chunk inside: no divided copy of the logits
@@ -412,18 +277,10 @@ class Policy:
         for m in self.models:
             m.eval()
 
-        def step(data_iterator, model):
-            mb, pack = next(data_iterator)
-            out = self._model_forward(model, mb, pack)
+        def keep(logp, ent, mb):
+            return logp.new_zeros(()), {"logp": logp, "entropy": ent}
 
-            def reduce(logits):
-                logp, ent = self._row_logp_entropy(logits, mb, pack)
-                zero = logits.new_zeros(())
-                return zero, torch.tensor(1, dtype=torch.int), {"logp": logp, "entropy": ent}
-
-            return out, reduce
-
-        results = self._run_schedule(mbs, step, forward_only=True)
+        results = self._run_schedule(mbs, self._schedule_step(keep), forward_only=True)
         out = torch.zeros(2, *ids.shape, dtype=torch.float32, device=self.ctx.device)
         if self.ctx.is_last_stage:
             for (rows, length, _, _), r in zip(mbs, results):
@@ -464,31 +321,20 @@ class Policy:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-        def step(data_iterator, model):
-            mb, pack = next(data_iterator)
-            out = self._model_forward(model, mb, pack)
+        def loss_of(logp, ent, mb):
+            loss, metrics = loss_fn(logp, ent, mb)
+            if loss.dim() != 0:
+                raise ValueError(f"loss_fn must return a scalar loss, got {tuple(loss.shape)}")
+            reduced = {"loss": loss.detach().float()}
+            reduced.update({k: torch.as_tensor(v).detach().float() for k, v in metrics.items()})
+            return loss, reduced
 
-            def reduce(logits):
-                dev_mb = {
-                    k: (v.to(logits.device) if isinstance(v, torch.Tensor) else v)
-                    for k, v in mb.items()
-                }
-                logp, ent = self._row_logp_entropy(logits, dev_mb, pack)
-                loss, metrics = loss_fn(logp, ent, dev_mb)
-                if loss.dim() != 0:
-                    raise ValueError(f"loss_fn must return a scalar loss, got {tuple(loss.shape)}")
-                reduced = {"loss": loss.detach().float()}
-                reduced.update({k: torch.as_tensor(v).detach().float() for k, v in metrics.items()})
-                return loss, torch.tensor(1, dtype=torch.int), reduced
-
-            return out, reduce
-
-        results = self._run_schedule(mbs, step, forward_only=False)
+        results = self._run_schedule(mbs, self._schedule_step(loss_of), forward_only=False)
         stats = self._reduce_metrics(results, len(mbs))
 
         self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
-        lr = self.scheduler.lr_at(self.scheduler.step_count)
+        lr = self.scheduler.current_lr
         skipped = not (math.isfinite(stats["loss"]) and math.isfinite(grad_norm))
         if skipped:
             self.nan_steps_in_row += 1
@@ -502,27 +348,10 @@ class Policy:
             self.optimizer.zero_grad()
         else:
             self.nan_steps_in_row = 0
-            self._clip(grad_norm)
+            clip_gradients(self.optimizer, self.optim_cfg.clip_grad, grad_norm)
             self.optimizer.step_with_ready_grads()
-            self.scheduler.step_count += 1
-            self._set_lr(self.scheduler.lr_at(self.scheduler.step_count))
+            self.scheduler.step()
         return {**stats, "grad_norm": grad_norm, "lr": lr, "skipped": skipped}
-
-    def _clip(self, grad_norm: float) -> None:
-        # Resolved at call time so the CPU platform's replacement applies
-        # (megatron/core/optimizer/clip_grads.py asserts CUDA grads).
-        from megatron.core.optimizer import clip_grads
-
-        clip = self.optim_cfg.clip_grad
-        if clip <= 0:
-            return
-        subs = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        for sub in subs:
-            if getattr(sub, "is_stub_optimizer", False):
-                continue
-            params = sub.get_parameters()
-            if params:
-                clip_grads.clip_grad_by_total_norm_fp32(params, clip, grad_norm)
 
     def _reduce_metrics(self, results: list, num_mb: int) -> dict[str, float]:
         """Sum the loss / average the metrics over micro-batches and DP; share over PP."""
@@ -558,80 +387,13 @@ class Policy:
 
     def sharded_state_dict(self, for_loading: bool = False) -> dict[str, Any]:
         """megatron dist_checkpointing state: ``model`` (``model0``, ``model1``... with vpp),
-        and when trainable ``optimizer`` and ``lr_schedule``.
+        and when trainable ``optimizer`` and ``lr_schedule``; ``for_loading=True`` builds the
+        template to load into (``policy.checkpoint_state.sharded_state``)."""
+        return sharded_state(self.models, self.training, for_loading)
 
-        ``for_loading=True`` builds the template to load into: a fresh optimizer has no Adam
-        moments yet, and megatron's ``sharded_state_dict(..., is_loading=True)`` creates
-        their entries so they are restored (without it they are silently skipped and a
-        resumed step drifts; megatron/core/optimizer/optimizer.py).
-
-        The distributed optimizer saves in megatron's ``fully_reshardable`` format
-        (``OPTIMIZER_CKPT_FORMAT``): its state in model space, one tensor per parameter and
-        moment like the plain optimizer's, so a checkpoint reshards across TP, PP and DP
-        alike (docs/checkpointing.md). megatron's default without ``metadata``,
-        ``fully_sharded_model_space``, is deprecated and refused by 0.16.1's own
-        dist_checkpointing ("ShardedTensor.flattened_range is not supported")."""
-        state: dict[str, Any] = {}
-        if len(self.models) == 1:
-            state["model"] = self.models[0].sharded_state_dict()
-        else:
-            for i, m in enumerate(self.models):
-                state[f"model{i}"] = m.sharded_state_dict()
-        if self.trainable:
-            model_sd: dict[str, Any] = {}
-            for k in [k for k in state if k.startswith("model")]:
-                model_sd.update(state[k])
-            if for_loading and self.distributed_optimizer:
-                self._init_distributed_optimizer_state()
-            state["optimizer"] = self.optimizer.sharded_state_dict(
-                model_sd, is_loading=for_loading, metadata=OPTIMIZER_CKPT_FORMAT
-            )
-            state["lr_schedule"] = self.scheduler.state_dict()
-        return state
-
-    @torch.no_grad()
-    def _init_distributed_optimizer_state(self) -> None:
-        """Give a fresh DistributedOptimizer's inner optimizer zero Adam state and step 0.
-
-        Its ``sharded_state_dict(is_loading=True)`` calls its own ``state_dict()``, which
-        reads one common ``step`` from the inner optimizer's per-parameter state and asserts
-        there is exactly one (megatron/core/optimizer/distrib_optimizer.py ``state_dict``);
-        torch's Adam has no state before its first step. The values are placeholders that
-        the load overwrites (megatron's ``_init_optimizer_states_with_dummy_values`` would
-        run a real step instead, which weight decay turns into a change of the weights)."""
-        for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = getattr(sub, "optimizer", None)
-            if inner is None:
-                continue
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    st = inner.state[p]
-                    if not st:
-                        st["step"] = torch.tensor(0.0)
-                        st["exp_avg"] = torch.zeros_like(p)
-                        st["exp_avg_sq"] = torch.zeros_like(p)
-
-    @torch.no_grad()
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
-        """Apply a state loaded by ``dist_checkpointing.load(self.sharded_state_dict(), ...)``.
-
-        Under ``no_grad``: the distributed optimizer copies into its main params, which are
-        views of leaf parameters in fp32 (an in-place op autograd refuses otherwise)."""
-        if len(self.models) == 1:
-            self.models[0].load_state_dict(state["model"], strict=True)
-        else:
-            for i, m in enumerate(self.models):
-                m.load_state_dict(state[f"model{i}"], strict=True)
-        if self.trainable:
-            if "optimizer" in state:
-                with _torch_adam_step_kept(self.optimizer):
-                    self.optimizer.load_state_dict(state["optimizer"])
-            else:
-                # Weights only: the fp32 main params must follow the loaded model params.
-                self.optimizer.reload_model_params()
-            if "lr_schedule" in state:
-                self.scheduler.load_state_dict(state["lr_schedule"])
-                self._set_lr(self.scheduler.lr_at(self.scheduler.step_count))
+        """Apply a state loaded by ``dist_checkpointing.load(self.sharded_state_dict(), ...)``."""
+        load_sharded_state(self.models, self.training, state)
 
     @torch.no_grad()
     def copy_weights_from(self, other: Policy) -> None:
