@@ -1,4 +1,4 @@
-"""Packed micro-batches under a token budget (``policy.policy._packed_micro_batches``).
+"""Packed micro-batches under a token budget (``policy/batching.py`` ``packed_micro_batches``).
 
 - Splitting: consecutive rows up to the budget, a row longer than the budget alone, the pack
   padded to a multiple of tp with a filler document, and ``PackedRows.unpack`` putting every

@@ -105,7 +105,7 @@ class ParallelConfig:
     yet (that needs the batch sliced per CP rank and log-probs gathered back)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (requires tp > 1; GPU). Micro-batches are then padded
-    to a multiple of tp tokens (``policy.policy._micro_batches``)."""
+    to a multiple of tp tokens (``policy/batching.py`` ``micro_batches``)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend. ``auto``: nccl when CUDA is present, else gloo."""
     timeout_s: float = 600.0
