@@ -108,7 +108,7 @@ def _colocated_tp1(rank: int, world: int, root: str) -> dict:
         # An update nobody verifies records no repacked checksums (and keeps no stale ones).
         rx = eng.receiver
         res["repacked"] = {
-            n for n, (m, a, shape, _) in rx._expected.items() if tuple(getattr(m, a).shape) != shape
+            n for n, (m, a, shape, _) in rx.params.items() if tuple(getattr(m, a).shape) != shape
         }
         rx = eng.begin_weight_update(record_checksums=False)
         rx.receive_shards(shards.items())
