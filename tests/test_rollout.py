@@ -253,7 +253,7 @@ def _standalone(rank: int, world: int, root: str, port: int) -> dict:
     (trainer TP=PP=1, shards assembled from checkpoint B by the layouts) over the transfer
     group: the worker rebuilds the plan from ``PlanInputs`` and runs the receiving half of
     the transport, as in a disaggregated run."""
-    from megatron_grpo.bridge.weight_sync import PlanInputs, init_transfer_group
+    from megatron_grpo.bridge.transfer_group import PlanInputs, init_transfer_group
     from megatron_grpo.layouts import megatron as mg
     from megatron_grpo.layouts.io import HFCheckpointReader
     from megatron_grpo.layouts.pieces import assemble

@@ -234,7 +234,7 @@ def bench_rank(rank: int, world: int, a: BenchSyncArgs, hf_dir: str) -> dict:
                 finish = None
             dist.barrier()
             with torch.no_grad(), device_mode_suspended():
-                st, _ = tr.sync(shards, sink=sink, finish=finish)
+                st, _ = tr.sync(shards, deliver=sink, finish=finish)
             if engine is not None:
                 engine.update_phases(st)
             reports.append(SyncReport.merge(_gather_stats(st)).to_dict())
