@@ -108,7 +108,7 @@ def _colocated_tp1(rank: int, world: int, root: str) -> dict:
         # An update nobody verifies records no repacked checksums (and keeps no stale ones).
         rx = eng.receiver
         res["repacked"] = {
-            n for n, (m, a, shape, _) in rx._expected.items() if tuple(getattr(m, a).shape) != shape
+            n for n, (m, a, shape, _) in rx.params.items() if tuple(getattr(m, a).shape) != shape
         }
         rx = eng.begin_weight_update(record_checksums=False)
         rx.receive_shards(shards.items())
@@ -253,7 +253,7 @@ def _standalone(rank: int, world: int, root: str, port: int) -> dict:
     (trainer TP=PP=1, shards assembled from checkpoint B by the layouts) over the transfer
     group: the worker rebuilds the plan from ``PlanInputs`` and runs the receiving half of
     the transport, as in a disaggregated run."""
-    from megatron_grpo.bridge.weight_sync import PlanInputs, init_transfer_group
+    from megatron_grpo.bridge.transfer_group import PlanInputs, init_transfer_group
     from megatron_grpo.layouts import megatron as mg
     from megatron_grpo.layouts.io import HFCheckpointReader
     from megatron_grpo.layouts.pieces import assemble

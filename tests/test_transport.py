@@ -16,14 +16,11 @@ import time
 import pytest
 import torch
 
+from megatron_grpo.bridge.p2p import PlanMismatchError
 from megatron_grpo.bridge.plan import Copy, DstTensor, SyncPlan
-from megatron_grpo.bridge.transport import (
-    PlanMismatchError,
-    SyncError,
-    Transport,
-    apply_plan_locally,
-    build_schedule,
-)
+from megatron_grpo.bridge.schedule import SyncError, build_schedule
+from megatron_grpo.bridge.transport import Transport
+from tests._bridge_helpers import apply_plan_locally
 from tests.nccl_rules import ENV as NCCL_RULES_ENV
 
 # -- process helper ----------------------------------------------------------------------
@@ -215,7 +212,7 @@ def test_single_rank_colocated_sync_needs_no_process_group() -> None:
     plan, sources = random_plan(11, world=1)
     got: dict[str, torch.Tensor] = {}
     tr = Transport(plan, 0, bucket_mb=0.001, timeout_s=5)
-    st, built = tr.sync(sources[0], sink=lambda n, t: got.__setitem__(n, t.clone()))
+    st, built = tr.sync(sources[0], deliver=lambda n, t: got.__setitem__(n, t.clone()))
     ref = apply_plan_locally(plan, sources)
     assert set(got) == {d.name for d in plan.dst_tensors}
     for name, t in got.items():
@@ -227,7 +224,7 @@ def test_single_rank_colocated_sync_needs_no_process_group() -> None:
     ]  # fmt: skip
     assert all(v >= 0 for v in parts.values())
     assert sum(parts.values()) == pytest.approx(st.total_s)
-    assert parts["vllm_load"] == pytest.approx(st.load_s)  # the sink, nothing else of vLLM's
+    assert parts["vllm_load"] == pytest.approx(st.load_s)  # ``deliver``, nothing else of vLLM's
 
 
 def test_reference_executor_leaves_padding_zero() -> None:
@@ -241,18 +238,18 @@ def test_reference_executor_leaves_padding_zero() -> None:
 
 
 def _pack_unpack_every_link(plan: SyncPlan, sources: dict, bucket_mb: float, dtype) -> dict:
-    """Every network link's buckets packed by its sender's ``_pack`` and unpacked by its
-    receiver's ``_unpack``, in one process (what ``Transport.sync`` does around the wire);
-    returns ``{(rank, name): shard}`` of what the links deliver, zero elsewhere."""
+    """Every network link's buckets packed by its sender's ``packer.pack`` and unpacked by
+    its receiver's ``packer.unpack``, in one process (what ``Transport.sync`` does around the
+    wire); returns ``{(rank, name): shard}`` of what the links deliver, zero elsewhere."""
     ranks = {d.rank for d in plan.dst_tensors} | {c.src_rank for c in plan.copies}
     tr = {r: Transport(plan, r, bucket_mb=bucket_mb, dtype=dtype) for r in ranks}
     out = {(d.rank, d.name): torch.zeros(d.shape, dtype=dtype) for d in plan.dst_tensors}
     for (src, dst), buckets in tr[0].schedule.items():
         buf = torch.full((max(b.numel for b in buckets),), float("nan"), dtype=dtype)
         for b in buckets:
-            flat = tr[src]._pack(sources[src], b, buf)
+            flat = tr[src].packer.pack(sources[src], b, buf)
             assert flat.numel() == b.numel and flat.data_ptr() == buf.data_ptr()
-            tr[dst]._unpack(b, buf, lambda name, dst=dst: out[(dst, name)])
+            tr[dst].packer.unpack(b, buf, lambda name, dst=dst: out[(dst, name)])
     return out
 
 
@@ -399,11 +396,11 @@ def _run_random_plans(rank: int, world: int, cases: list) -> list[dict]:
             for src in (sources[rank], _second_sync_sources(sources[rank])):
                 got: dict[str, torch.Tensor] = {}
 
-                def sink(name: str, t: torch.Tensor, got=got) -> None:
-                    assert name not in got, f"{name} handed to the sink twice"
+                def deliver(name: str, t: torch.Tensor, got=got) -> None:
+                    assert name not in got, f"{name} delivered twice"
                     got[name] = t.clone()
 
-                st, _ = tr.sync(src, sink=sink, finish=lambda: None)
+                st, _ = tr.sync(src, deliver=deliver, finish=lambda: None)
                 res["stats"].append(st.to_dict())
                 res["dst"].append(got)
         out.append(res)

@@ -55,7 +55,7 @@ class RawTransfer:
         st = SyncStats(rank=self.rank, method="raw")
         t0 = time.perf_counter()
         # NCCL runs a pair's operations on one stream in issue order: both ranks of a pair
-        # issue "lower rank's send, then higher rank's send" (bridge.transport.pair_order).
+        # issue "lower rank's send, then higher rank's send" (bridge.schedule.pair_order).
         works = []
         for peer in sorted({k[1] for k in self.send} | {k[0] for k in self.recv}):
             out, inc = self.send.get((self.rank, peer)), self.recv.get((peer, self.rank))

@@ -196,7 +196,7 @@ class RankBench:
         finish = None if engine is None else engine.finish_weight_update
         dist.barrier()
         with torch.no_grad(), device_mode_suspended():
-            st, _ = tr.sync(self.shards, sink=sink, finish=finish)
+            st, _ = tr.sync(self.shards, deliver=sink, finish=finish)
         if engine is not None:
             engine.update_phases(st)
         report = SyncReport.merge(_gather_stats(st)).to_dict()

@@ -1,12 +1,16 @@
 """The resharding bridge: trainer TP/PP shards -> each vLLM rank's own shards (docs/bridge.md).
 
 - :mod:`.plan`: which slices go where (``SyncPlan``, computed once from the layouts);
-- :mod:`.transport`: executes a plan with flat buckets, point to point (``Transport``);
+- :mod:`.transport`: executes a plan with flat buckets, point to point (``Transport``), on
+  :mod:`.schedule` (which operations each rank runs, in what order), :mod:`.p2p` (the
+  point-to-point engine and the plan handshake) and :mod:`.packing` (batched bucket copies);
 - :mod:`.accounting`: bytes and seconds of a sync (``SyncStats``, ``SyncReport``);
 - :mod:`.baseline`: the anchors' gather-and-broadcast path, measured the same way;
 - :mod:`.checksum` / :mod:`.verify`: exact checksums, and the checks of a sync (with
   logprob parity);
-- :mod:`.receiver` / :mod:`.vllm_plugin`: the vLLM side;
+- :mod:`.receiver` / :mod:`.sessions` / :mod:`.vllm_plugin`: the vLLM side;
+- :mod:`.transfer_group`: what both ends of a disaggregated sync share (``PlanInputs``, the
+  transfer group);
 - :mod:`.weight_sync`: the trainer's handle (``WeightSender``, colocated or disaggregated).
 
 Names are resolved lazily so that ``import megatron_grpo.bridge`` stays light (the GPU-free
@@ -17,10 +21,9 @@ from __future__ import annotations
 
 _EXPORTS = {
     "Transport": "transport",
-    "SyncError": "transport",
-    "PlanMismatchError": "transport",
-    "apply_plan_locally": "transport",
-    "build_schedule": "transport",
+    "SyncError": "schedule",
+    "PlanMismatchError": "p2p",
+    "build_schedule": "schedule",
     "SyncStats": "accounting",
     "SyncReport": "accounting",
     "BaselineSync": "baseline",

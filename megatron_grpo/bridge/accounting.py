@@ -9,9 +9,10 @@ Phases (seconds, per rank):
 - ``transfer``: time the rank spent blocked waiting on the network (overlapped network
   time is not counted);
 - ``unpack``: copying received buckets (and in-process links) into destination shards;
-- ``load``: time inside the sink (the vLLM receiver's per-tensor load), including any
+- ``load``: time inside ``deliver`` (the vLLM receiver's per-tensor load), including any
   post-load processing vLLM ran there;
-- ``finish``: the sink's ``finish`` (close of vLLM's reload session, cache reset);
+- ``finish``: the transport's ``finish`` callable (close of vLLM's reload session, cache
+  reset);
 - ``handshake``: the one-off plan-fingerprint exchange (first sync only).
 
 ``breakdown()`` splits a sync's wall time into disjoint phases that sum to it: handshake,

@@ -1,8 +1,8 @@
 """The anchors' weight sync, measured with the same accounting as the bridge.
 
-What verl, NeMo-RL, slime and Megatron-Bridge do (DESIGN.md §2, §5): gather the TP shards
-and PP stages into full HF tensors on one rank, send the full tensors to every vLLM rank
-(per-tensor broadcast, with a metadata message each sync), and let vLLM's own
+What verl, NeMo-RL, slime and Megatron-Bridge do (docs/bridge.md, "Why a bridge"): gather
+the TP shards and PP stages into full HF tensors on one rank, send the full tensors to every
+vLLM rank (per-tensor broadcast, with a metadata message each sync), and let vLLM's own
 ``load_weights`` narrow each full tensor to its rank. Here:
 
 1. **gather**: ``layouts.io.iter_hf_tensors`` to ``root`` (point to point, one HF group at
@@ -41,7 +41,8 @@ def _numel(shape) -> int:
 class BaselineSync:
     """Gather-to-one-rank-then-broadcast sync of a colocated job (every rank hosts one vLLM
     rank). ``engine``: this rank's colocated ``RolloutEngine``, or None to measure the
-    transfer alone (``load`` then hands the full tensors to ``sink`` or drops them)."""
+    transfer alone (``load`` then hands the full tensors to ``deliver`` or drops them). The
+    sender numbers the syncs (``SyncStats.sync_index``)."""
 
     def __init__(
         self,
@@ -52,13 +53,13 @@ class BaselineSync:
         *,
         root: int = 0,
         padded_vocab: int | None = None,
-        sink: Callable[[str, torch.Tensor], None] | None = None,
+        deliver: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
         from megatron_grpo.layouts.io import gather_schedule, megatron_layout_of
 
         self.models, self.spec, self.ctx, self.engine = models, spec, ctx, engine
         self.root = root
-        self.sink = sink
+        self.deliver = deliver
         ml = megatron_layout_of(models, spec, ctx)
         ml = replace(ml, padded_vocab=padded_vocab or ml.padded_vocab)
         es = next(p for m in models for p in m.parameters()).element_size()
@@ -70,7 +71,6 @@ class BaselineSync:
             owner = rank_of(0, src.pp_rank, src.tp_rank)
             key = (owner, root)
             self.gather_links[key] = self.gather_links.get(key, 0) + _numel(src.layout.shape) * es
-        self.syncs = 0
 
     def sync(self) -> SyncStats:
         """One baseline sync; collective over the whole job. Returns this rank's stats."""
@@ -79,8 +79,7 @@ class BaselineSync:
         ctx, root = self.ctx, self.root
         me = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        st = SyncStats(rank=me, method="baseline", sync_index=self.syncs)
-        self.syncs += 1
+        st = SyncStats(rank=me, method="baseline")
         t_start = time.perf_counter()
 
         # 1. gather full HF tensors on root (the funnel).
@@ -127,8 +126,8 @@ class BaselineSync:
             self._load_into_vllm(stream())
         else:
             for name, t in stream():
-                if self.sink is not None:
-                    self.sink(name, t)
+                if self.deliver is not None:
+                    self.deliver(name, t)
         st.transfer_s = bcast_s
         st.load_s = time.perf_counter() - t0 - bcast_s
         if self.engine is not None:

@@ -1,5 +1,5 @@
 """Did the weights arrive? Two independent checks of a sync (the anchors' "stale weights go
-unnoticed" complaint, DESIGN.md §5).
+unnoticed" complaint, docs/bridge.md "Why a bridge").
 
 1. **Checksums**: per destination tensor, what the vLLM rank holds (``ShardReceiver.
    checksums()``, read back in vLLM's logical layout) against what the bridge delivered

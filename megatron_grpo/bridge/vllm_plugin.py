@@ -14,7 +14,7 @@ finish_weight_update`` (``vllm/v1/worker/gpu_worker.py``, inherited by the CPU w
   = ``rank_offset + data_parallel_index * world_size + worker rank`` (the layout vLLM's own
   NCCL backend uses, ``nccl_common.py: worker_init_process_group``).
   The worker rebuilds the trainer's sync plan from ``TransferInitInfo.plan``
-  (``bridge.weight_sync.PlanInputs``) and keeps the receiving half of its ``Transport``.
+  (``bridge.transfer_group.PlanInputs``) and keeps the receiving half of its ``Transport``.
 - ``update_weights`` takes a list indexed by worker rank (``gpu_worker.py: update_weights``
   picks ``update_info[dp_index * world_size + rank]``); each worker's
   ``TransferUpdateInfo(plan=True)`` runs that receiving half, handing every shard to
@@ -37,6 +37,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
+from megatron_grpo.bridge.receiver import ShardReceiver
+from megatron_grpo.bridge.transfer_group import init_transfer_group, worker_transport
 
 BACKEND_NAME = "megatron_grpo"
 
@@ -68,7 +71,7 @@ class TransferInitInfo:
     keep_copies: bool | None = None
     """Keep a copy of every logical shard (for ``mgrpo_export``); None leaves it as is."""
     plan: dict[str, Any] | None = None
-    """``bridge.weight_sync.PlanInputs`` as a dict: the worker rebuilds the trainer's sync
+    """``bridge.transfer_group.PlanInputs`` as a dict: the worker rebuilds the trainer's sync
     plan from it and receives through the same ``Transport`` (``TransferUpdateInfo.plan``)."""
 
 
@@ -95,8 +98,6 @@ class MegatronShardTransferEngine(_engine_base()):  # type: ignore[misc]
     def __init__(
         self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
     ) -> None:
-        from megatron_grpo.bridge.receiver import ShardReceiver
-
         super().__init__(config, vllm_config, device, model)
         self.receiver = ShardReceiver(model, vllm_config.model_config)
         self.group: torch.distributed.ProcessGroup | None = None
@@ -107,8 +108,6 @@ class MegatronShardTransferEngine(_engine_base()):  # type: ignore[misc]
         return rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
 
     def init_transfer_engine(self, init_info: TransferInitInfo) -> None:
-        from megatron_grpo.bridge.weight_sync import init_transfer_group, worker_transport
-
         if init_info.keep_copies is not None:
             self.receiver.keep_copies = init_info.keep_copies
         if init_info.world_size <= 0:
@@ -138,11 +137,11 @@ class MegatronShardTransferEngine(_engine_base()):  # type: ignore[misc]
             raise RuntimeError(
                 "update_weights(plan=True) but this worker has no plan transport: call "
                 "init_weight_transfer_engine with a TransferInitInfo (world_size > 0) whose "
-                "plan is bridge.weight_sync.PlanInputs first."
+                "plan is bridge.transfer_group.PlanInputs first."
             )
         # The receiving half of the trainer's sync: every shard of this rank, handed to
         # the receiver as soon as it is complete (inside vLLM's reload session).
-        self.transport.sync({}, sink=self.receiver.receive_shard)
+        self.transport.sync({}, deliver=self.receiver.receive_shard)
 
     def finish_weight_update(self) -> None:
         self.receiver.finish()

@@ -5,7 +5,7 @@ One face, ``WeightSender`` (``sync(policy) -> SyncReport``, ``syncs``, ``last_ve
 
 - ``DirectSender``, the resharding bridge: the static plan (``bridge.plan.build_plan``, built
   once from the layouts) runs on the ``Transport``; placements differ only in the *sink*,
-  where this rank's half of the sync lands:
+  the engine endpoint where this rank's half of the sync lands:
 
   - colocated (``LocalEngine``): every trainer rank hosts one vLLM TP rank in-process
     (``external_launcher``), so engine ``e`` is global ranks ``[e*t, (e+1)*t)`` for rollout
@@ -22,21 +22,14 @@ One face, ``WeightSender`` (``sync(policy) -> SyncReport``, ``syncs``, ``last_ve
   rank 0, broadcast, vLLM's own ``load_weights``), measured by the same accounting;
   colocated only. The plan is built either way so ``minimal_bytes`` is known.
 
-Disaggregated weights travel over a *transfer group* (``init_transfer_group``) spanning the
-trainer ranks and the engine workers: group rank of trainer rank ``r`` = ``r``; group rank of
-worker ``k`` of engine ``e`` = ``engines[e][k]`` (the global rank standing for it). Its ranks
-are exactly the plan's ranks, so one ``SyncPlan`` and one ``Transport`` serve both sides: no
-second wire format. Each worker *rebuilds* the plan from the same ``PlanInputs`` (sent at
-init, ``vllm_plugin.TransferInitInfo.plan``) and runs the receiving half of the transport
-(``worker_transport``); the build is deterministic, and the transport's fingerprint
-handshake raises ``PlanMismatchError`` on the first sync if the two sides ever disagree.
+Disaggregated weights travel over a *transfer group* spanning the trainer ranks and the
+engine workers, and both sides build the plan from the same ``PlanInputs``
+(``bridge.transfer_group``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
-from datetime import timedelta
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -45,85 +38,17 @@ import torch.distributed as dist
 from megatron_grpo.bridge.accounting import SyncReport, SyncStats
 from megatron_grpo.bridge.baseline import BaselineSync
 from megatron_grpo.bridge.checksum import Checksum, checksum
-from megatron_grpo.bridge.plan import SyncPlan, build_plan
-from megatron_grpo.bridge.transport import Sink, Transport
+from megatron_grpo.bridge.plan import SyncPlan
+from megatron_grpo.bridge.transfer_group import PlanInputs
+from megatron_grpo.bridge.transport import Deliver, Transport
 from megatron_grpo.bridge.verify import verify_sync
 from megatron_grpo.config.schema import SyncConfig
-from megatron_grpo.layouts.megatron import MegatronLayout
-from megatron_grpo.models.spec import ModelSpec, load_spec
+from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.platform.cpu import device_mode_suspended
 
 Verify = Callable[[Any, dict | None], dict]
 """``(policy, checksums of what this rank's vLLM receiver was sent) -> figures``: the
 ``sync.verify`` checks (``bridge.verify.verify_sync``); raises when a check fails."""
-
-
-# ---------------------------------------------------------------------------- plan inputs
-@dataclass(frozen=True)
-class PlanInputs:
-    """Everything that decides a sync's plan and transport, as plain values. Every trainer
-    rank builds its own; a disaggregated engine's workers receive it as a dict
-    (``to_dict``/``from_dict``) and rebuild the same plan."""
-
-    model_dir: str
-    layout: MegatronLayout
-    """The trainer's layout (``MegatronLayout.of`` the trainer's context)."""
-    rollout_tp: int
-    engines: list[list[int]]
-    """Global rank of each TP rank of each engine."""
-    dtype: str
-    """Wire dtype, e.g. ``float32`` (CPU) or ``bfloat16``."""
-    bucket_mb: float
-    timeout_s: float
-
-    @classmethod
-    def of(
-        cls,
-        model_dir: Any,
-        ctx: Any,
-        policy: Any,
-        sync: SyncConfig,
-        rollout_tp: int,
-        engines: list[list[int]],
-    ) -> PlanInputs:
-        """This trainer rank's inputs: the layout of ``ctx`` (a ``ParallelContext``) with the
-        norm naming, padded vocabulary and dtype of ``policy``'s shards."""
-        shards = dict(policy.named_shards())
-        dtype = next(iter(shards.values())).dtype
-        return cls(
-            model_dir=str(model_dir),
-            layout=MegatronLayout.of(ctx, shards, policy.vocab_per_rank * ctx.tp),
-            rollout_tp=rollout_tp, engines=engines, dtype=str(dtype).removeprefix("torch."),
-            bucket_mb=sync.bucket_mb, timeout_s=sync.timeout_s,
-        )  # fmt: skip
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> PlanInputs:
-        engines = [list(map(int, e)) for e in d["engines"]]
-        return cls(**{**d, "layout": MegatronLayout(**d["layout"]), "engines": engines})
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    def build(self, spec: ModelSpec | None = None) -> SyncPlan:
-        """The plan; ``spec`` is read from ``model_dir`` unless the caller has it."""
-        element_size = torch.empty((), dtype=self.torch_dtype).element_size()
-        return build_plan(
-            spec or load_spec(self.model_dir), self.layout, self.rollout_tp, self.engines,
-            element_size,
-        )  # fmt: skip
-
-    def transport(
-        self, rank: int, group, device: torch.device | str, spec: ModelSpec | None = None
-    ) -> Transport:
-        return Transport(
-            self.build(spec), rank, group=group, bucket_mb=self.bucket_mb,
-            timeout_s=self.timeout_s, dtype=self.torch_dtype, device=device,
-        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- senders
@@ -152,7 +77,7 @@ class LocalEngine:
         self.finish = engine.finish_weight_update
         """Closes vLLM's reload session (post-load processing); returns its seconds."""
 
-    def begin(self, record_checksums: bool) -> Sink:
+    def begin(self, record_checksums: bool) -> Deliver:
         return self.engine.begin_weight_update(record_checksums=record_checksums).receive_shard
 
     def done(self, stats: SyncStats) -> None:
@@ -181,7 +106,8 @@ class RemoteEngines:
 
 class _SenderBase:
     """The part of ``WeightSender`` both implementations share: after this rank's half of a
-    sync, count it, merge the ranks' stats, run ``sync.verify``."""
+    sync, number it (the one sync counter: ``SyncStats.sync_index``), merge the ranks' stats,
+    run ``sync.verify``."""
 
     def __init__(self, plan: SyncPlan, verify: Verify | None) -> None:
         self.plan = plan
@@ -190,6 +116,7 @@ class _SenderBase:
         self.last_verify: dict | None = None
 
     def _close(self, stats: SyncStats, policy: Any, sent: dict | None) -> SyncReport:
+        stats.sync_index = self.syncs
         self.syncs += 1
         report = merge_over_ranks(stats)
         if self.verify is not None:  # raises SyncVerificationError on every rank on failure
@@ -199,7 +126,8 @@ class _SenderBase:
 
 class DirectSender(_SenderBase):
     """The resharding bridge: this rank's half of the plan's transport, into ``sink``
-    (``LocalEngine`` or ``RemoteEngines``)."""
+    (``LocalEngine`` or ``RemoteEngines``): the sink's ``begin`` gives the ``deliver``
+    callable that takes each complete shard (None when this rank only sends)."""
 
     def __init__(
         self, transport: Transport, sink: LocalEngine | RemoteEngines, verify: Verify | None = None
@@ -212,23 +140,23 @@ class DirectSender(_SenderBase):
         shards = dict(policy.named_shards())
         sent: dict[str, Checksum] | None = {} if self.verify is not None else None
         # Repacked parameters' checksums cost a pass over every weight: only when verifying.
-        receive = self.sink.begin(record_checksums=sent is not None)
-        if receive is not None and sent is not None:
-            receive = _recording(receive, sent)
+        deliver = self.sink.begin(record_checksums=sent is not None)
+        if deliver is not None and sent is not None:
+            deliver = _recording(deliver, sent)
         with torch.no_grad(), device_mode_suspended():
-            stats, _ = self.transport.sync(shards, sink=receive, finish=self.sink.finish)
+            stats, _ = self.transport.sync(shards, deliver=deliver, finish=self.sink.finish)
         self.sink.done(stats)
         return self._close(stats, policy, sent)
 
 
-def _recording(receive: Sink, sent: dict[str, Checksum]) -> Sink:
-    """``receive`` that first records the checksum of every tensor it takes, by vLLM name."""
+def _recording(deliver: Deliver, sent: dict[str, Checksum]) -> Deliver:
+    """``deliver`` that first records the checksum of every tensor it takes, by vLLM name."""
 
-    def sink(name: str, t: torch.Tensor) -> None:
+    def recorded(name: str, t: torch.Tensor) -> None:
         sent[name] = checksum(t)
-        receive(name, t)
+        deliver(name, t)
 
-    return sink
+    return recorded
 
 
 class BaselineSender(_SenderBase):
@@ -306,56 +234,3 @@ def merge_over_ranks(stats: SyncStats) -> SyncReport:
     else:
         everyone = [stats]
     return SyncReport.merge(everyone)
-
-
-# ---------------------------------------------------------------------------- transfer group
-_STORES: dict[int, Any] = {}
-
-
-def init_transfer_group(
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    backend: str = "gloo",
-    timeout_s: float = 600.0,
-) -> dist.ProcessGroup:
-    """A process group spanning trainer ranks and vLLM workers, outside the default group.
-
-    vLLM workers already own ``torch.distributed``'s default group (their TP world), and the
-    trainer owns its own, so this group is built directly from a ``TCPStore`` (rank 0 hosts
-    it). Trainer and workers call this with the same address, port and world size.
-    """
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
-    )
-    prefix = dist.PrefixStore(f"megatron_grpo_transfer/{master_port}", store)
-    if backend == "gloo":
-        pg: dist.ProcessGroup = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
-    elif backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
-    else:
-        raise ValueError(f"transfer backend {backend!r} must be 'gloo' (CPU) or 'nccl' (GPU).")
-    _STORES[id(pg)] = store  # the group needs its store alive (pybind objects take no attrs)
-    # torch.distributed's isend/irecv(group=pg, dst=global rank) translate the rank through
-    # the registry of groups made by new_group (distributed_c10d.py: get_group_rank). This
-    # group's ranks ARE the plan's ranks (trainer rank r -> r, engine workers -> their
-    # engine ranks), so register it with the identity map: the bridge's Transport then runs
-    # unchanged on it.
-    dist.distributed_c10d._world.pg_group_ranks[pg] = {r: r for r in range(world_size)}
-    return pg
-
-
-def worker_transport(plan: Mapping, rank: int, group, device: torch.device | str) -> Transport:
-    """Worker side: the receiving transport of group rank ``rank``, from the plan inputs."""
-    inputs = PlanInputs.from_dict(plan)
-    t = inputs.transport(rank, group, device)
-    if not t.recv_links and not t.dst_shapes:
-        raise RuntimeError(
-            f"transfer rank {rank} receives nothing in the plan (engine ranks "
-            f"{inputs.engines}): the worker's rank_offset does not match the rank placement."
-        )
-    return t

@@ -20,7 +20,7 @@ Three channels, each with one job:
   (heartbeat counters both ways), so a dead peer ends in a clear error, never a hang.
   Trainer rank 0 shares results with the other trainer ranks over the sub-world.
 - **weights**: the transfer group of trainer ranks + engine workers
-  (``bridge.weight_sync.init_transfer_group``), running the bridge's plan and transport on
+  (``bridge.transfer_group.init_transfer_group``), running the bridge's plan and transport on
   both sides (``bridge.weight_sync``).
 """
 
@@ -38,7 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.bridge.weight_sync import PlanInputs, init_transfer_group, remote_sender
+from megatron_grpo.bridge.transfer_group import PlanInputs, init_transfer_group
+from megatron_grpo.bridge.weight_sync import remote_sender
 from megatron_grpo.config import Config
 from megatron_grpo.distributed.placement import RankPlacement, place_ranks
 from megatron_grpo.rollout.colocated import engine_slice

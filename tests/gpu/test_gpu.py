@@ -195,8 +195,8 @@ def _bridge_plan(spec, tp, engines, element_size):
 
 def test_bridge_pack_unpack_bandwidth(device, figures):
     """Trainer TP=2 -> two vLLM TP=1 engines (ranks 0 and 1): rank 1's buckets to rank 0 are
-    packed by the transport's own ``_pack`` into its own bucket buffers and unpacked by the
-    receiver's ``_unpack`` (what ``Transport.sync`` runs on each side of the wire), timed
+    packed by the transport's own ``packer.pack`` into its own bucket buffers and unpacked by
+    the receiver's ``packer.unpack`` (what ``Transport.sync`` runs on each side of the wire), timed
     against one plain device copy of as many bytes (the bound a pack can reach)."""
     from megatron_grpo.bridge.transport import Transport
 
@@ -221,10 +221,10 @@ def test_bridge_pack_unpack_bandwidth(device, figures):
         return time.perf_counter() - t0
 
     def pack(b, buf):
-        sender._pack(src, b, buf)
+        sender.packer.pack(src, b, buf)
 
     def unpack(b, buf):
-        receiver._unpack(b, buf, dst.__getitem__)
+        receiver.packer.unpack(b, buf, dst.__getitem__)
 
     def both(b, buf):
         pack(b, buf)
@@ -254,7 +254,7 @@ def test_bridge_pack_unpack_bandwidth(device, figures):
     # fp32 shards on a bf16 wire: the batched copies cast as copy_ does, bit for bit.
     src32 = {n: t.float() + torch.rand_like(t, dtype=torch.float32) * 1e-3 for n, t in src.items()}
     for b in buckets:
-        sender._pack(src32, b, bufs[0])
+        sender.packer.pack(src32, b, bufs[0])
         for e in b.entries:
             c = e.copy
             got = bufs[0][e.offset : e.offset + e.numel].view(e.shape)
@@ -283,11 +283,11 @@ def test_transport_world_size_1_self_links(ctx, device, figures):
     src = _trainer_sources(spec, 1, 0, device, dtype)
     tr = Transport(plan, 0, group=dist.group.WORLD, device=device, dtype=dtype, timeout_s=60)
     got = {}
-    tr.sync(src, sink=lambda n, t: got.__setitem__(n, t))  # warm-up (allocations)
+    tr.sync(src, deliver=lambda n, t: got.__setitem__(n, t))  # warm-up (allocations)
     _sync()
     got.clear()
     t0 = time.perf_counter()
-    st, _ = tr.sync(src, sink=lambda n, t: got.__setitem__(n, t))
+    st, _ = tr.sync(src, deliver=lambda n, t: got.__setitem__(n, t))
     _sync()
     seconds = time.perf_counter() - t0
     assert set(got) == {d.name for d in plan.dst_tensors}
