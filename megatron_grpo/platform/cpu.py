@@ -4,15 +4,17 @@ megatron-core assumes a CUDA device in a handful of places that a CPU run reache
 builds a ``GPTModel`` (local spec, ``use_cpu_initialization=True``), wraps it in megatron's
 ``DistributedDataParallel``, builds ``get_megatron_optimizer`` and runs the pipeline
 schedule over gloo. ``apply_cpu_platform()`` redirects exactly those calls to the CPU. It
-is the only place in megatron-grpo that knows about them (DESIGN.md §4): no other module
-may touch ``torch.cuda`` to make CPU runs work.
+is the only place in megatron-grpo that knows about them: no other module may touch
+``torch.cuda`` to make CPU runs work (tests/test_platform_cpu.py enforces it).
 
 Each patch is listed in ``PATCHES`` with the megatron-core file whose behaviour it answers,
-so a reader (and the tests) can see what is changed and why. The layer:
+so a reader (and the tests) can see what is changed and why. docs/cpu-platform.md is the
+audit: for each patch, whether megatron-core 0.16.1 and 0.19.2 need it, the call site, and
+the test that shows it. The layer:
 
 - does nothing when CUDA is available (returns False);
 - checks the installed megatron-core against the tested range first (the patches read
-  its internals);
+  its internals), and applies a patch marked ``since`` only from that release on;
 - is idempotent: a second call changes nothing.
 
 The semantics chosen on CPU: "the CUDA device" *is* the CPU. Its RNG is the CPU default
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from packaging.version import Version
 from torch.overrides import TorchFunctionMode
 
 from megatron_grpo.platform.versions import check_megatron_core
@@ -42,7 +45,12 @@ class Patch:
     """Dotted name of the replaced attribute, e.g. ``torch.cuda.current_device``."""
     answers: str
     """The megatron-core file (and construct) that calls it on every CPU run."""
+    since: str | None = None
+    """The first megatron-core release that makes the call; None: every tested release."""
 
+
+# megatron-core 0.19.0 added the wait on the current stream to start_grad_sync.
+CURRENT_STREAM_SINCE = "0.19.0"
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -60,10 +68,11 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "torch.cuda.current_stream",
-        "distributed/param_and_grad_buffer.py (megatron-core >= 0.19) "
-        "_ParamAndGradBucketGroup.start_grad_sync: `torch.cuda.current_stream().wait_event(...)` "
-        "on every grad sync (for CUDA-graph replays): answered by torch.cpu.current_stream(), "
-        "whose wait_event / wait_stream are no-ops (CPU ops are synchronous).",
+        "distributed/param_and_grad_buffer.py _ParamAndGradBucketGroup.start_grad_sync: "
+        "`torch.cuda.current_stream().wait_event(...)` on every grad sync (for CUDA-graph "
+        "replays): answered by torch.cpu.current_stream(), whose wait_event / wait_stream are "
+        "no-ops (CPU ops are synchronous). megatron-core 0.16.1 .. 0.18.2 never call it.",
+        since=CURRENT_STREAM_SINCE,
     ),
     Patch(
         "torch.cuda.get_rng_state / set_rng_state / manual_seed",
@@ -93,13 +102,9 @@ PATCHES: tuple[Patch, ...] = (
         "by `param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']` / "
         "`== 'torch.cuda.FloatTensor'` and raise on anything else: a CPU tensor answers with "
         "the CUDA type name of its dtype ('torch.FloatTensor' -> 'torch.cuda.FloatTensor'), so "
-        "bf16 params with fp32 main params and the distributed optimizer build on CPU.",
-    ),
-    Patch(
-        "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
-        "optimizer/clip_grads.py asserts `param.grad.type() == 'torch.cuda.FloatTensor'`; the "
-        "replacement asserts float32 grads and scales them in place (also rebound in "
-        "optimizer/optimizer.py, which imports the function by name).",
+        "bf16 params with fp32 main params and the distributed optimizer build on CPU. It also "
+        "answers optimizer/clip_grads.py clip_grad_by_total_norm_fp32's "
+        "`assert param.grad.type() == 'torch.cuda.FloatTensor'`.",
     ),
 )
 
@@ -161,33 +166,6 @@ def _cpu_set_cuda_rng_state(
 ) -> None:
     # Replaces megatron/core/tensor_parallel/random.py::_set_cuda_rng_state.
     torch.set_rng_state(new_state)
-
-
-def _cpu_clip_grad_by_total_norm_fp32(
-    parameters: list[torch.Tensor] | torch.Tensor,
-    max_norm: int | float,
-    total_norm: float,
-    use_decoupled_grad: bool = False,
-) -> None:
-    """megatron/core/optimizer/clip_grads.py::clip_grad_by_total_norm_fp32 without the CUDA
-    type assert: same contract (fp32 grads, scaled in place when the norm exceeds max_norm)."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    attr = "decoupled_grad" if use_decoupled_grad else "grad"
-    grads = []
-    for param in parameters:
-        grad = getattr(param, attr, None)
-        if grad is None:
-            continue
-        if not use_decoupled_grad and grad.dtype != torch.float32:
-            raise TypeError(
-                f"clip_grad_by_total_norm_fp32 needs float32 grads, got {grad.dtype}: the CPU "
-                "run keeps fp32 main grads (megatron DDP grad buffer)."
-            )
-        grads.append(grad.detach())
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if clip_coeff < 1.0 and grads:
-        torch._foreach_mul_(grads, clip_coeff)
 
 
 def _cpu_current_device() -> torch.device:
@@ -252,15 +230,14 @@ def apply_cpu_platform() -> bool:
         return False
     if _state["applied"]:
         return True
-    check_megatron_core()
+    installed = Version(check_megatron_core().split("+")[0])
 
-    import megatron.core.optimizer.clip_grads as clip_grads
-    import megatron.core.optimizer.optimizer as mcore_optimizer
     import megatron.core.tensor_parallel.random as tp_random
 
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = lambda device=None: None
-    torch.cuda.current_stream = _cpu_current_stream
+    if installed >= Version(CURRENT_STREAM_SINCE):
+        torch.cuda.current_stream = _cpu_current_stream
     torch.cuda.get_rng_state = _cuda_rng_get
     torch.cuda.set_rng_state = _cuda_rng_set
     torch.cuda.manual_seed = _cuda_manual_seed
@@ -270,8 +247,6 @@ def apply_cpu_platform() -> bool:
     tp_random._set_cuda_rng_state = _cpu_set_cuda_rng_state
     torch.Tensor.cuda = _tensor_cuda
     torch.nn.Module.cuda = _module_cuda
-    clip_grads.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
-    mcore_optimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
 
     mode = CudaToCpuDeviceMode()
     # Entered for the rest of the process: the mode stack is process state like the patches.
