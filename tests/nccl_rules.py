@@ -1,6 +1,6 @@
 """NCCL's rules, emulated over gloo, so the CPU suite catches what a first GPU run would hit.
 
-Gloo forgives two faults that NCCL does not (DESIGN.md §6, docs/launch.md "NCCL rules"):
+Gloo forgives two faults that NCCL does not (docs/launch.md "NCCL rules"):
 
 1. **Devices.** A group created with backend ``nccl`` serves CUDA tensors only; a CPU tensor
    in a collective raises. ``install(gpu_backend=...)`` records, for every group, the

@@ -103,7 +103,7 @@ def test_plan_reproduces_vllm_shards(spec, tp, pp, vtp, placement):
 
 
 def test_colocated_equal_tp_is_mostly_in_process():
-    """Equal TP, ng >= T: every shard has a source in the same process (DESIGN.md §2)."""
+    """Equal TP, ng >= T: every shard has a source in the same process (docs/layouts.md, "The sync plan")."""
     spec = make_spec("qwen2", kv=2, tied=False, vocab=128 * 2)
     trainer = mg.MegatronLayout(tp=2, pp=1, dp=1)
     plan = build_plan(spec, trainer, 2, [[0, 1]])

@@ -2,7 +2,7 @@
 vLLM's code, and not from megatron_grpo.layouts, so it checks both independently), plus
 a unit test of the checksum both sides of a verified sync compute.
 
-vLLM semantics reproduced here (DESIGN.md §2):
+vLLM semantics reproduced here (docs/layouts.md, "vLLM (0.32), per TP rank r of T"):
 - ``qkv_proj`` = [this rank's q heads; its k heads; its v heads]; with T > ng each KV head
   is replicated on T/ng ranks (kv shard index = rank // (T/ng)).
 - ``gate_up_proj`` = [gate rows block r; up rows block r]; ``o_proj``/``down_proj`` are split
