@@ -7,9 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_grpo.algorithms.seeds import sampling_seed as step_seed
 from megatron_grpo.config import ConfigError
 from megatron_grpo.config.schema import RolloutConfig
-from megatron_grpo.rollout.ahead import AheadRollout, step_seed, window_steps
+from megatron_grpo.rollout.ahead import AheadRollout, window_steps
 from megatron_grpo.rollout.colocated import ColocatedRollout, engine_slice
 
 

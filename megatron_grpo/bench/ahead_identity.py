@@ -17,9 +17,9 @@ import json
 import os
 import tempfile
 
+from megatron_grpo.algorithms.seeds import sampling_seed as step_seed
 from megatron_grpo.distributed.spawn import free_port
 from megatron_grpo.models.tiny import build_hf_model
-from megatron_grpo.rollout.ahead import step_seed
 from megatron_grpo.rollout.engine import RolloutEngine
 
 

@@ -6,7 +6,8 @@ needs its batch and none is buffered, the batches of steps ``window_steps(s, a, 
 (s, s+1, ... up to s+a, never past the next sync step) can be produced at once:
 
 - prompts are drawn from the data stream in step order, exactly as the serial loop draws
-  them, and each step keeps its own sampling seed ``rollout.seed + 7919 * step``;
+  them, and each step keeps its own sampling seed ``rollout.seed + 7919 * step``
+  (``algorithms.seeds.sampling_seed``);
 - **colocated** (``rollout.colocated.ColocatedRollout.launch``): one vLLM ``generate`` call
   carries all those steps' prompts, each request with the seed its own step's call would
   give it (``RolloutEngine.generate(seeds=...)``);
@@ -31,10 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-
-def step_seed(rollout_seed: int, step: int) -> int:
-    """Sampling seed of trainer step ``step``'s batch."""
-    return rollout_seed + 7919 * step
+from megatron_grpo.algorithms.seeds import sampling_seed
 
 
 def window_steps(step: int, ahead: int, interval: int, total_steps: int) -> list[int]:
@@ -146,7 +144,10 @@ class AheadRollout:
             before = self.prompts.state_dict()
             drawn.append((s, self.prompts.next_batch(self.prompts_per_step), before))
         thunks = self.launch(
-            [([p.prompt_ids for p in ps], step_seed(self.rollout_seed, s)) for s, ps, _ in drawn]
+            [
+                ([p.prompt_ids for p in ps], sampling_seed(self.rollout_seed, s))
+                for s, ps, _ in drawn
+            ]
         )
         window = [_Buffered(s, ps, before) for s, ps, before in drawn]
         self._buffer.extend(window)

@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from megatron_grpo.algorithms.seeds import replica_offset
+
 if TYPE_CHECKING:
     from megatron_grpo.bridge.receiver import ShardReceiver
     from megatron_grpo.config.schema import RolloutConfig
@@ -241,7 +243,7 @@ class RolloutEngine:
         """
         from vllm import SamplingParams
 
-        replica = self.replica_index * 1_000_003
+        replica = replica_offset(self.replica_index)
         if seeds is None:
             base = self.seed if seed is None else seed
             seeds = [base + i * n for i in range(len(prompt_token_ids))]

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron_grpo.algorithms.aggregation import compute_global_normalizers, normalizer_mask
 from megatron_grpo.algorithms.drift import drift_from_sums, k3_drift_sums
 from megatron_grpo.algorithms.kl import get_kl_estimator
+from megatron_grpo.algorithms.seeds import advantage_seed, mini_batch_seed
 from megatron_grpo.algorithms.shaping import overlong_filter_keep
 from megatron_grpo.checkpoint import LoopState, find_latest
 from megatron_grpo.config import Config
@@ -162,7 +163,7 @@ class GRPOTrainer:
         task_PG = rewards_PG  # the zero-variance mask looks at these, not at the KL penalty
         if kl_seq is not None:
             rewards_PG = rewards_PG - g.kl_coef * kl_seq.view_as(rewards_PG)
-        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
+        gen = torch.Generator().manual_seed(advantage_seed(self.cfg.seed, step))
         return self.advantage_fn(rewards_PG, gen, task_PG)
 
     def train_on(self, batch, adv, step) -> tuple[list[dict[str, Any]], float | None]:
@@ -187,7 +188,7 @@ class GRPOTrainer:
             drift = self.measure_drift(pi_logp, shard)
         if g.ratio_mode == "exact":
             shard["old_logp"] = pi_logp
-        gen = torch.Generator().manual_seed(self.cfg.seed * 7_654_321 + step)
+        gen = torch.Generator().manual_seed(mini_batch_seed(self.cfg.seed, step))
         out = []
         for _ in range(g.sgd_iterations):
             for mb in mini_batches(shard, g.mini_batch_size, ctx.dp, gen):

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from megatron_grpo.algorithms.seeds import validation_seed
 from megatron_grpo.config import Config
 from megatron_grpo.data import build_prompt_source
 from megatron_grpo.trainer.evaluate import mean_pass_at_k
@@ -39,7 +40,7 @@ class Validator:
         e, r, k = self.cfg.eval, self.cfg.rollout, self.cfg.eval.samples
         samples = generate(
             [p.prompt_ids for p in self.prompts], n=k, temperature=e.temperature, top_p=1.0,
-            top_k=-1, max_new_tokens=r.max_new_tokens, seed=r.seed + 104_729,
+            top_k=-1, max_new_tokens=r.max_new_tokens, seed=validation_seed(r.seed),
             stop_token_ids=[self.tokenizer.eos_token_id],
         )  # fmt: skip
         texts = self.tokenizer.batch_decode(
