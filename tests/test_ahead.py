@@ -12,6 +12,7 @@ from megatron_grpo.config import ConfigError
 from megatron_grpo.config.schema import RolloutConfig
 from megatron_grpo.rollout.ahead import AheadRollout, window_steps
 from megatron_grpo.rollout.colocated import ColocatedRollout, engine_slice
+from megatron_grpo.rollout.interface import sampling_args
 
 
 @pytest.mark.parametrize(
@@ -233,3 +234,16 @@ def test_colocated_launch_reassembles_two_engines_shares_prompt_major(monkeypatc
     monkeypatch.setattr(dist, "all_gather_object", gather)
     got = [t() for t in launch_on(0)(steps)]
     assert got == want
+
+
+def test_sampling_args_for_training_validation_and_eval():
+    """One builder of the sampling keywords: training samples with rollout.*, validation and
+    eval's greedy with a temperature of their own over the whole distribution."""
+    r = SimpleNamespace(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=12)
+    assert sampling_args(r, 4, 2) == dict(
+        n=4, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=12, stop_token_ids=[2]
+    )
+    assert sampling_args(r, 3, 2, temperature=1.0) == dict(
+        n=3, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=12, stop_token_ids=[2]
+    )
+    assert sampling_args(r, 1, None, 0.0)["stop_token_ids"] is None

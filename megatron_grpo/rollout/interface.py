@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from megatron_grpo.config import Config
+from megatron_grpo.config.schema import RolloutConfig
 from megatron_grpo.rollout.colocated import build_colocated
 from megatron_grpo.rollout.server import connect_rollout
 
@@ -38,6 +39,24 @@ class Rollout(Protocol):
 
     def shutdown(self) -> None:
         """Stop the engines (idempotent)."""
+
+
+def sampling_args(
+    r: RolloutConfig, n: int, eos_token_id: int | None, temperature: float | None = None
+) -> dict[str, Any]:
+    """The sampling keywords of ``Rollout.launch`` / ``generate`` (``RolloutEngine.generate``'s),
+    built in this one place for training, validation and eval: ``n`` samples per prompt of
+    at most ``rollout.max_new_tokens`` tokens, stopping at ``eos_token_id`` (None: no stop
+    token). ``temperature`` None samples as training does (``rollout.temperature``, ``top_p``,
+    ``top_k``); a number samples the whole distribution at that temperature (top_p 1, top_k
+    off): validation's ``eval.temperature``, eval's greedy 0."""
+    if temperature is None:
+        temperature, top_p, top_k = r.temperature, r.top_p, r.top_k
+    else:
+        top_p, top_k = 1.0, -1
+    stop = [eos_token_id] if eos_token_id is not None else None
+    return dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+                max_new_tokens=r.max_new_tokens, stop_token_ids=stop)  # fmt: skip
 
 
 class RolloutFailure(RuntimeError):

@@ -29,7 +29,7 @@ from megatron_grpo.policy.policy import build_policy
 from megatron_grpo.rewards import build_reward
 from megatron_grpo.rewards.scoring import GroupScorer
 from megatron_grpo.rollout.ahead import AheadRollout
-from megatron_grpo.rollout.interface import build_rollout
+from megatron_grpo.rollout.interface import build_rollout, sampling_args
 from megatron_grpo.rollout.server import join_world, serve
 from megatron_grpo.trainer.checkpointer import Checkpointer, Preemption
 from megatron_grpo.trainer.loop import GRPOTrainer
@@ -136,9 +136,7 @@ def batch_source(cfg: Config, prompts: Any, rollout: Any, memory: Any, eos_token
     ``schedule``: the loop's sync schedule, whose ``window_end`` bounds a window (None: every
     sync.interval steps)."""
     r = cfg.rollout
-    sampling = dict(n=cfg.grpo.group_size, temperature=r.temperature, top_p=r.top_p,
-                    top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                    stop_token_ids=[eos_token_id])  # fmt: skip
+    sampling = sampling_args(r, cfg.grpo.group_size, eos_token_id)
 
     def launch(steps: list[tuple[list, int]]) -> list:
         memory.before_generate()
