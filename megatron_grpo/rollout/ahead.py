@@ -35,19 +35,20 @@ from typing import Any
 from megatron_grpo.algorithms.seeds import sampling_seed
 
 
-def window_steps(step: int, ahead: int, interval: int, total_steps: int) -> list[int]:
+def window_steps(step: int, ahead: int, sync_interval: int, total_steps: int) -> list[int]:
     """Steps whose batches are generated together when step ``step`` needs its batch and none
     is buffered: ``step .. min(step + ahead, next sync step, total_steps)``.
 
-    The sync after step k happens when ``k % interval == 0`` (after training step k), so the
-    batches of steps ``(j-1)*v+1 .. j*v`` all come from the same served weights; the next
-    sync step of ``step`` is ``ceil(step / interval) * interval``."""
-    if ahead < 0 or interval < 1 or not 1 <= step <= total_steps:
+    With v = ``sync_interval`` the sync after step k happens when ``k % v == 0`` (after
+    training step k), so the batches of steps ``(j-1)*v+1 .. j*v`` all come from the same
+    served weights; the next sync step of ``step`` is ``ceil(step / v) * v``."""
+    if ahead < 0 or sync_interval < 1 or not 1 <= step <= total_steps:
         raise ValueError(
-            f"window_steps(step={step}, ahead={ahead}, interval={interval}, total_steps="
-            f"{total_steps}): need ahead >= 0, interval >= 1 and 1 <= step <= total_steps."
+            f"window_steps(step={step}, ahead={ahead}, sync_interval={sync_interval}, "
+            f"total_steps={total_steps}): need ahead >= 0, sync_interval >= 1 and "
+            "1 <= step <= total_steps."
         )
-    return steps_through(step, ahead, -(-step // interval) * interval, total_steps)
+    return steps_through(step, ahead, -(-step // sync_interval) * sync_interval, total_steps)
 
 
 def steps_through(step: int, ahead: int, window_end: int, total_steps: int) -> list[int]:
@@ -93,9 +94,9 @@ class AheadRollout:
     the samples arrive (``Rollout.share``; collective, so called on the loop's thread only).
     ``window_end(step)``: the last step certain to be sampled from the weights served now
     (``trainer.sync_schedule.SyncSchedule.window_end``); None: the next multiple of
-    ``interval``, Algorithm 1's fixed schedule."""
+    ``sync_interval``, Algorithm 1's fixed schedule."""
 
-    def __init__(self, prompts: Any, prompts_per_step: int, ahead: int, interval: int,
+    def __init__(self, prompts: Any, prompts_per_step: int, ahead: int, sync_interval: int,
                  total_steps: int, rollout_seed: int, launch: Launch,
                  score: Callable[[list, list], Any] | None = None,
                  share: Callable[[Callable[[], Any]], Any] = _call,
@@ -103,7 +104,8 @@ class AheadRollout:
         self.prompts, self.launch, self.score, self.share = prompts, launch, score, share
         self.window_end = window_end
         self.prompts_per_step, self.ahead = prompts_per_step, ahead
-        self.interval, self.total_steps, self.rollout_seed = interval, total_steps, rollout_seed
+        self.sync_interval, self.total_steps = sync_interval, total_steps
+        self.rollout_seed = rollout_seed
         self._buffer: deque[_Buffered] = deque()
         self._taken: _Buffered | None = None
         self._arrivals: queue.SimpleQueue | None = None
@@ -136,7 +138,7 @@ class AheadRollout:
 
     def _fill(self, step: int) -> None:
         if self.window_end is None:
-            steps = window_steps(step, self.ahead, self.interval, self.total_steps)
+            steps = window_steps(step, self.ahead, self.sync_interval, self.total_steps)
         else:
             steps = steps_through(step, self.ahead, self.window_end(step), self.total_steps)
         drawn = []
