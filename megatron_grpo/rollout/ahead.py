@@ -136,6 +136,14 @@ class AheadRollout:
             return self._buffer[0].data_state_before
         return self.prompts.state_dict()
 
+    def load_data_state(self, state: dict) -> None:
+        """Continue the data stream from ``state`` (a checkpoint's ``data_state``, what
+        ``data_state`` returned when it was saved); before the first ``take``."""
+        if self._buffer or self._taken is not None:
+            raise RuntimeError("load_data_state after take: the buffer already holds batches "
+                               "drawn from the old position.")  # fmt: skip
+        self.prompts.load_state_dict(state)
+
     def _fill(self, step: int) -> None:
         if self.window_end is None:
             steps = window_steps(step, self.ahead, self.sync_interval, self.total_steps)

@@ -16,12 +16,16 @@ window's, ``rollout.ahead``); ``generate`` is one step's, waited for.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
+from megatron_grpo.bridge.weight_sync import WeightSender
 from megatron_grpo.config import Config
 from megatron_grpo.config.schema import RolloutConfig
+from megatron_grpo.distributed import ParallelContext
+from megatron_grpo.policy import Policy
 from megatron_grpo.rollout.colocated import build_colocated
-from megatron_grpo.rollout.server import connect_rollout
+from megatron_grpo.rollout.server import DisaggregatedWorld, connect_rollout
 
 
 class Rollout(Protocol):
@@ -63,7 +67,15 @@ class RolloutFailure(RuntimeError):
     """The vLLM engine failed during a rollout; the message names the last checkpoint."""
 
 
-def build_rollout(cfg: Config, world: Any, ctx: Any, hf_dir: Any, policy: Any) -> tuple[Rollout, Any]:  # fmt: skip
+RolloutFactory = Callable[
+    [Config, DisaggregatedWorld | None, ParallelContext, Path, Policy], tuple[Rollout, WeightSender]
+]
+"""What builds a run's engines and weight sender: ``build_rollout``, or a test's stand-in
+(tests/gpu/hf_engine.py)."""
+
+
+def build_rollout(cfg: Config, world: DisaggregatedWorld | None, ctx: ParallelContext,
+                  hf_dir: Path, policy: Policy) -> tuple[Rollout, WeightSender]:  # fmt: skip
     """The run's engines and the weight sender that feeds them ``policy``'s shards:
     colocated when ``world`` is None, else this trainer rank's handle on the disaggregated
     world (``rollout.server.DisaggregatedWorld``)."""

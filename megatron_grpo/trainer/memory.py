@@ -30,10 +30,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Protocol
 
 import torch
 
+from megatron_grpo.config import Config
+from megatron_grpo.policy import Policy
 from megatron_grpo.policy.offload import TrainerOffload
 
 GIB = float(1 << 30)
@@ -58,19 +60,27 @@ def _empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+class SleepingEngine(Protocol):
+    """A colocated vLLM engine's sleep mode (``rollout.engine.RolloutEngine``)."""
+
+    def sleep(self, level: int) -> None: ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+
 class ColocatedMemory:
     """Who holds the GPU when: see the module docstring. Build with ``from_config``.
 
-    ``engine``: anything with ``sleep(level)`` and ``wake_up(tags)`` (``RolloutEngine``);
-    ``state`` / ``weights``: ``policy.offload.TrainerOffload`` of the optimizer state and of
-    the weights, or None to keep them resident; ``sleep_level``: 0 = vLLM never sleeps.
+    ``engine``: the colocated engine (None when inactive); ``state`` / ``weights``: the
+    offloads of the optimizer state and of the weights, or None to keep them resident;
+    ``sleep_level``: 0 = vLLM never sleeps.
     """
 
     def __init__(
         self,
-        engine: Any,
-        state: Any = None,
-        weights: Any = None,
+        engine: SleepingEngine | None,
+        state: TrainerOffload | None = None,
+        weights: TrainerOffload | None = None,
         *,
         sleep_level: int = 1,
         empty_cache: Callable[[], None] = _empty_cache,
@@ -83,7 +93,8 @@ class ColocatedMemory:
         self.boundaries: dict[str, dict[str, float]] = {}
 
     @classmethod
-    def from_config(cls, cfg, engine, policy, device: torch.device) -> ColocatedMemory:
+    def from_config(cls, cfg: Config, engine: SleepingEngine | None, policy: Policy,
+                    device: torch.device) -> ColocatedMemory:  # fmt: skip
         """The dance ``cfg`` asks for; inactive (no calls at all) on CPU or disaggregated."""
         r = cfg.rollout
         if device.type != "cuda" or r.placement != "colocated":
