@@ -169,9 +169,10 @@ def test_the_initial_sync_makes_no_memory_turn(monkeypatch):
     step 1's generate (its offload is step 1's first call, above)."""
     cfg = load_config(None, ["steps=4", "sync.interval=2"])
     calls: list[str] = []
-    memory = ColocatedMemory(FakeEngine(calls), FakeOffload("state", calls),
-                             FakeOffload("weights", calls), empty_cache=lambda: calls.append(
-                                 "empty_cache"), memory=lambda: {"allocated_gib": 0.0})  # fmt: skip
+    memory = ColocatedMemory(
+        FakeEngine(calls), FakeOffload("state", calls), FakeOffload("weights", calls),
+        empty_cache=lambda: calls.append("empty_cache"), memory=lambda: {"allocated_gib": 0.0},
+    )  # fmt: skip
     t = _trainer(cfg, memory, calls, monkeypatch)
     t.start()
     assert (calls, t.policy_version, memory.take_boundaries()) == (["sync"], 0, None)
