@@ -1,4 +1,4 @@
-"""Generate a sync window's batches ahead of the trainer (``rollout.ahead``, DESIGN.md §8).
+"""Generate a sync window's batches ahead of the trainer (``rollout.ahead``; docs/rollout.md).
 
 In Algorithm 1 (Mroueh et al., arXiv 2505.22257) vLLM serves alpha = pi_k for the whole
 window k+1..k+v: no batch of the window depends on the training inside it. So when step s

@@ -1,6 +1,9 @@
 """The colocated memory dance: one GPU shared by the trainer and its vLLM rank, in turns.
 
-In the loop's order (``GRPOTrainer.run``; the field's recipe, DESIGN.md §6):
+The field's recipe for sharing one GPU with vLLM's sleep mode (docs/rollout.md, "Sleep"):
+vLLM sleeps after generating, the trainer's state is off the GPU while vLLM generates,
+``empty_cache`` between the two, and vLLM's weights wake before the sync writes into them.
+In the loop's order (``GRPOTrainer.run``):
 
     before_generate  trainer weights leave (rollout.trainer_offload=all), empty_cache,
                      vLLM's weights and KV cache come back (wake_up(tags=[...]))
