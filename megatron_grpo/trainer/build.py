@@ -2,7 +2,8 @@
 
 ``build_trainer``: checks (``trainer.preflight``) -> model directory -> process groups ->
 policy (+ pi_ref, + the served copy for exact resume) -> engines and weight sender
-(``rollout.interface``) -> data, rewards, losses -> resume or the initial sync -> metrics.
+(``rollout.interface``) -> data, rewards, losses -> resume -> metrics -> the trainer, whose
+``start`` pushes the starting weights (the initial sync).
 ``train``: build, ``GRPOTrainer.run``, tear down (every process started here is stopped).
 """
 

@@ -229,7 +229,9 @@ class GRPOTrainer:
             dist.all_reduce(drift, op=dist.ReduceOp.MAX)
         return float(drift.item())
 
-    def sync(self, step: int, weights: Policy | None = None, *, initial: bool = False) -> SyncReport:  # fmt: skip
+    def sync(
+        self, step: int, weights: Policy | None = None, *, initial: bool = False
+    ) -> SyncReport:
         """Push ``weights`` (None: the policy, pi_step) into vLLM, which then serves version
         ``step`` (its weights awake, the trainer's state off the GPU).
 
