@@ -7,10 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_grpo.algorithms.seeds import sampling_seed
 from megatron_grpo.config import ConfigError
 from megatron_grpo.config.schema import RolloutConfig
-from megatron_grpo.rollout.ahead import AheadRollout, step_seed, window_steps
+from megatron_grpo.rollout.ahead import AheadRollout, window_steps
 from megatron_grpo.rollout.colocated import ColocatedRollout, engine_slice
+from megatron_grpo.rollout.interface import sampling_args
 
 
 @pytest.mark.parametrize(
@@ -78,7 +80,7 @@ def serial(steps, p, rollout_seed, source):
     out = {}
     for s in steps:
         ids = [x.prompt_ids for x in source.next_batch(p)]
-        out[s] = fake_generate(ids, step_seed(rollout_seed, s))
+        out[s] = fake_generate(ids, sampling_seed(rollout_seed, s))
     return out
 
 
@@ -102,7 +104,9 @@ def test_ahead_gives_the_serial_batches_and_saves_the_consumed_position():
         assert samples == want[s]
         states[s] = ahead.data_state()["index"]
     # one launch per window, each step with its own seed
-    assert calls == [[step_seed(5, s) for s in w] for w in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10])]
+    assert calls == [
+        [sampling_seed(5, s) for s in w] for w in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10])
+    ]
     # the position a checkpoint saves after step s is that of s consumed steps
     assert states == {s: s * p for s in range(1, steps + 1)}
     # resuming from the checkpoint of step 6 (mid-window) regenerates 7, 8 and goes on
@@ -110,7 +114,10 @@ def test_ahead_gives_the_serial_batches_and_saves_the_consumed_position():
     resumed = AheadRollout(Source(states[6]), p, 3, v, steps, 5, recording_launch(calls))
     for s in range(7, steps + 1):
         assert resumed.take(s)[1] == want[s]
-    assert calls == [[step_seed(5, 7), step_seed(5, 8)], [step_seed(5, 9), step_seed(5, 10)]]
+    assert calls == [
+        [sampling_seed(5, 7), sampling_seed(5, 8)],
+        [sampling_seed(5, 9), sampling_seed(5, 10)],
+    ]
 
 
 def test_ahead_refuses_out_of_order_steps():
@@ -186,7 +193,7 @@ def test_colocated_launch_seeds_each_request_as_its_steps_own_call():
     engine = FakeEngine()
     ctx = SimpleNamespace(world_size=1, rank=0)
     launch = partial(ColocatedRollout(engine, ctx, 1).launch, n=n)
-    steps = [([[10 * s + i] for i in range(p)], step_seed(0, s)) for s in (5, 6, 7)]
+    steps = [([[10 * s + i] for i in range(p)], sampling_seed(0, s)) for s in (5, 6, 7)]
     got = [thunk() for thunk in launch(steps)]
     want = [FakeEngine().generate(ids, n, seed=seed) for ids, seed in steps]
     assert got == want
@@ -201,7 +208,7 @@ def test_colocated_launch_reassembles_two_engines_shares_prompt_major(monkeypatc
     import torch.distributed as dist
 
     n, p = 2, 5
-    steps = [([[10 * s + i] for i in range(p)], step_seed(3, s)) for s in (1, 2)]
+    steps = [([[10 * s + i] for i in range(p)], sampling_seed(3, s)) for s in (1, 2)]
     # What the serial loop gets: engine e samples its slice of each step with seed + i*n.
     want = [
         [x for e in (0, 1) for x in FakeEngine().generate(ids[engine_slice(p, 2, e)], n, seed=sd)]
@@ -232,3 +239,16 @@ def test_colocated_launch_reassembles_two_engines_shares_prompt_major(monkeypatc
     monkeypatch.setattr(dist, "all_gather_object", gather)
     got = [t() for t in launch_on(0)(steps)]
     assert got == want
+
+
+def test_sampling_args_for_training_validation_and_eval():
+    """One builder of the sampling keywords: training samples with rollout.*, validation and
+    eval's greedy with a temperature of their own over the whole distribution."""
+    r = SimpleNamespace(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=12)
+    assert sampling_args(r, 4, 2) == dict(
+        n=4, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=12, stop_token_ids=[2]
+    )
+    assert sampling_args(r, 3, 2, temperature=1.0) == dict(
+        n=3, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=12, stop_token_ids=[2]
+    )
+    assert sampling_args(r, 1, None, 0.0)["stop_token_ids"] is None

@@ -69,6 +69,9 @@ def _trainer(cfg: Config, memory: ColocatedMemory, calls: list, monkeypatch) -> 
         def state_dict(self):
             return {}
 
+        def load_state_dict(self, state):
+            calls.append(f"data at {state}")
+
     class Rollout:
         def launch(self, steps, **sampling):
             calls.append("generate")
@@ -158,6 +161,30 @@ def test_loop_order_sleep_and_offload(monkeypatch):
         "vllm.wake(weights)", "sync", "log 4", "state.reload", "save 4 resident=state+weights",
         "state.offload",
     ]  # fmt: skip
+
+
+def test_the_initial_sync_makes_no_memory_turn(monkeypatch):
+    """``GRPOTrainer.start`` pushes the starting weights through ``sync`` without
+    ``before_sync``: the engine starts awake and the trainer's state stays resident until
+    step 1's generate (its offload is step 1's first call, above)."""
+    cfg = load_config(None, ["steps=4", "sync.interval=2"])
+    calls: list[str] = []
+    memory = ColocatedMemory(
+        FakeEngine(calls), FakeOffload("state", calls), FakeOffload("weights", calls),
+        empty_cache=lambda: calls.append("empty_cache"), memory=lambda: {"allocated_gib": 0.0},
+    )  # fmt: skip
+    t = _trainer(cfg, memory, calls, monkeypatch)
+    t.start()
+    assert (calls, t.policy_version, memory.take_boundaries()) == (["sync"], 0, None)
+    # A resume: the data stream continues from the checkpoint's position, vLLM serves the
+    # checkpoint's served weights as version 2, the schedule counts from that push.
+    from megatron_grpo.checkpoint import LoopState
+
+    t = _trainer(cfg, memory, calls, monkeypatch)
+    calls.clear()
+    t.start((LoopState(step=3, data_state={"pos": 3}, policy_version=2), t.policy))
+    assert calls == ["data at {'pos': 3}", "sync"]
+    assert (t.start_step, t.policy_version, t.schedule.last_sync) == (3, 2, 2)
 
 
 def test_colocated_window_wakes_vllm_once(monkeypatch):

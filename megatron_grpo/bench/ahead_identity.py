@@ -17,9 +17,9 @@ import json
 import os
 import tempfile
 
+from megatron_grpo.algorithms.seeds import sampling_seed
 from megatron_grpo.distributed.spawn import free_port
 from megatron_grpo.models.tiny import build_hf_model
-from megatron_grpo.rollout.ahead import step_seed
 from megatron_grpo.rollout.engine import RolloutEngine
 
 
@@ -44,8 +44,8 @@ def measure(steps: int, prompts: int, group: int, max_new_tokens: int, seed: int
         try:
             serial = []
             for s, ids in enumerate(batches, start=1):
-                serial += eng.generate(ids, seed=step_seed(seed, s), **sampling)
-            seeds = [step_seed(seed, s) + i * group for s in range(1, steps + 1)
+                serial += eng.generate(ids, seed=sampling_seed(seed, s), **sampling)
+            seeds = [sampling_seed(seed, s) + i * group for s in range(1, steps + 1)
                      for i in range(prompts)]  # fmt: skip
             merged = eng.generate([p for b in batches for p in b], seeds=seeds, **sampling)
         finally:

@@ -46,6 +46,7 @@ from megatron_grpo.models.spec import check_heads, load_spec
 from megatron_grpo.policy.policy import build_policy
 from megatron_grpo.rewards import build_reward
 from megatron_grpo.rollout.colocated import build_colocated
+from megatron_grpo.rollout.interface import sampling_args
 from megatron_grpo.trainer.batch import collate
 
 
@@ -197,10 +198,8 @@ def eval_rank(rank: int, world: int, s: EvalSettings) -> dict[str, Any] | None:
         report = weight_sync.sync(policy)
         r = cfg.rollout
         samples = rollout.generate(
-            s.prompt_ids, n=s.samples,
-            temperature=0.0 if s.greedy else r.temperature, top_p=1.0 if s.greedy else r.top_p,
-            top_k=-1 if s.greedy else r.top_k, max_new_tokens=r.max_new_tokens, seed=r.seed,
-            stop_token_ids=[s.eos_token_id] if s.eos_token_id is not None else None,
+            s.prompt_ids, seed=r.seed,
+            **sampling_args(r, s.samples, s.eos_token_id, 0.0 if s.greedy else None),
         )  # fmt: skip
         layout = {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, "world": ctx.world_size}
         policy_lp = _policy_logprobs(policy, samples, cfg.grpo.micro_batch_size) if (

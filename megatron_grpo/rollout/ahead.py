@@ -1,4 +1,4 @@
-"""Generate a sync window's batches ahead of the trainer (``rollout.ahead``, DESIGN.md §8).
+"""Generate a sync window's batches ahead of the trainer (``rollout.ahead``; docs/rollout.md).
 
 In Algorithm 1 (Mroueh et al., arXiv 2505.22257) vLLM serves alpha = pi_k for the whole
 window k+1..k+v: no batch of the window depends on the training inside it. So when step s
@@ -6,7 +6,8 @@ needs its batch and none is buffered, the batches of steps ``window_steps(s, a, 
 (s, s+1, ... up to s+a, never past the next sync step) can be produced at once:
 
 - prompts are drawn from the data stream in step order, exactly as the serial loop draws
-  them, and each step keeps its own sampling seed ``rollout.seed + 7919 * step``;
+  them, and each step keeps its own sampling seed ``rollout.seed + 7919 * step``
+  (``algorithms.seeds.sampling_seed``);
 - **colocated** (``rollout.colocated.ColocatedRollout.launch``): one vLLM ``generate`` call
   carries all those steps' prompts, each request with the seed its own step's call would
   give it (``RolloutEngine.generate(seeds=...)``);
@@ -31,25 +32,23 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-
-def step_seed(rollout_seed: int, step: int) -> int:
-    """Sampling seed of trainer step ``step``'s batch."""
-    return rollout_seed + 7919 * step
+from megatron_grpo.algorithms.seeds import sampling_seed
 
 
-def window_steps(step: int, ahead: int, interval: int, total_steps: int) -> list[int]:
+def window_steps(step: int, ahead: int, sync_interval: int, total_steps: int) -> list[int]:
     """Steps whose batches are generated together when step ``step`` needs its batch and none
     is buffered: ``step .. min(step + ahead, next sync step, total_steps)``.
 
-    The sync after step k happens when ``k % interval == 0`` (after training step k), so the
-    batches of steps ``(j-1)*v+1 .. j*v`` all come from the same served weights; the next
-    sync step of ``step`` is ``ceil(step / interval) * interval``."""
-    if ahead < 0 or interval < 1 or not 1 <= step <= total_steps:
+    With v = ``sync_interval`` the sync after step k happens when ``k % v == 0`` (after
+    training step k), so the batches of steps ``(j-1)*v+1 .. j*v`` all come from the same
+    served weights; the next sync step of ``step`` is ``ceil(step / v) * v``."""
+    if ahead < 0 or sync_interval < 1 or not 1 <= step <= total_steps:
         raise ValueError(
-            f"window_steps(step={step}, ahead={ahead}, interval={interval}, total_steps="
-            f"{total_steps}): need ahead >= 0, interval >= 1 and 1 <= step <= total_steps."
+            f"window_steps(step={step}, ahead={ahead}, sync_interval={sync_interval}, "
+            f"total_steps={total_steps}): need ahead >= 0, sync_interval >= 1 and "
+            "1 <= step <= total_steps."
         )
-    return steps_through(step, ahead, -(-step // interval) * interval, total_steps)
+    return steps_through(step, ahead, -(-step // sync_interval) * sync_interval, total_steps)
 
 
 def steps_through(step: int, ahead: int, window_end: int, total_steps: int) -> list[int]:
@@ -95,9 +94,9 @@ class AheadRollout:
     the samples arrive (``Rollout.share``; collective, so called on the loop's thread only).
     ``window_end(step)``: the last step certain to be sampled from the weights served now
     (``trainer.sync_schedule.SyncSchedule.window_end``); None: the next multiple of
-    ``interval``, Algorithm 1's fixed schedule."""
+    ``sync_interval``, Algorithm 1's fixed schedule."""
 
-    def __init__(self, prompts: Any, prompts_per_step: int, ahead: int, interval: int,
+    def __init__(self, prompts: Any, prompts_per_step: int, ahead: int, sync_interval: int,
                  total_steps: int, rollout_seed: int, launch: Launch,
                  score: Callable[[list, list], Any] | None = None,
                  share: Callable[[Callable[[], Any]], Any] = _call,
@@ -105,7 +104,8 @@ class AheadRollout:
         self.prompts, self.launch, self.score, self.share = prompts, launch, score, share
         self.window_end = window_end
         self.prompts_per_step, self.ahead = prompts_per_step, ahead
-        self.interval, self.total_steps, self.rollout_seed = interval, total_steps, rollout_seed
+        self.sync_interval, self.total_steps = sync_interval, total_steps
+        self.rollout_seed = rollout_seed
         self._buffer: deque[_Buffered] = deque()
         self._taken: _Buffered | None = None
         self._arrivals: queue.SimpleQueue | None = None
@@ -136,9 +136,17 @@ class AheadRollout:
             return self._buffer[0].data_state_before
         return self.prompts.state_dict()
 
+    def load_data_state(self, state: dict) -> None:
+        """Continue the data stream from ``state`` (a checkpoint's ``data_state``, what
+        ``data_state`` returned when it was saved); before the first ``take``."""
+        if self._buffer or self._taken is not None:
+            raise RuntimeError("load_data_state after take: the buffer already holds batches "
+                               "drawn from the old position.")  # fmt: skip
+        self.prompts.load_state_dict(state)
+
     def _fill(self, step: int) -> None:
         if self.window_end is None:
-            steps = window_steps(step, self.ahead, self.interval, self.total_steps)
+            steps = window_steps(step, self.ahead, self.sync_interval, self.total_steps)
         else:
             steps = steps_through(step, self.ahead, self.window_end(step), self.total_steps)
         drawn = []
@@ -146,7 +154,10 @@ class AheadRollout:
             before = self.prompts.state_dict()
             drawn.append((s, self.prompts.next_batch(self.prompts_per_step), before))
         thunks = self.launch(
-            [([p.prompt_ids for p in ps], step_seed(self.rollout_seed, s)) for s, ps, _ in drawn]
+            [
+                ([p.prompt_ids for p in ps], sampling_seed(self.rollout_seed, s))
+                for s, ps, _ in drawn
+            ]
         )
         window = [_Buffered(s, ps, before) for s, ps, before in drawn]
         self._buffer.extend(window)

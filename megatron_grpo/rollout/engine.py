@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from megatron_grpo.algorithms.seeds import replica_offset
 from megatron_grpo.rollout.vllm_setup import (
     bind_cpu_threads,
     external_launcher_replica,
@@ -196,7 +197,7 @@ class RolloutEngine:
         """
         from vllm import SamplingParams
 
-        replica = self.replica_index * 1_000_003
+        replica = replica_offset(self.replica_index)
         if seeds is None:
             base = self.seed if seed is None else seed
             seeds = [base + i * n for i in range(len(prompt_token_ids))]

@@ -16,11 +16,16 @@ window's, ``rollout.ahead``); ``generate`` is one step's, waited for.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
+from megatron_grpo.bridge.weight_sync import WeightSender
 from megatron_grpo.config import Config
+from megatron_grpo.config.schema import RolloutConfig
+from megatron_grpo.distributed import ParallelContext
+from megatron_grpo.policy import Policy
 from megatron_grpo.rollout.colocated import build_colocated
-from megatron_grpo.rollout.server import connect_rollout
+from megatron_grpo.rollout.server import DisaggregatedWorld, connect_rollout
 
 
 class Rollout(Protocol):
@@ -40,11 +45,37 @@ class Rollout(Protocol):
         """Stop the engines (idempotent)."""
 
 
+def sampling_args(
+    r: RolloutConfig, n: int, eos_token_id: int | None, temperature: float | None = None
+) -> dict[str, Any]:
+    """The sampling keywords of ``Rollout.launch`` / ``generate`` (``RolloutEngine.generate``'s),
+    built in this one place for training, validation and eval: ``n`` samples per prompt of
+    at most ``rollout.max_new_tokens`` tokens, stopping at ``eos_token_id`` (None: no stop
+    token). ``temperature`` None samples as training does (``rollout.temperature``, ``top_p``,
+    ``top_k``); a number samples the whole distribution at that temperature (top_p 1, top_k
+    off): validation's ``eval.temperature``, eval's greedy 0."""
+    if temperature is None:
+        temperature, top_p, top_k = r.temperature, r.top_p, r.top_k
+    else:
+        top_p, top_k = 1.0, -1
+    stop = [eos_token_id] if eos_token_id is not None else None
+    return dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+                max_new_tokens=r.max_new_tokens, stop_token_ids=stop)  # fmt: skip
+
+
 class RolloutFailure(RuntimeError):
     """The vLLM engine failed during a rollout; the message names the last checkpoint."""
 
 
-def build_rollout(cfg: Config, world: Any, ctx: Any, hf_dir: Any, policy: Any) -> tuple[Rollout, Any]:  # fmt: skip
+RolloutFactory = Callable[
+    [Config, DisaggregatedWorld | None, ParallelContext, Path, Policy], tuple[Rollout, WeightSender]
+]
+"""What builds a run's engines and weight sender: ``build_rollout``, or a test's stand-in
+(tests/gpu/hf_engine.py)."""
+
+
+def build_rollout(cfg: Config, world: DisaggregatedWorld | None, ctx: ParallelContext,
+                  hf_dir: Path, policy: Policy) -> tuple[Rollout, WeightSender]:  # fmt: skip
     """The run's engines and the weight sender that feeds them ``policy``'s shards:
     colocated when ``world`` is None, else this trainer rank's handle on the disaggregated
     world (``rollout.server.DisaggregatedWorld``)."""

@@ -2,7 +2,8 @@
 
 ``build_trainer``: checks (``trainer.preflight``) -> model directory -> process groups ->
 policy (+ pi_ref, + the served copy for exact resume) -> engines and weight sender
-(``rollout.interface``) -> data, rewards, losses -> resume or the initial sync -> metrics.
+(``rollout.interface``) -> data, rewards, losses -> resume -> metrics -> the trainer, whose
+``start`` pushes the starting weights (the initial sync).
 ``train``: build, ``GRPOTrainer.run``, tear down (every process started here is stopped).
 """
 
@@ -11,13 +12,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from megatron_grpo.algorithms.advantages import build_advantage_fn
 from megatron_grpo.algorithms.aggregation import make_loss_fn
+from megatron_grpo.checkpoint import LoopState
 from megatron_grpo.config import Config, format_config, save_config
-from megatron_grpo.data import build_prompt_source
+from megatron_grpo.data import PromptSource, build_prompt_source
 from megatron_grpo.distributed import destroy_distributed, init_distributed
 from megatron_grpo.distributed.placement import validate_world
 from megatron_grpo.layouts.io import load_hf_into_megatron
@@ -25,12 +28,13 @@ from megatron_grpo.metrics import MetricsLogger, PhaseTimer
 from megatron_grpo.metrics.console import console_err, say_rank0
 from megatron_grpo.models.prepare import prepare_model_dir
 from megatron_grpo.models.spec import load_spec
+from megatron_grpo.policy import Policy
 from megatron_grpo.policy.policy import build_policy
 from megatron_grpo.rewards import build_reward
 from megatron_grpo.rewards.scoring import GroupScorer
 from megatron_grpo.rollout.ahead import AheadRollout
-from megatron_grpo.rollout.interface import build_rollout
-from megatron_grpo.rollout.server import join_world, serve
+from megatron_grpo.rollout.interface import Rollout, RolloutFactory, build_rollout, sampling_args
+from megatron_grpo.rollout.server import DisaggregatedWorld, join_world, serve
 from megatron_grpo.trainer.checkpointer import Checkpointer, Preemption
 from megatron_grpo.trainer.loop import GRPOTrainer
 from megatron_grpo.trainer.memory import ColocatedMemory
@@ -40,7 +44,10 @@ from megatron_grpo.trainer.validation import Validator
 
 
 def build_trainer(
-    cfg: Config, resume: bool = False, world: Any = None, rollout_factory: Any = None
+    cfg: Config,
+    resume: bool = False,
+    world: DisaggregatedWorld | None = None,
+    rollout_factory: RolloutFactory | None = None,
 ) -> GRPOTrainer:
     """``world``: this trainer rank's ``rollout.server.DisaggregatedWorld`` when
     ``rollout.placement=disaggregated`` (None: colocated). ``rollout_factory``: what builds
@@ -87,36 +94,40 @@ def build_trainer(
     prompts = build_prompt_source(cfg.data, tokenizer)
     scorer = GroupScorer.from_config(cfg, reward_fn, tokenizer)
     schedule = SyncSchedule.from_config(cfg.sync)
-    trainer = GRPOTrainer(
-        cfg=cfg, ctx=ctx, tokenizer=tokenizer, policy=policy, ref=ref, rollout=rollout,
-        sender=sender, schedule=schedule,
-        batches=batch_source(cfg, prompts, rollout, memory, tokenizer.eos_token_id, scorer,
-                             schedule),
-        advantage_fn=build_advantage_fn(g), loss_fn=make_loss_fn(g, cfg.rollout.max_new_tokens),
-        memory=memory, checkpointer=checkpointer, logger=None, timer=PhaseTimer.for_device(ctx.device),
-        validator=Validator(cfg, tokenizer, reward_fn) if cfg.eval.interval else None,
-        closers=[reward_fn.close, rollout.shutdown, destroy_distributed],
-    )  # fmt: skip
-    if resume:
-        state, served_now = checkpointer.resume()
-        trainer.batches.prompts.load_state_dict(state.data_state)
-        trainer.start_step, trainer.policy_version = state.step, state.policy_version
-        schedule.synced(state.policy_version)  # the next decisions count from that push
-        sender.sync(served_now)
-    else:
-        report = sender.sync(policy)
-        checkpointer.snapshot_served()
-        say_rank0(ctx, f"initial sync: {report.bytes / 2**20:.2f} MiB in {report.seconds:.2f}s "
-                  f"(minimal {report.minimal_bytes / 2**20:.2f} MiB)")  # fmt: skip
-    if ctx.rank == 0:  # only once the run really starts (a failed start leaves none)
-        save_config(cfg, cfg.run_dir)
-    trainer.logger = MetricsLogger(
+    batches = batch_source(cfg, prompts, rollout, memory, tokenizer.eos_token_id, scorer,
+                           schedule)  # fmt: skip
+    validator = Validator(cfg, tokenizer, reward_fn) if cfg.eval.interval else None
+    resumed = checkpointer.resume() if resume else None
+    logger = MetricsLogger(
         cfg.run_dir, cfg.logging, cfg.steps, ctx.rank,
-        resume_step=trainer.start_step if resume else None, run_config=dataclasses.asdict(cfg),
+        resume_step=resumed[0].step if resumed else None, run_config=dataclasses.asdict(cfg),
         stream=console_err(),
     )  # fmt: skip
-    trainer.closers.insert(0, trainer.logger.close)
+    trainer = GRPOTrainer(
+        cfg=cfg, ctx=ctx, tokenizer=tokenizer, policy=policy, ref=ref, rollout=rollout,
+        sender=sender, schedule=schedule, batches=batches, advantage_fn=build_advantage_fn(g),
+        loss_fn=make_loss_fn(g, cfg.rollout.max_new_tokens), memory=memory,
+        checkpointer=checkpointer, logger=logger, timer=PhaseTimer.for_device(ctx.device),
+        validator=validator,
+        closers=[logger.close, reward_fn.close, rollout.shutdown, destroy_distributed],
+    )  # fmt: skip
+    _start(trainer, resumed)
+    if ctx.rank == 0:  # only once the run really starts (a failed start leaves none)
+        save_config(cfg, cfg.run_dir)
     return trainer
+
+
+def _start(trainer: GRPOTrainer, resumed: tuple[LoopState, Policy] | None) -> None:
+    """vLLM serves the starting weights (``GRPOTrainer.start``); a failed start closes the
+    metrics sinks it opened."""
+    try:
+        report = trainer.start(resumed)
+    except BaseException:
+        trainer.logger.close()
+        raise
+    if resumed is None:
+        say_rank0(trainer.ctx, f"initial sync: {report.bytes / 2**20:.2f} MiB in "
+                  f"{report.seconds:.2f}s (minimal {report.minimal_bytes / 2**20:.2f} MiB)")  # fmt: skip
 
 
 def _schedule_text(cfg: Config) -> str:
@@ -127,18 +138,17 @@ def _schedule_text(cfg: Config) -> str:
             f"{s.max_interval})")  # fmt: skip
 
 
-def batch_source(cfg: Config, prompts: Any, rollout: Any, memory: Any, eos_token_id: int,
-                 score: Any = None, schedule: SyncSchedule | None = None) -> AheadRollout:  # fmt: skip
+def batch_source(cfg: Config, prompts: PromptSource, rollout: Rollout, memory: ColocatedMemory,
+                 eos_token_id: int, score: Callable[[list, list], Any] | None = None,
+                 schedule: SyncSchedule | None = None) -> AheadRollout:  # fmt: skip
     """Each step's prompts (from ``prompts``, a data source), samples and rewards (``score``):
     with rollout.ahead = a, up to a + 1 steps of the sync window are generated at once (0:
     one step at a time, Algorithm 1's serial order) and scored as they arrive; vLLM wakes
-    for each generation, not for each step (``memory``: ``trainer.memory.ColocatedMemory``).
+    for each generation, not for each step (``memory``).
     ``schedule``: the loop's sync schedule, whose ``window_end`` bounds a window (None: every
     sync.interval steps)."""
     r = cfg.rollout
-    sampling = dict(n=cfg.grpo.group_size, temperature=r.temperature, top_p=r.top_p,
-                    top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                    stop_token_ids=[eos_token_id])  # fmt: skip
+    sampling = sampling_args(r, cfg.grpo.group_size, eos_token_id)
 
     def launch(steps: list[tuple[list, int]]) -> list:
         memory.before_generate()

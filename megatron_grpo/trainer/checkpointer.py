@@ -27,7 +27,10 @@ import torch.distributed as dist
 from megatron_grpo.checkpoint import LoopState, find_intact, load_checkpoint, save_checkpoint
 from megatron_grpo.config import ConfigError
 from megatron_grpo.config.schema import CheckpointConfig
+from megatron_grpo.distributed import ParallelContext
 from megatron_grpo.metrics.console import say_rank0
+from megatron_grpo.policy import Policy
+from megatron_grpo.trainer.memory import ColocatedMemory
 from megatron_grpo.trainer.watchdog import bounded
 
 log = logging.getLogger("megatron_grpo.trainer")
@@ -47,7 +50,7 @@ class Preemption:
     def _handler(self, signum, frame) -> None:
         self.requested = True
 
-    def agreed(self, ctx: Any) -> bool:
+    def agreed(self, ctx: ParallelContext) -> bool:
         """True on every rank when any rank got the signal (collective over ``ctx``'s world)."""
         flag = torch.tensor([1.0 if self.requested else 0.0])
         if ctx.world_size > 1:
@@ -59,11 +62,12 @@ class Checkpointer:
     """Saves and restores a run's state; exits on ``Preemption``.
 
     ``policy``, ``ref``, ``served``: the policy and its optional reference and served-weights
-    copies (``policy.make_reference``); ``memory``: ``trainer.memory.ColocatedMemory`` (the
-    trainer's state is brought back to the GPU for a save)."""
+    copies (``policy.make_reference``); ``memory``: the colocated turns (the trainer's state
+    is brought back to the GPU for a save)."""
 
-    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, total_steps: int, ctx: Any,
-                 policy: Any, ref: Any, served: Any, memory: Any, timeout_s: float,
+    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, total_steps: int,
+                 ctx: ParallelContext, policy: Policy, ref: Policy | None,
+                 served: Policy | None, memory: ColocatedMemory, timeout_s: float,
                  preemption: Preemption) -> None:  # fmt: skip
         self.run_dir, self.cfg, self.total_steps, self.ctx = Path(run_dir), cfg, total_steps, ctx
         self.policy, self.ref, self.served, self.memory = policy, ref, served, memory
@@ -94,10 +98,11 @@ class Checkpointer:
         """True on every rank when any rank got a pre-emption signal (collective)."""
         return self.preemption.agreed(self.ctx)
 
-    def snapshot_served(self) -> None:
-        """After a sync: the served copy follows the policy (exact resume inside a window)."""
-        if self.served is not None:
-            self.served.copy_weights_from(self.policy)
+    def snapshot_served(self, pushed: Policy) -> None:
+        """After a sync of ``pushed``: the served copy follows it (exact resume inside a
+        window); a push of the served copy itself (a resume) leaves it as it is."""
+        if self.served is not None and pushed is not self.served:
+            self.served.copy_weights_from(pushed)
 
     # ------------------------------------------------------------------------ save / load
     def _state_dicts(self, for_loading: bool = False) -> dict[str, Any]:
@@ -117,7 +122,7 @@ class Checkpointer:
         self.last_saved = state.step
         say_rank0(self.ctx, f"checkpoint {path}")
 
-    def resume(self) -> tuple[LoopState, Any]:
+    def resume(self) -> tuple[LoopState, Policy]:
         """Load the newest intact checkpoint into the policy (and ref, served); returns its
         loop state and the module whose weights vLLM must serve again (without a served
         copy, ``checkpoint.exact_resume=false``, the checkpoint step's own weights)."""

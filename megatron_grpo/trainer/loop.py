@@ -15,31 +15,47 @@ Versions: ``policy_version`` is the trainer step whose weights vLLM serves (0 = 
 starting weights, pushed once at start); the batch of step k was sampled from that version
 and its ``lag`` is ``(k - 1) - policy_version``: 0 when on-policy (v = 1), up to v - 1
 (adaptive: up to sync.max_interval - 1).
-The trainer is built by ``trainer.build.build_trainer``; its fields are the run's parts.
+The trainer is built by ``trainer.build.build_trainer``; its fields are the run's parts, and
+``start`` makes vLLM serve the starting weights (a fresh run's, or a resumed checkpoint's).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.algorithms.aggregation import compute_global_normalizers, normalizer_mask
+from megatron_grpo.algorithms.advantages import AdvantageFn
+from megatron_grpo.algorithms.aggregation import LossFn, compute_global_normalizers, normalizer_mask
 from megatron_grpo.algorithms.drift import drift_from_sums, k3_drift_sums
 from megatron_grpo.algorithms.kl import get_kl_estimator
+from megatron_grpo.algorithms.seeds import advantage_seed, mini_batch_seed
 from megatron_grpo.algorithms.shaping import overlong_filter_keep
+from megatron_grpo.bridge.accounting import SyncReport
+from megatron_grpo.bridge.weight_sync import WeightSender
 from megatron_grpo.checkpoint import LoopState, find_latest
 from megatron_grpo.config import Config
+from megatron_grpo.distributed import ParallelContext
+from megatron_grpo.metrics import MetricsLogger, PhaseTimer
 from megatron_grpo.metrics.console import console_out, say_rank0
 from megatron_grpo.metrics.row import step_row
+from megatron_grpo.policy import Policy
 from megatron_grpo.policy.batching import micro_batch_token_budget
-from megatron_grpo.rollout.interface import RolloutFailure
+from megatron_grpo.rollout.ahead import AheadRollout
+from megatron_grpo.rollout.interface import Rollout, RolloutFailure
 from megatron_grpo.trainer.batch import collate, dp_shard, mini_batches
+from megatron_grpo.trainer.checkpointer import Checkpointer
+from megatron_grpo.trainer.memory import ColocatedMemory
 from megatron_grpo.trainer.sync_schedule import SyncSchedule
+from megatron_grpo.trainer.validation import Validator
 from megatron_grpo.trainer.watchdog import bounded
+
+if TYPE_CHECKING:  # transformers is heavy: imported when the run is built (trainer.build)
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(eq=False)
@@ -47,24 +63,24 @@ class GRPOTrainer:
     """Everything a run holds, built once (``trainer.build``); ``run()`` is the loop."""
 
     cfg: Config
-    ctx: Any  # distributed.ParallelContext
-    tokenizer: Any
-    policy: Any  # policy.Policy, and pi_ref (None without a KL term)
-    ref: Any
-    rollout: Any  # rollout.interface.Rollout
-    sender: Any  # the bridge's weight sender
-    batches: Any  # rollout.ahead.AheadRollout: each step's prompts, samples and rewards
-    advantage_fn: Any
-    loss_fn: Any
-    memory: Any  # trainer.memory.ColocatedMemory
-    checkpointer: Any  # trainer.checkpointer.Checkpointer
-    logger: Any  # metrics.MetricsLogger
-    timer: Any  # metrics.PhaseTimer
-    validator: Any = None  # trainer.validation.Validator when eval.interval > 0
+    ctx: ParallelContext
+    tokenizer: PreTrainedTokenizerBase
+    policy: Policy
+    ref: Policy | None  # pi_ref; None without a KL term
+    rollout: Rollout
+    sender: WeightSender  # the bridge: pushes the policy's weights into the engines
+    batches: AheadRollout  # each step's prompts, samples and rewards
+    advantage_fn: AdvantageFn
+    loss_fn: LossFn
+    memory: ColocatedMemory
+    checkpointer: Checkpointer
+    logger: MetricsLogger
+    timer: PhaseTimer
+    validator: Validator | None = None  # when eval.interval > 0
     schedule: SyncSchedule | None = None  # when to sync; None: built from cfg.sync
     start_step: int = 0
     policy_version: int = 0
-    closers: list = field(default_factory=list)
+    closers: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def token_budget(self) -> int | None:
@@ -162,7 +178,7 @@ class GRPOTrainer:
         task_PG = rewards_PG  # the zero-variance mask looks at these, not at the KL penalty
         if kl_seq is not None:
             rewards_PG = rewards_PG - g.kl_coef * kl_seq.view_as(rewards_PG)
-        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
+        gen = torch.Generator().manual_seed(advantage_seed(self.cfg.seed, step))
         return self.advantage_fn(rewards_PG, gen, task_PG)
 
     def train_on(self, batch, adv, step) -> tuple[list[dict[str, Any]], float | None]:
@@ -187,7 +203,7 @@ class GRPOTrainer:
             drift = self.measure_drift(pi_logp, shard)
         if g.ratio_mode == "exact":
             shard["old_logp"] = pi_logp
-        gen = torch.Generator().manual_seed(self.cfg.seed * 7_654_321 + step)
+        gen = torch.Generator().manual_seed(mini_batch_seed(self.cfg.seed, step))
         out = []
         for _ in range(g.sgd_iterations):
             for mb in mini_batches(shard, g.mini_batch_size, ctx.dp, gen):
@@ -213,14 +229,34 @@ class GRPOTrainer:
             dist.all_reduce(drift, op=dist.ReduceOp.MAX)
         return float(drift.item())
 
-    def sync(self, step: int):
-        """Push pi_step into vLLM (its weights awake, the trainer's state off the GPU)."""
-        self.memory.before_sync()
-        report = self.sender.sync(self.policy)
+    def sync(
+        self, step: int, weights: Policy | None = None, *, initial: bool = False
+    ) -> SyncReport:
+        """Push ``weights`` (None: the policy, pi_step) into vLLM, which then serves version
+        ``step`` (its weights awake, the trainer's state off the GPU).
+
+        ``initial``: the push before step 1 (``start``), which makes no memory turn: the
+        engines start awake and the trainer's state is resident, and ``before_sync`` would
+        offload that state one generate early and record phase boundaries no step owns."""
+        if not initial:
+            self.memory.before_sync()
+        weights = self.policy if weights is None else weights
+        report = self.sender.sync(weights)
         self.policy_version = step
         self.schedule.synced(step)
-        self.checkpointer.snapshot_served()
+        self.checkpointer.snapshot_served(weights)
         return report
+
+    def start(self, resumed: tuple[LoopState, Policy] | None = None) -> SyncReport:
+        """Before step 1, vLLM serves the starting weights: a fresh run's policy, or (``resumed``:
+        ``Checkpointer.resume``'s loop state and served weights) the weights served at the
+        checkpoint, with the data stream and the schedule where the checkpoint left them."""
+        if resumed is None:
+            return self.sync(0, initial=True)
+        state, served = resumed
+        self.start_step = state.step
+        self.batches.load_data_state(state.data_state)  # loop_state's data_state, read back
+        return self.sync(state.policy_version, served, initial=True)
 
     def evaluate(self) -> dict[str, Any]:
         """eval.interval: pass@1 on held-out prompts from the weights vLLM serves now."""

@@ -1,6 +1,9 @@
 """The colocated memory dance: one GPU shared by the trainer and its vLLM rank, in turns.
 
-In the loop's order (``GRPOTrainer.run``; the field's recipe, DESIGN.md §6):
+The field's recipe for sharing one GPU with vLLM's sleep mode (docs/rollout.md, "Sleep"):
+vLLM sleeps after generating, the trainer's state is off the GPU while vLLM generates,
+``empty_cache`` between the two, and vLLM's weights wake before the sync writes into them.
+In the loop's order (``GRPOTrainer.run``):
 
     before_generate  trainer weights leave (rollout.trainer_offload=all), empty_cache,
                      vLLM's weights and KV cache come back (wake_up(tags=[...]))
@@ -30,10 +33,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Protocol
 
 import torch
 
+from megatron_grpo.config import Config
+from megatron_grpo.policy import Policy
 from megatron_grpo.policy.offload import TrainerOffload
 
 GIB = float(1 << 30)
@@ -58,19 +63,27 @@ def _empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+class SleepingEngine(Protocol):
+    """A colocated vLLM engine's sleep mode (``rollout.engine.RolloutEngine``)."""
+
+    def sleep(self, level: int) -> None: ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+
 class ColocatedMemory:
     """Who holds the GPU when: see the module docstring. Build with ``from_config``.
 
-    ``engine``: anything with ``sleep(level)`` and ``wake_up(tags)`` (``RolloutEngine``);
-    ``state`` / ``weights``: ``policy.offload.TrainerOffload`` of the optimizer state and of
-    the weights, or None to keep them resident; ``sleep_level``: 0 = vLLM never sleeps.
+    ``engine``: the colocated engine (None when inactive); ``state`` / ``weights``: the
+    offloads of the optimizer state and of the weights, or None to keep them resident;
+    ``sleep_level``: 0 = vLLM never sleeps.
     """
 
     def __init__(
         self,
-        engine: Any,
-        state: Any = None,
-        weights: Any = None,
+        engine: SleepingEngine | None,
+        state: TrainerOffload | None = None,
+        weights: TrainerOffload | None = None,
         *,
         sleep_level: int = 1,
         empty_cache: Callable[[], None] = _empty_cache,
@@ -83,7 +96,8 @@ class ColocatedMemory:
         self.boundaries: dict[str, dict[str, float]] = {}
 
     @classmethod
-    def from_config(cls, cfg, engine, policy, device: torch.device) -> ColocatedMemory:
+    def from_config(cls, cfg: Config, engine: SleepingEngine | None, policy: Policy,
+                    device: torch.device) -> ColocatedMemory:  # fmt: skip
         """The dance ``cfg`` asks for; inactive (no calls at all) on CPU or disaggregated."""
         r = cfg.rollout
         if device.type != "cuda" or r.placement != "colocated":

@@ -27,7 +27,8 @@ from megatron_grpo.config.schema import SyncConfig
 @dataclass
 class SyncSchedule:
     mode: str
-    interval: int
+    sync_interval: int
+    """``sync.interval``, v: fixed mode syncs after every v-th step."""
     max_drift: float
     min_interval: int
     max_interval: int
@@ -46,7 +47,7 @@ class SyncSchedule:
     def due(self, step: int, drift: float | None) -> bool:
         """Sync after step ``step``? ``drift``: the step's agreed drift (adaptive needs it)."""
         if not self.adaptive:
-            return step % self.interval == 0
+            return step % self.sync_interval == 0
         if drift is None:
             raise ValueError(f"sync.mode=adaptive: step {step} has no measured drift to decide by.")
         since = step - self.last_sync
@@ -59,5 +60,5 @@ class SyncSchedule:
     def window_end(self, step: int) -> int:
         """The last step (>= ``step``) certain to be sampled from the weights served now."""
         if not self.adaptive:
-            return -(-step // self.interval) * self.interval
+            return -(-step // self.sync_interval) * self.sync_interval
         return max(step, self.last_sync + self.min_interval)

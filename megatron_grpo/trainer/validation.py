@@ -15,9 +15,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from megatron_grpo.algorithms.seeds import validation_seed
 from megatron_grpo.config import Config
 from megatron_grpo.data import build_prompt_source
 from megatron_grpo.metrics.pass_at_k import mean_pass_at_k
+from megatron_grpo.rollout.interface import sampling_args
 
 
 class Validator:
@@ -38,9 +40,8 @@ class Validator:
     def run(self, generate: Callable[..., list], policy_version: int) -> dict[str, Any]:
         e, r, k = self.cfg.eval, self.cfg.rollout, self.cfg.eval.samples
         samples = generate(
-            [p.prompt_ids for p in self.prompts], n=k, temperature=e.temperature, top_p=1.0,
-            top_k=-1, max_new_tokens=r.max_new_tokens, seed=r.seed + 104_729,
-            stop_token_ids=[self.tokenizer.eos_token_id],
+            [p.prompt_ids for p in self.prompts], seed=validation_seed(r.seed),
+            **sampling_args(r, k, self.tokenizer.eos_token_id, temperature=e.temperature),
         )  # fmt: skip
         texts = self.tokenizer.batch_decode(
             [s.response_ids for s in samples], skip_special_tokens=True

@@ -1,0 +1,61 @@
+"""Every seed a run derives from its two config seeds, one function per random stream.
+
+A run has two seeds: ``seed`` (the trainer: weights, RED-Drop's draws, the mini-batch
+order) and ``rollout.seed`` (vLLM's sampling). Each stream derives its seed from one of them
+with a constant of its own, and the constants differ because the streams need different
+things:
+
+- the trainer's two streams multiply the run seed by a large constant (1_000_003,
+  7_654_321) and add the step: a new seed every step, and runs with different seeds far
+  apart. The two draw different things (uniform scores, a permutation) from generators of
+  their own, so they may share a seed (with ``seed=0`` both are the step itself);
+- vLLM's per-step seed adds 7919 (the 1000th prime) per step to ``rollout.seed``: request
+  ``i`` of a step then takes ``seed + i * n`` and its n samples ``+0..n-1``
+  (``RolloutEngine.generate``), so two steps' samples never share a seed while a step has
+  fewer than 7919 samples;
+- validation adds 104_729 (the 10000th prime) once, with no step: the same prompts with the
+  same seed every time, so the validation figure moves only with the weights;
+- each rollout replica (a vLLM engine) offsets its requests by ``1_000_003 * replica``, so
+  two engines given the same seed do not sample the same responses.
+
+The values are those the code has always used: the golden numbers of tests/test_golden.py
+depend on them.
+"""
+
+from __future__ import annotations
+
+ADVANTAGE = 1_000_003
+"""Multiplier of ``seed`` for the group advantages' generator (RED-Drop's random drops)."""
+MINI_BATCH = 7_654_321
+"""Multiplier of ``seed`` for the mini-batch shuffle of the SGD iterations."""
+SAMPLING_STEP = 7919
+"""Step stride of vLLM's sampling seed (added to ``rollout.seed``)."""
+VALIDATION = 104_729
+"""Offset of the validation sampling seed from ``rollout.seed``."""
+REPLICA = 1_000_003
+"""Stride of the per-replica offset of vLLM's request seeds."""
+
+
+def advantage_seed(seed: int, step: int) -> int:
+    """Seed of step ``step``'s group-advantage generator (``trainer.loop.group_advantages``)."""
+    return seed * ADVANTAGE + step
+
+
+def mini_batch_seed(seed: int, step: int) -> int:
+    """Seed of step ``step``'s mini-batch order (``trainer.loop.train_on``)."""
+    return seed * MINI_BATCH + step
+
+
+def sampling_seed(rollout_seed: int, step: int) -> int:
+    """vLLM's sampling seed of trainer step ``step``'s batch (``rollout.ahead``)."""
+    return rollout_seed + SAMPLING_STEP * step
+
+
+def validation_seed(rollout_seed: int) -> int:
+    """vLLM's sampling seed of every validation (``eval.interval``): fixed for the run."""
+    return rollout_seed + VALIDATION
+
+
+def replica_offset(replica_index: int) -> int:
+    """What rollout replica ``replica_index`` adds to each request's seed."""
+    return replica_index * REPLICA
