@@ -80,3 +80,17 @@ def test_markers_are_decided_for_the_target_python_not_the_running_one():
             "megatron-core==0.19.2; python_version >= '3.12'", "torch==2.13.0"]  # fmt: skip
     assert gpu_install.for_python(reqs, "3.12") == ["megatron-core==0.19.2", "torch==2.13.0"]
     assert gpu_install.for_python(reqs, "3.11") == ["megatron-core==0.16.1", "torch==2.13.0"]
+
+
+def test_the_ngc_trainer_image_installs_every_requirement_of_setup_py():
+    """docker/Dockerfile's ``trainer`` stage keeps the NGC image's torch (and numpy,
+    packaging), installs megatron-core and the project with --no-deps, and names the
+    project's other requirements by hand: that list must be setup.py's install_requires."""
+    install_requires, _ = gpu_install.requirements()
+    wanted = {gpu_install.canonical(Requirement(r).name) for r in install_requires}
+    stage = (REPO / "docker" / "Dockerfile").read_text().split(" AS full", 1)[0]
+    listed = re.search(r"pip install (datasets[^&]*)&&", stage).group(1)
+    named = {gpu_install.canonical(n) for n in re.findall(r"[A-Za-z][\w.-]*", listed)}
+    in_image = {"torch", "numpy", "packaging"}
+    assert "megatron-core==0.19.2" in stage
+    assert named | in_image | {"megatron-core"} == wanted, (named, wanted)
