@@ -230,7 +230,7 @@ def apply_cpu_platform() -> bool:
         return False
     if _state["applied"]:
         return True
-    installed = Version(check_megatron_core().split("+")[0])
+    installed = Version(check_megatron_core())  # a local suffix (+cpu) compares as the release
 
     import megatron.core.tensor_parallel.random as tp_random
 
