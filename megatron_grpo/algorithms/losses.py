@@ -57,16 +57,18 @@ def _adv_BT(adv: Tensor, like_BT: Tensor) -> Tensor:
     return adv.to(like_BT.dtype)
 
 
+@torch.no_grad()
 def masked_mean(x_BT: Tensor, mask_BT: Tensor) -> Tensor:
-    """Mean of ``x`` over ``mask`` (0 when the mask is empty), detached."""
+    """Mean of ``x`` over ``mask`` (0 when the mask is empty), detached (computed without
+    autograd, so no detach ops: it runs for every metric of every micro-batch)."""
     m = mask_BT.to(torch.float32)
-    return ((x_BT.detach().float() * m).sum() / m.sum().clamp(min=1)).detach()
+    return (x_BT.float() * m).sum() / m.sum().clamp(min=1)
 
 
 def _masked_extreme(x_BT: Tensor, mask_BT: Tensor, largest: bool) -> Tensor:
     x = x_BT.detach().float()
-    fill = torch.tensor(-torch.inf if largest else torch.inf)
-    v = torch.where(mask_BT.bool(), x, fill)
+    # a Python scalar, not a CPU tensor: on a GPU a CPU tensor operand is copied every call
+    v = x.masked_fill(~mask_BT.bool(), -torch.inf if largest else torch.inf)
     v = v.max() if largest else v.min()
     return torch.where(torch.isfinite(v), v, torch.zeros_like(v))
 

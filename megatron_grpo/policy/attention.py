@@ -22,9 +22,10 @@ Same contract as megatron's module, so ``SelfAttention`` needs no change:
   out) replaces it.
 - Packed sequences (``packed_seq_params.qkv_format == "thd"``, query [t, np/tp, hn]): the
   documents given by ``cu_seqlens_q`` attend causally within themselves only (block-diagonal
-  causal), returning [t, np/tp * hn]. ``SelfAttention`` has already applied RoPE per
-  document, positions restarting at 0 (megatron/core/models/common/embeddings/rope_utils.py
-  ``_apply_rotary_pos_emb_thd``). On CPU each document is one SDPA call (exact, no work
+  causal), returning [t, np/tp * hn]. RoPE, positions restarting at 0 in each document, is
+  applied here from the pack's cos/sin (``policy.rope``; the model builder makes the model
+  leave it to this module), or by ``SelfAttention`` for params built elsewhere. On CPU the documents go through one custom op
+  (``varlen_attention_cpu``: torch's CPU flash kernel per document, exact, no work
   outside the documents); on CUDA one ``torch.nn.attention.varlen.varlen_attn`` call when
   this torch has it (``_VARLEN``), the per-document calls otherwise
   (tests/gpu/test_gpu.py ``test_sdpa_packed_attention_on_cuda`` compares the two).
@@ -43,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_grpo.config.schema import ConfigError
+from megatron_grpo.policy.rope import apply_rope
 
 
 def _unsupported(config) -> str | None:
@@ -151,10 +153,16 @@ def _sdpa(q, k, v, scale: float, *, is_causal: bool, attn_mask=None) -> torch.Te
 
 
 def _document_bounds(packed_seq_params, total: int) -> list[int]:
+    """The documents' bounds: ``packed_seq_params.bounds`` (set on the host when the pack was
+    made, ``PackedRows.packed_seq_params``) or, for params built elsewhere, ``cu_seqlens_q``
+    read back once (a host sync)."""
+    bounds = getattr(packed_seq_params, "bounds", None)
+    if bounds is not None:
+        return list(bounds)
     cu = packed_seq_params.cu_seqlens_q
     for name in ("cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
         other = getattr(packed_seq_params, name)
-        if other is not None and not torch.equal(other.to(cu.device), cu):
+        if other is not None and other is not cu and not torch.equal(other.to(cu.device), cu):
             raise ValueError(
                 f"SDPAttention: packed_seq_params.{name} differs from cu_seqlens_q; only "
                 "self-attention over unpadded documents is supported."
@@ -170,20 +178,94 @@ def _document_bounds(packed_seq_params, total: int) -> list[int]:
 
 def packed_attention(query, key, value, packed_seq_params, scale: float) -> torch.Tensor:
     """Block-diagonal causal attention of packed documents: query [t, nq, hn], key/value
-    [t, nkv, hn], documents from ``packed_seq_params.cu_seqlens_q``; returns [t, nq * hn]."""
+    [t, nkv, hn], documents from ``packed_seq_params`` (``bounds``, else ``cu_seqlens_q``);
+    returns [t, nq * hn]. When the params carry the pack's ``rope`` (cos, sin), q and k are
+    rotated here first (``policy.rope``: the model then applied none)."""
     t = query.shape[0]
     bounds = _document_bounds(packed_seq_params, t)
-    if query.is_cuda and _VARLEN is not None:
+    rope = getattr(packed_seq_params, "rope", None)
+    if rope is not None:
+        cos, sin = (x if x.dtype == query.dtype else x.to(query.dtype) for x in rope)
+        query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+    if not query.is_cuda:
+        return varlen_attention_cpu(query, key, value, bounds, scale).reshape(t, -1)
+    if _VARLEN is not None:
         max_len = max(b - a for a, b in zip(bounds, bounds[1:]))
         out = _VARLEN(query, key, value, packed_seq_params.cu_seqlens_q, max_len, scale)
         if out is not None:
             return out.reshape(t, -1)
-    outs = []
+    outs = []  # a torch without varlen_attn: one SDPA call per document
     for a, b in zip(bounds, bounds[1:]):
         # [len, n, hn] -> [1, n, len, hn]
         q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
         outs.append(_sdpa(q, k, v, scale, is_causal=b - a > 1)[0].transpose(0, 1))
     return torch.cat(outs).reshape(t, -1)
+
+
+# The CPU stand-in of the varlen kernel: ONE op per layer as seen from autograd and the
+# dispatcher (forward and backward each loop over the documents inside), so what surrounds
+# attention does not grow with the documents in a pack, as on CUDA (bench ops counts it).
+# Each document is torch's CPU flash-attention kernel, the one ``scaled_dot_product_attention``
+# picks on CPU (GQA included), so the result is the same as per-document SDPA calls, bit for
+# bit (tests/test_attention.py).
+@torch.library.custom_op("megatron_grpo::varlen_attention", mutates_args=())
+def _varlen_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    outs, lses = [], []
+    for a, b in zip(bounds, bounds[1:]):
+        qd, kd, vd = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qd, kd, vd, 0.0, b - a > 1, attn_mask=None, scale=scale
+        )
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)  # [t, nq, hn], [nq, t]
+
+
+@torch.library.custom_op("megatron_grpo::varlen_attention_backward", mutates_args=())
+def _varlen_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bounds: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for a, b in zip(bounds, bounds[1:]):
+        doc = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (grad, q, k, v, out))
+        g, qd, kd, vd, od = doc
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g, qd, kd, vd, od, lse[:, a:b].unsqueeze(0), 0.0, b - a > 1,
+            attn_mask=None, scale=scale,
+        )  # fmt: skip
+        for full, part in zip((dq, dk, dv), grads):
+            full[a:b] = part[0].transpose(0, 1)
+    return dq, dk, dv
+
+
+def _varlen_setup(ctx, inputs, output) -> None:
+    q, k, v, bounds, scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.bounds, ctx.scale = bounds, scale
+
+
+def _varlen_grad(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _varlen_backward(grad_out, q, k, v, out, lse, ctx.bounds, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_varlen_forward.register_autograd(_varlen_grad, setup_context=_varlen_setup)
+
+
+def varlen_attention_cpu(query, key, value, bounds: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of each document ``[bounds[i], bounds[i+1])`` of query [t, nq, hn],
+    key/value [t, nkv, hn]; [t, nq, hn]."""
+    return _varlen_forward(query, key, value, list(bounds), float(scale))[0]
 
 
 def _make_varlen_cuda():

@@ -14,6 +14,7 @@ end under a token budget (``PackedRows``; the batch contract is in ``policy.poli
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -109,14 +110,19 @@ class PackedRows:
     Row i contributes its first ``lengths[i]`` tokens as document i; a filler document of
     token 0 follows when the pack must be a multiple of ``multiple`` tokens (sequence
     parallelism). Documents attend only within themselves (``policy.attention``) and RoPE
-    restarts at 0 in each (megatron's ``_apply_rotary_pos_emb_thd``), so a document's
-    log-probs are those it has alone, whatever is packed around it.
+    restarts at 0 in each (``positions``, ``policy.rope``), so a document's log-probs are
+    those it has alone, whatever is packed around it. Everything the device needs is built
+    here, on the host, once: the layers read no ``cu_seqlens`` back (``bounds``).
     """
 
     input_ids: torch.Tensor
     """[1, T] the documents end to end."""
     cu_seqlens: torch.Tensor
     """int32 [documents + 1], filler included."""
+    positions: torch.Tensor
+    """long [T]: each token's position in its document (RoPE's positions)."""
+    bounds: tuple[int, ...]
+    """``cu_seqlens`` on the host."""
     max_len: int
     rows: torch.Tensor
     """long [N]: the row of each scored token (positions t >= 1 of every real document)."""
@@ -124,6 +130,8 @@ class PackedRows:
     """long [N]: its position in the row."""
     src: torch.Tensor
     """long [N]: its position in the pack."""
+
+    TENSORS = ("input_ids", "cu_seqlens", "positions", "rows", "cols", "src")
 
     @classmethod
     def build(cls, ids: torch.Tensor, lengths: list[int], multiple: int = 1) -> PackedRows:
@@ -143,30 +151,45 @@ class PackedRows:
         return cls(
             input_ids=torch.cat(docs).unsqueeze(0),
             cu_seqlens=torch.tensor(starts, dtype=torch.int32),
+            positions=torch.cat([torch.arange(n) for n in doc_lens if n]),
+            bounds=tuple(starts),
             max_len=max(doc_lens),
             rows=cat([torch.full((n - 1,), i) for i, n, _ in scored]),
             cols=cat([torch.arange(1, n) for _, n, _ in scored]),
             src=cat([torch.arange(s + 1, s + n) for _, n, s in scored]),
         )
 
-    def packed_seq_params(self, device: torch.device):
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The pack's tensors by field name (what moves to the device)."""
+        return {k: getattr(self, k) for k in self.TENSORS}
+
+    def on(self, moved: dict[str, torch.Tensor]) -> PackedRows:
+        """This pack with its tensors replaced by ``moved`` (``tensors()`` on the device)."""
+        return dataclasses.replace(self, **{k: moved[k] for k in self.TENSORS})
+
+    def packed_seq_params(self, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """megatron's ``PackedSeqParams`` of this pack (its tensors where they are), with two
+        attributes the core attention reads (``policy.attention``): ``bounds``, the documents
+        on the host, and ``rope``, the pack's (cos, sin) when it applies RoPE itself."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        cu = self.cu_seqlens.to(device)
-        return PackedSeqParams(
+        params = PackedSeqParams(
             qkv_format="thd",
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
             max_seqlen_q=self.max_len,
             max_seqlen_kv=self.max_len,
         )
+        params.bounds = self.bounds
+        params.rope = rope
+        return params
 
     def unpack(self, packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         """[1, T] position-aligned per-token values -> [rows, L]: each document's values at
-        its row's positions, 0 at t = 0 and past the document (differentiable)."""
-        dev = packed.device
+        its row's positions, 0 at t = 0 and past the document (differentiable). The index
+        tensors must be on ``packed``'s device (``on``)."""
         out = packed.new_zeros(shape)
-        return out.index_put((self.rows.to(dev), self.cols.to(dev)), packed[0, self.src.to(dev)])
+        return out.index_put((self.rows, self.cols), packed[0, self.src])
 
 
 def packed_micro_batches(

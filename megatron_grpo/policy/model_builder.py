@@ -26,6 +26,7 @@ from megatron_grpo.config.schema import ConfigError, ModelConfig
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec, megatron_padded_vocab
 from megatron_grpo.policy.attention import SDPAttention
+from megatron_grpo.policy.rope import skip_megatron_rope_for_packed
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -210,5 +211,8 @@ def build_model(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig) -
         )
         model.to(ctx.device)
         cast_params_(model, config.params_dtype)
+        if impl == "local" and model_cfg.local_attention == "sdpa":
+            # SDPAttention applies RoPE to packed documents in one pass (policy.rope)
+            skip_megatron_rope_for_packed(model)
         chunks.append(model)
     return chunks

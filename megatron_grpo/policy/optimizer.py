@@ -95,11 +95,53 @@ def _build_optimizer(chunks: list, config, ctx: ParallelContext, optim_cfg: Opti
     )
 
 
+def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron's ``local_multi_tensor_l2_norm`` (megatron/core/utils.py, its fallback without
+    Apex/TE) without the host: that one reads every parameter's norm back
+    (``torch.tensor(list of norms)``, a sync per parameter on a GPU) and the total once more;
+    here the norms stay on the device (``torch._foreach_norm``: one fused kernel on CUDA).
+    Same numbers: the per-tensor norms, then the 2-norm of their vector, in fp32."""
+    norms = torch._foreach_norm(tensor_lists[0])
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """megatron's ``local_multi_tensor_scale`` (``dst.copy_(src * scale)`` per tensor) as
+    one foreach call."""
+    src, dst = tensor_lists
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def use_foreach_grad_norm() -> bool:
+    """Where megatron runs its local multi-tensor fallbacks (no Apex or TE), swap in the
+    foreach versions above for the gradient norm and clipping (optimizer/clip_grads.py reads
+    ``l2_norm_impl`` and ``multi_tensor_scale_impl`` at call time). Idempotent; False when
+    megatron uses Apex's or TE's kernels (nothing to do)."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    swaps = {
+        "l2_norm_impl": (getattr(utils, "local_multi_tensor_l2_norm", None), _foreach_l2_norm),
+        "multi_tensor_scale_impl": (getattr(utils, "local_multi_tensor_scale", None), _foreach_scale),
+    }  # fmt: skip
+    done = False
+    for name, (fallback, ours) in swaps.items():
+        current = getattr(clip_grads, name, None)
+        if current is ours or (fallback is not None and current is fallback):
+            setattr(clip_grads, name, ours)
+            done = True
+    return done
+
+
 def setup_training(
     models: list, ctx: ParallelContext, optim_cfg: OptimConfig, total_steps: int
 ) -> TrainingParts:
     """Wrap ``models`` for training: DDP, the optimizer, and the LR schedule at step 0."""
     config = models[0].config
+    use_foreach_grad_norm()
     dist_opt = use_distributed_optimizer(optim_cfg, ctx.device)
     chunks = _wrap_ddp(models, config, ctx, dist_opt)
     optimizer = _build_optimizer(chunks, config, ctx, optim_cfg, dist_opt)

@@ -75,6 +75,8 @@ from megatron_grpo.policy.optimizer import (
     finalize_grads_without_token_scaling,
     setup_training,
 )
+from megatron_grpo.policy.rope import PackedRope
+from megatron_grpo.policy.transfer import to_device
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -124,6 +126,13 @@ class Policy:
         self.can_pack = (
             resolve_transformer_impl(model_cfg, ctx.device) == "transformer_engine"
             or model_cfg.local_attention == "sdpa"
+        )
+        # RoPE of packed micro-batches, applied by the core attention (policy.rope) where the
+        # model builder made the model leave it to it
+        self._packed_rope = (
+            PackedRope(self.models[0], ctx.device)
+            if getattr(self.models[0].rotary_pos_emb, "packed_by_core_attention", False)
+            else None
         )
         if self.trainable and ctx.vpp:
             # Seen with megatron-core 0.16.1 on gloo (pp=2, vpp=2): the forward-only
@@ -189,27 +198,36 @@ class Policy:
         )
 
     def _schedule_step(self, score: LossFn) -> Callable:
-        """megatron's ``forward_step_func`` for one micro-batch: the model's logits, and a
-        reduction that scores them (``logp``, ``entropy`` [n, L] of the padded rows) and
-        hands them with the micro-batch's tensors, moved to the logits' device, to
-        ``score(logp, entropy, mb) -> (loss, reduced)``."""
+        """megatron's ``forward_step_func`` for one micro-batch: its tensors moved to the
+        device in one copy, the model's logits, and a reduction that scores them (``logp``,
+        ``entropy`` [n, L] of the padded rows) and hands them with the micro-batch's tensors
+        to ``score(logp, entropy, mb) -> (loss, reduced)``."""
 
         def step(data_iterator, model):
-            mb, pack = next(data_iterator)
+            mb, pack = self._to_device(*next(data_iterator))
             out = self._model_forward(model, mb, pack)
 
             def reduce(logits):
-                dev_mb = {
-                    k: (v.to(logits.device) if isinstance(v, torch.Tensor) else v)
-                    for k, v in mb.items()
-                }
-                logp, ent = self._row_logp_entropy(logits, dev_mb, pack)
-                loss, reduced = score(logp, ent, dev_mb)
-                return loss, torch.tensor(1, dtype=torch.int), reduced
+                logp, ent = self._row_logp_entropy(logits, mb, pack)
+                loss, reduced = score(logp, ent, mb)
+                # num_tokens is unused (calculate_per_token_loss, see the module docstring)
+                return loss, logits.new_ones((), dtype=torch.int), reduced
 
             return out, reduce
 
         return step
+
+    def _to_device(self, mb: Batch, pack: PackedRows | None) -> tuple[Batch, PackedRows | None]:
+        """The micro-batch's and the pack's tensors on the device, in one copy
+        (``policy.transfer``); other values as they are."""
+        tensors = {f"mb.{k}": v for k, v in mb.items() if isinstance(v, torch.Tensor)}
+        if pack is not None:
+            tensors.update({f"pack.{k}": v for k, v in pack.tensors().items()})
+        moved = to_device(tensors, self.ctx.device)
+        mb = {k: moved.get(f"mb.{k}", v) for k, v in mb.items()}
+        if pack is not None:
+            pack = pack.on({k: moved[f"pack.{k}"] for k in pack.TENSORS})
+        return mb, pack
 
     def _logp_entropy(self, logits: torch.Tensor, input_ids: torch.Tensor):
         # the temperature divides each fp32 chunk inside: no divided copy of the logits
@@ -223,15 +241,21 @@ class Policy:
         )
 
     def _model_forward(self, model, mb: Batch, pack: PackedRows | None) -> torch.Tensor:
-        """Logits [n, L, V/tp] of the padded rows, or [1, T, V/tp] of the pack."""
+        """Logits [n, L, V/tp] of the padded rows, or [1, T, V/tp] of the pack (tensors on
+        the device)."""
         if pack is not None:
-            ids = pack.input_ids.to(self.ctx.device)
-            # position_ids feed only learned absolute embeddings; RoPE takes each document's
-            # positions from cu_seqlens (megatron/core/transformer/attention.py).
-            positions = torch.zeros_like(ids)
-            params = pack.packed_seq_params(self.ctx.device)
-            return model(ids, positions, None, packed_seq_params=params)
-        ids = mb["input_ids"].to(self.ctx.device)
+            # RoPE of a pack: cos/sin of each token's position in its document, once per
+            # micro-batch, applied by the core attention (policy.rope); without it (TE's
+            # attention) megatron applies RoPE per document from cu_seqlens. position_ids
+            # feed only learned absolute embeddings, which a RoPE model has none of.
+            rope = None
+            if self._packed_rope is not None:
+                rope = self._packed_rope.cos_sin(pack.positions, self.config.params_dtype)
+            params = pack.packed_seq_params(rope)
+            return model(
+                pack.input_ids, pack.positions.unsqueeze(0), None, packed_seq_params=params
+            )
+        ids = mb["input_ids"]
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         # attention_mask=None: the local/TE core attention applies its causal mask
         # (AttnMaskType.causal in the GPT layer spec).
@@ -239,10 +263,10 @@ class Policy:
 
     def _row_logp_entropy(self, logits: torch.Tensor, mb: Batch, pack: PackedRows | None):
         """``logp``, ``entropy`` [n, L] of the micro-batch's rows, position-aligned."""
-        ids = mb["input_ids"].to(logits.device)
+        ids = mb["input_ids"]
         if pack is None:
             return self._logp_entropy(logits, ids)
-        logp, ent = self._logp_entropy(logits, pack.input_ids.to(logits.device))
+        logp, ent = self._logp_entropy(logits, pack.input_ids)
         return pack.unpack(logp, ids.shape), pack.unpack(ent, ids.shape)
 
     def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
@@ -272,6 +296,8 @@ class Policy:
         that many real tokens (``micro_batch_size`` is then not used); the last pipeline
         stage computes them and broadcasts to the others.
         """
+        # the pass reads only the tokens (and the mask that gives each row's length)
+        batch = {k: batch[k] for k in ("input_ids", "attention_mask") if k in batch}
         mbs = self._split(batch, micro_batch_size, token_budget)
         ids = batch["input_ids"]
         for m in self.models:
@@ -287,9 +313,9 @@ class Policy:
                 out[0, rows, :length] = r["logp"][:, :length].float()
                 out[1, rows, :length] = r["entropy"][:, :length].float()
         self._broadcast_from_last_stage(out)
-        if "attention_mask" in batch:
-            out *= batch["attention_mask"].to(out.device, out.dtype)
         out = out.cpu()
+        if "attention_mask" in batch:
+            out *= batch["attention_mask"].to(out.dtype)
         return {"logp": out[0], "entropy": out[1]}
 
     def train_step(
