@@ -132,3 +132,19 @@ def trailing_mean(xs: Sequence[float], w: int) -> list[float]:
             s -= xs[i - w]
         out.append(s / min(i + 1, w))
     return out
+
+
+def package_versions(*names: str) -> dict[str, str | None]:
+    """torch's version and each installed distribution's of ``names`` (None: not installed),
+    for a benchmark's JSON."""
+    import importlib.metadata as md
+
+    import torch
+
+    out: dict[str, str | None] = {"torch": torch.__version__}
+    for name in names:
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out

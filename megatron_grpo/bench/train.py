@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_grpo.bench.common import machine_info
+from megatron_grpo.bench.common import machine_info, package_versions
 from megatron_grpo.bench.train_args import BenchTrainArgs, bench_spec, resolve_device
 from megatron_grpo.bench.train_batch import grpo_loss_fn, make_batch, micro_batches
 from megatron_grpo.bench.train_measure import (
@@ -62,18 +62,6 @@ from megatron_grpo.config.schema import ModelConfig, ParallelConfig
 from megatron_grpo.distributed import destroy_distributed, init_distributed
 from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.policy.model_builder import resolve_dtype
-
-
-def _versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"torch": torch.__version__}
-    for dist_name in ("transformers", "megatron-core"):
-        try:
-            out[dist_name] = md.version(dist_name)
-        except md.PackageNotFoundError:
-            out[dist_name] = None
-    return out
 
 
 def run_bench_train(args: BenchTrainArgs) -> dict:
@@ -98,7 +86,7 @@ def run_bench_train(args: BenchTrainArgs) -> dict:
         "device": device.type,
         "device_name": device_name,
         "dtype": str(dtype).removeprefix("torch."),
-        "versions": _versions(),
+        "versions": package_versions("transformers", "megatron-core"),
         "spec": spec.to_dict(),
         "flop_params": figures["flop_params"],
         "flops_per_token": {

@@ -7,6 +7,7 @@ megatron-grpo bench throughput [--config FILE] --v 1,2,5,10 [--ahead 0,3] --step
 megatron-grpo bench project [--json OUT.json] [--plot OUT.png]
 megatron-grpo bench train [--preset P] [--rows R] [--max-len N] [--micro-batch-size M]
     [--steps S] [--device auto|cuda|cpu] --json OUT.json
+megatron-grpo bench ops [--preset P] [--rows R] [--packs K] [--dtype bfloat16|float32] --json OUT.json
 megatron-grpo bench reproduce [--claims 1,2,3,4] [--seeds N] [--steps S] [--out-dir DIR]
     [key=value ...]
 """
@@ -76,6 +77,45 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_project(bsub)
     _add_reproduce(bsub)
     _add_train(bsub)
+    _add_ops(bsub)
+
+
+def _add_ops(bsub: argparse._SubParsersAction) -> None:
+    o = add_command(bsub, "ops", run_ops)
+    o.add_argument("--preset", default="tiny",
+                   help="model shape: tiny, Qwen2.5-0.5B, Qwen2.5-1.5B, Qwen2.5-7B")  # fmt: skip
+    o.add_argument("--rows", type=int, default=8, help="sequences in the batch")
+    o.add_argument("--packs", type=int, default=2, help="packed micro-batches they are cut into")
+    o.add_argument("--prompt-len", type=int, default=32, help="longest prompt")
+    o.add_argument("--min-len", type=int, default=8, help="shortest response")
+    o.add_argument("--max-len", type=int, default=48, help="longest response")
+    o.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="weights (bf16: fp32 main weights in the optimizer, as on a GPU)")  # fmt: skip
+    o.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    o.add_argument("--seed", type=int, default=0, help="seed of the batch and the weights")
+    o.add_argument("--top", type=int, default=12, help="rows of the top ops / sites tables")
+    o.add_argument("--json", dest="json_out", help="write the results here")
+
+
+def run_ops(args: argparse.Namespace) -> int:
+    """ATen ops and host syncs of one train step and one log-prob pass
+
+    Counts what the project's policy asks of the device for one GRPO batch cut into --packs
+    packed micro-batches: the ATen ops dispatched (in total, per layer per micro-batch, the
+    top ops and source sites), the calls that make the host wait for the device, by site,
+    and on CUDA the profiler's kernel launches and synchronizations. Counts are
+    deterministic: the suite holds the tiny figures to tests/op_budget.json. Prints a table,
+    writes JSON (docs/benchmarks.md, "bench ops")."""
+    from megatron_grpo.bench.ops import BenchOpsArgs, format_table, run_bench_ops
+    from megatron_grpo.cli.errors import exit_on
+
+    with exit_on(ValueError, 2):  # ConfigError is a ValueError
+        a = from_args(BenchOpsArgs, args)
+    res = run_bench_ops(a)
+    print(format_table(res))
+    if args.json_out:
+        _write_json(res, args.json_out)
+    return 0
 
 
 def _add_train(bsub: argparse._SubParsersAction) -> None:

@@ -329,3 +329,21 @@ def test_chunked_logprob_peak_vs_plan(device, figures):
     figures["logprob_unchunked_fp32_gib_estimate"] = 8 * 4 * n * v / GIB
     figures["logprob_fwd_bwd_s"] = seconds
     assert measured <= plan_bytes, (measured / GIB, plan_bytes / GIB)
+
+
+def test_bench_ops_on_cuda(ctx, figures):
+    """``bench ops`` on the GPU (tiny preset, bf16): the profiler's kernel launches and host
+    synchronizations per train step and log-prob pass, next to the ATen-op counts the CPU
+    suite holds (tests/op_budget.json); the one-copy transfer (pinned, non-blocking) and the
+    packed RoPE run here on CUDA. Issue 30's goal: at most 2 host syncs per micro-batch plus
+    a constant per step."""
+    needs_cuda()
+    from megatron_grpo.bench.ops import BenchOpsArgs, run_bench_ops
+
+    res = run_bench_ops(BenchOpsArgs(device="cuda"), ctx)
+    mbs = res["batch"]["micro_batches"]
+    for phase, c in res["phases"].items():
+        figures[f"ops_{phase}_aten"] = c["ops"]["total"]
+        figures[f"ops_{phase}_kernel_launches"] = c["cuda"]["kernel_launches"]
+        figures[f"ops_{phase}_host_syncs"] = c["cuda"]["host_syncs"]
+        assert c["cuda"]["host_syncs"] <= 2 * mbs + 8, (phase, c["cuda"], c["syncs"])
