@@ -89,7 +89,8 @@ def test_bench_train_tiny_on_cpu_without_vllm(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = json.loads(proc.stdout.split("BLOCKED_LOADED=")[1].splitlines()[0])
     assert loaded == [], f"bench train imported {loaded}"
-    for line in ("project/hf", "log-prob parity", "largest sequence that trains: project 1,024"):
+    for line in ("project/hf", "project/hf-packed", "log-prob parity", "hf-packed vs hf",
+                 "largest sequence that trains: project 1,024"):  # fmt: skip
         assert line in proc.stdout
 
     res = json.loads(out.read_text())
@@ -112,7 +113,9 @@ def test_bench_train_tiny_on_cpu_without_vllm(tmp_path: Path) -> None:
     assert res["attention_flops_included"] is False
 
     sides = res["sides"]
-    assert set(sides) == {"project", "hf"}
+    assert list(sides) == ["project", "hf", "hf-packed"]
+    assert b["hf_packed_micro_batch_tokens"] == b["project_micro_batch_tokens"]
+    assert sides["hf-packed"]["liger"] is False  # CPU: Liger-Kernel is Triton
     for name, side in sides.items():
         assert side["num_parameters"] == spec.num_parameters, name
         for phase in ("train", "logprob"):
@@ -127,6 +130,8 @@ def test_bench_train_tiny_on_cpu_without_vllm(tmp_path: Path) -> None:
     for phase in ("train", "logprob"):
         rate = {n: s[phase]["useful_tokens_per_s"] for n, s in sides.items()}
         assert res["ratio"][phase] == pytest.approx(rate["project"] / rate["hf"])
+        for other in ("hf", "hf-packed"):
+            assert res["ratio"][other][phase] == pytest.approx(rate["project"] / rate[other])
 
     # Same initial weights (the project's, converted by layouts.io): same log-probs in fp32,
     # and the same first loss and gradient norm on the same GRPO batch.
@@ -134,7 +139,13 @@ def test_bench_train_tiny_on_cpu_without_vllm(tmp_path: Path) -> None:
     assert par["tokens"] == b["useful_tokens"] - b["rows"]  # position 0 has no prediction
     assert par["mean_logp"] < -1.0  # a real log-prob pass (a random model: ~ -log(vocab))
     assert par["max_abs_diff"] <= 1e-5, par
+    # the HF model with padding removed (packed rows, positions restarting per document,
+    # the project's varlen attention) scores what the padded one does
+    assert par["hf-packed_vs_hf"]["max_abs_diff"] <= 1e-5, par
+    assert par["hf-packed_vs_hf"]["tokens"] == par["tokens"]
     first = {n: s["first_step"] for n, s in sides.items()}
+    assert first["hf-packed"]["loss"] == pytest.approx(first["hf"]["loss"], rel=1e-5, abs=1e-7)
+    assert first["hf-packed"]["grad_norm"] == pytest.approx(first["hf"]["grad_norm"], rel=1e-5)
     assert first["project"]["loss"] == pytest.approx(first["hf"]["loss"], rel=1e-5, abs=1e-7)
     assert first["project"]["grad_norm"] == pytest.approx(first["hf"]["grad_norm"], rel=1e-5)
     assert first["project"]["grad_norm"] > 0
@@ -196,6 +207,8 @@ def test_flop_params_and_the_device_peak_table() -> None:
         (["--rows", "0"], "--rows=0 must be >= 1"),
         (["--preset", "nope"], "--preset 'nope' is not a preset"),
         (["--search-cap", "10"], "--search-cap=10 must be >= 1024"),
+        (["--sides", "hf,project"], "--sides='hf,project': a comma list of"),
+        (["--sides", "project,hf,hf"], "--sides='project,hf,hf': a comma list of"),
     ],
 )
 def test_bench_train_rejects_bad_arguments(argv, message, capsys) -> None:

@@ -1,7 +1,7 @@
-"""``megatron-grpo bench train``: the project's policy against a plain Hugging Face model of
-the same shape, on the same GRPO batch, on the same device, in one process.
+"""``megatron-grpo bench train``: the project's policy against Hugging Face models of the
+same shape, on the same GRPO batch, on the same device, in one process.
 
-The two sides (docs/benchmarks.md, "bench train"):
+The sides (docs/benchmarks.md, "bench train"; ``--sides`` picks them):
 
 - **project**: ``policy.build_policy`` at world size 1 (``Policy.compute_logprobs`` and
   ``Policy.train_step``: megatron-core GPTModel, DDP, megatron's optimizer; bf16 on GPU with
@@ -12,10 +12,16 @@ The two sides (docs/benchmarks.md, "bench train"):
   copy), ``torch.optim.AdamW(fused=True)`` on CUDA, ``clip_grad_norm_`` at the same clip:
   what an FSDP/TRL user runs without extra installs. Micro-batches are the same rows, each
   trimmed to its own longest sequence (right padding: causal attention needs no mask).
+- **hf-packed**: the same model as a verl/OpenRLHF user runs it, padding removed: rows packed
+  end to end under the project's token budget, positions restarting per document, varlen
+  attention over the documents (the project's ``packed_attention``, registered with
+  transformers' ``AttentionInterface``: ``varlen_attn`` on CUDA), chunked log-probs, fused
+  AdamW on CUDA, and Liger-Kernel's RMSNorm / SwiGLU / RoPE where installed on CUDA
+  (``--liger``). Its log-probs against the padded side's on the same weights are printed.
 
-Both start from the same weights: the project's initial weights are converted to HF names
-by ``layouts.io.gather_hf_state_dict`` and loaded into the HF model, so the log-prob pass of
-the two sides must agree (``logprob_parity`` in the result; fp32 on CPU agrees to ~1e-6).
+All start from the same weights: the project's initial weights are converted to HF names
+by ``layouts.io.gather_hf_state_dict`` and loaded into the HF models, so the log-prob passes
+must agree (``logprob_parity`` in the result; fp32 on CPU agrees to ~1e-6).
 Both compute log-probs and entropies with the same function (``policy.logprob.token_logprobs``)
 and the same GRPO loss (``algorithms.aggregation.make_loss_fn``: clipped surrogate, k3 KL,
 token-mean), so the comparison isolates the model, its attention, and the optimizer.
@@ -34,7 +40,7 @@ since the end of the warm-up; None on CPU). And per side, the longest single seq
 trains: lengths 1024, 2048, ... up to ``search_cap``, stopping at the first CUDA OOM.
 
 The parts: ``train_args`` (the arguments, device and spec), ``train_batch`` (the batch),
-``train_sides`` (the two sides), ``train_measure`` (timing, MFU, the length search, parity)
+``train_sides`` (the sides), ``train_measure`` (timing, MFU, the length search, parity)
 and ``train_table`` (the console table); this module runs them in order.
 
 Imports: torch, transformers, megatron-core and the project's own modules, none of vLLM,
@@ -77,9 +83,8 @@ def run_bench_train(args: BenchTrainArgs) -> dict:
         spec.vocab_size, args.rows, args.prompt_len, args.min_len, args.max_len, args.seed
     )
     figures = batch_figures(batch, spec, peak)
-    sides, leftover = measure_both_sides(spec, batch, args, device, dtype, figures, search)
+    sides, leftover = measure_sides(spec, batch, args, device, dtype, figures, search)
     parity = pop_parity(sides, batch)
-    p, h = sides["project"], sides["hf"]
     return {
         "bench": "train",
         "preset": args.preset,
@@ -100,7 +105,7 @@ def run_bench_train(args: BenchTrainArgs) -> dict:
         "steps": args.steps,
         "search": search,
         "sides": sides,
-        "ratio": {"train": rate_ratio(p, h, "train"), "logprob": rate_ratio(p, h, "logprob")},
+        "ratio": ratios(sides),
         "logprob_parity": parity,
         "gib_left_after_project": leftover,
         "machine": machine_info(),
@@ -119,7 +124,7 @@ def batch_figures(batch: dict, spec: ModelSpec, peak: float | None) -> dict:
     }
 
 
-def measure_both_sides(
+def measure_sides(
     spec: ModelSpec,
     batch: dict,
     args: BenchTrainArgs,
@@ -128,9 +133,9 @@ def measure_both_sides(
     figures: dict,
     search: bool,
 ) -> tuple[dict[str, dict], float | None]:
-    """The project side, then the HF side loaded with the project's initial weights, each
-    freed before the next is built. Returns the sides' figures and the GiB still allocated
-    after the project side was freed (None on CPU)."""
+    """The project side, then each HF side (``--sides``) loaded with the project's initial
+    weights, each freed before the next is built. Returns the sides' figures and the GiB
+    still allocated after the project side was freed (None on CPU)."""
     loss_fn = grpo_loss_fn()
     ctx = init_distributed(ParallelConfig(), spec, seed=args.seed)
     sides: dict[str, dict] = {}
@@ -142,30 +147,53 @@ def measure_both_sides(
         del project
         free_memory(device)
         leftover = torch.cuda.memory_allocated(device) / GIB if device.type == "cuda" else None
-        hf = HFSide(spec, state, device, dtype, args)
-        del state
-        sides["hf"] = measure_side(hf, batch, loss_fn, args, device, figures, search)
-        hf.close()
-        del hf
-        free_memory(device)
+        for name in args.sides.split(",")[1:]:
+            budget = hf_packed_budget(args) if name == "hf-packed" else None
+            hf = HFSide(spec, state, device, dtype, args, packed_budget=budget)
+            sides[name] = measure_side(hf, batch, loss_fn, args, device, figures, search)
+            sides[name]["liger"] = hf.liger
+            hf.close()
+            del hf
+            free_memory(device)
     finally:
         destroy_distributed()
     return sides, leftover
 
 
-def pop_parity(sides: dict[str, dict], batch: dict) -> dict | None:
-    """The two sides' log-prob parity (None when a side's log-prob pass failed), taking
-    their first log-probs out of the result."""
-    parity = None
-    if "first_logp" in sides["project"] and "first_logp" in sides["hf"]:
-        parity = logprob_parity(
-            sides["project"].pop("first_logp"),
-            sides["hf"].pop("first_logp"),
-            batch["attention_mask"],
-        )
-    for s in sides.values():
-        s.pop("first_logp", None)
-    return parity
+def hf_packed_budget(args: BenchTrainArgs) -> int:
+    """The ``hf-packed`` side's token budget: the project's (its default when the project
+    runs padded rows)."""
+    return ProjectSide.budget_of(args) or args.micro_batch_size * (args.prompt_len + args.max_len)
+
+
+def ratios(sides: dict[str, dict]) -> dict[str, dict[str, float | None]]:
+    """The project's tokens/s over each other side's, per phase (``hf`` also under the old
+    flat ``train`` / ``logprob`` keys)."""
+    p = sides["project"]
+    out: dict = {}
+    for name, side in sides.items():
+        if name != "project":
+            out[name] = {ph: rate_ratio(p, side, ph) for ph in ("train", "logprob")}
+    out.update(out.get("hf", {}))
+    return out
+
+
+def pop_parity(sides: dict[str, dict], batch: dict) -> dict[str, dict | None]:
+    """Log-prob parity on the same weights (None where a side's log-prob pass failed):
+    ``project`` vs ``hf`` under the old flat keys, and ``hf-packed`` vs ``hf``; the first
+    log-probs are taken out of the result."""
+    first = {n: s.pop("first_logp", None) for n, s in sides.items()}
+    mask = batch["attention_mask"]
+
+    def parity(a: str, b: str):
+        if first.get(a) is None or first.get(b) is None:
+            return None
+        return logprob_parity(first[a], first[b], mask)
+
+    out = parity("project", "hf") or parity("project", "hf-packed") or {}
+    if "hf-packed" in sides:
+        out = {**out, "hf-packed_vs_hf": parity("hf-packed", "hf")}
+    return out or None
 
 
 def batch_summary(args: BenchTrainArgs, batch: dict, figures: dict) -> dict:
@@ -185,5 +213,6 @@ def batch_summary(args: BenchTrainArgs, batch: dict, figures: dict) -> dict:
         "micro_batch_size": args.micro_batch_size,
         "recompute": args.recompute,
         "project_micro_batch_tokens": ProjectSide.budget_of(args),
+        "hf_packed_micro_batch_tokens": hf_packed_budget(args),
         "seed": args.seed,
     }

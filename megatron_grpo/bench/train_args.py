@@ -13,6 +13,9 @@ from megatron_grpo.models.shapes import preset_spec
 from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.policy.model_builder import resolve_dtype
 
+SIDES = ("project", "hf", "hf-packed")
+"""``bench train``'s sides (bench/train_sides.py)."""
+
 SEARCH_START = 1024
 """First length of the largest-sequence search; it doubles from there."""
 
@@ -53,6 +56,11 @@ class BenchTrainArgs:
     """Longest sequence the search tries."""
     seed: int = 0
     lr: float = 1e-6
+    sides: str = "project,hf,hf-packed"
+    """The sides measured, in order (the project first: the others load its weights)."""
+    liger: str = "auto"
+    """Liger-Kernel on the ``hf-packed`` side: ``auto`` (where installed, on CUDA), ``on``,
+    ``off``."""
 
     def __post_init__(self) -> None:
         for k in ("rows", "prompt_len", "min_len", "max_len", "micro_batch_size", "steps"):
@@ -74,6 +82,7 @@ class BenchTrainArgs:
             "dtype": ("auto", "bfloat16", "float32"),
             "search": ("auto", "on", "off"),
             "recompute": ("none", "full"),
+            "liger": ("auto", "on", "off"),
         }
         for k, allowed in choices.items():
             if getattr(self, k) not in allowed:
@@ -82,6 +91,12 @@ class BenchTrainArgs:
             raise ValueError(f"--peak-tflops={self.peak_tflops} must be > 0.")
         if self.search_cap < SEARCH_START:
             raise ValueError(f"--search-cap={self.search_cap} must be >= {SEARCH_START}.")
+        sides = self.sides.split(",")
+        if sides[0] != "project" or not set(sides) <= set(SIDES) or len(set(sides)) != len(sides):
+            raise ValueError(
+                f"--sides={self.sides!r}: a comma list of {list(SIDES)} starting with project "
+                "(the other sides load the project's initial weights)."
+            )
         preset_spec(self.preset)  # ConfigError naming the presets
         resolve_dtype(ModelConfig(dtype=self.dtype), resolve_device(self.device))
 

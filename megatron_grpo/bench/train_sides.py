@@ -16,6 +16,7 @@ from megatron_grpo.layouts import megatron as mg_names
 from megatron_grpo.layouts.io import gather_hf_state_dict
 from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.models.tiny import hf_config_dict
+from megatron_grpo.policy.batching import PackedRows, packed_micro_batches
 from megatron_grpo.policy.logprob import token_logprobs
 from megatron_grpo.policy.policy import build_policy
 
@@ -70,10 +71,64 @@ class ProjectSide:
         self.policy = None
 
 
-class HFSide:
-    """A plain ``transformers`` causal LM of the same spec, SDPA attention, AdamW."""
+VARLEN_ATTENTION = "megatron_grpo_varlen"
+"""The attention the ``hf-packed`` side registers with transformers' ``AttentionInterface``:
+the project's own packed attention (``policy.attention.packed_attention``: ``varlen_attn`` on
+CUDA, the exact per-document op on CPU), so both packed sides run the same kernel. A name
+transformers has no mask function for gets no mask built (masking_utils.py
+``_preprocess_mask_arguments``): the documents' bounds are the mask."""
 
-    name = "hf"
+
+def _varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      is_causal=None, **kwargs):  # fmt: skip
+    """transformers' attention signature over one pack: query [1, h, T, d] (RoPE applied
+    from ``position_ids``), the pack's ``packed`` params in ``kwargs``; [1, T, h, d]."""
+    from types import SimpleNamespace
+
+    from megatron_grpo.policy.attention import packed_attention
+
+    pack = kwargs["packed"]
+    params = SimpleNamespace(bounds=pack.bounds, cu_seqlens_q=pack.cu_seqlens, rope=None)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = packed_attention(q, k, v, params, scale)
+    return out.view(1, q.shape[0], q.shape[1], -1), None
+
+
+def _register_varlen_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_ATTENTION, _varlen_attention)
+
+
+def apply_liger(model, device: torch.device, choice: str) -> bool:
+    """Liger-Kernel's fused RMSNorm / SwiGLU / RoPE on ``model`` (``--liger``: ``auto`` where
+    it is installed and the device is CUDA, ``on``, ``off``); True when applied. Its fused
+    cross-entropy stays off: the log-probs are the project's function on both sides."""
+    if choice == "off" or device.type != "cuda":
+        if choice == "on":
+            raise ValueError("--liger on needs a CUDA device (Liger-Kernel is Triton).")
+        return False
+    try:
+        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+    except ImportError:
+        if choice == "on":
+            raise ValueError(
+                "--liger on, but liger-kernel is not installed: pip install liger-kernel."
+            ) from None
+        return False
+    _apply_liger_kernel_to_instance(
+        model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+        fused_linear_cross_entropy=False,
+    )  # fmt: skip
+    return True
+
+
+class HFSide:
+    """A plain ``transformers`` causal LM of the same spec, SDPA attention, AdamW (``hf``);
+    with ``packed_budget`` the same model with padding removed (``hf-packed``): rows packed
+    end to end under the project's token budget, positions restarting per document, the
+    project's varlen attention, and Liger's kernels where installed (``apply_liger``)."""
 
     def __init__(
         self,
@@ -82,10 +137,17 @@ class HFSide:
         device: torch.device,
         dtype: torch.dtype,
         args: BenchTrainArgs,
+        packed_budget: int | None = None,
     ) -> None:
         import transformers
 
         self.spec, self.args, self.device = spec, args, device
+        self.packed_budget = packed_budget
+        self.name = "hf" if packed_budget is None else "hf-packed"
+        attention = "sdpa"
+        if packed_budget is not None:
+            _register_varlen_attention()
+            attention = VARLEN_ATTENTION
         cfg = hf_config_dict(
             {
                 "architecture": spec.architecture,
@@ -109,7 +171,7 @@ class HFSide:
         config.use_cache = False
         with torch.device(device):
             model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation="sdpa", dtype=dtype
+                config, attn_implementation=attention, dtype=dtype
             )
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied_head = [hf_names.LM_HEAD] if spec.tie_word_embeddings else []
@@ -120,6 +182,7 @@ class HFSide:
             )
         if args.recompute == "full":
             model.gradient_checkpointing_enable()
+        self.liger = packed_budget is not None and apply_liger(model, device, args.liger)
         self.model = model
         opt = OptimConfig(lr=args.lr)
         self.clip = opt.clip_grad
@@ -135,19 +198,36 @@ class HFSide:
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())  # tied weights counted once
 
-    def _logp_entropy(self, ids: torch.Tensor):
-        logits = self.model(input_ids=ids, use_cache=False).logits
-        return token_logprobs(logits, ids, vocab_start=0, vocab_size=self.spec.vocab_size)
+    def _micro_batches(self, batch: dict) -> list[tuple[slice, int, dict, PackedRows | None]]:
+        if self.packed_budget is None:
+            return [
+                (r, n, mb, None) for r, n, mb in micro_batches(batch, self.args.micro_batch_size)
+            ]
+        return packed_micro_batches(batch, self.packed_budget)
+
+    def _logp_entropy(self, mb: dict, pack: PackedRows | None):
+        """``logp``, ``entropy`` [n, L] of the micro-batch's rows (``mb`` on the device)."""
+        ids = mb["input_ids"]
+        if pack is None:
+            logits = self.model(input_ids=ids, use_cache=False).logits
+            return token_logprobs(logits, ids, vocab_start=0, vocab_size=self.spec.vocab_size)
+        pack = pack.on({k: v.to(self.device) for k, v in pack.tensors().items()})
+        logits = self.model(input_ids=pack.input_ids, position_ids=pack.positions.unsqueeze(0),
+                            use_cache=False, packed=pack).logits  # fmt: skip
+        logp, ent = token_logprobs(
+            logits, pack.input_ids, vocab_start=0, vocab_size=self.spec.vocab_size
+        )
+        return pack.unpack(logp, ids.shape), pack.unpack(ent, ids.shape)
 
     @torch.no_grad()
     def logprobs(self, batch: dict) -> dict[str, torch.Tensor]:
         """Like ``Policy.compute_logprobs``: [B, L] fp32 on the CPU, 0 on padding."""
         self.model.eval()
         out = torch.zeros(2, *batch["input_ids"].shape, device=self.device)
-        for rows, length, mb in micro_batches(batch, self.args.micro_batch_size):
-            logp, ent = self._logp_entropy(mb["input_ids"].to(self.device))
-            out[0, rows, :length] = logp.float()
-            out[1, rows, :length] = ent.float()
+        for rows, length, mb, pack in self._micro_batches(batch):
+            logp, ent = self._logp_entropy({"input_ids": mb["input_ids"].to(self.device)}, pack)
+            out[0, rows, :length] = logp.float()[:, :length]
+            out[1, rows, :length] = ent.float()[:, :length]
         out *= batch["attention_mask"].to(self.device)
         out = out.cpu()
         return {"logp": out[0], "entropy": out[1]}
@@ -156,9 +236,9 @@ class HFSide:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
-        for _, _, mb in micro_batches(batch, self.args.micro_batch_size):
+        for _, _, mb, pack in self._micro_batches(batch):
             dev = {k: v.to(self.device) for k, v in mb.items()}
-            logp, ent = self._logp_entropy(dev["input_ids"])
+            logp, ent = self._logp_entropy(dev, pack)
             loss, _ = loss_fn(logp, ent, dev)
             loss.backward()
             total += loss.detach().float()

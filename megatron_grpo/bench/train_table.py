@@ -34,21 +34,25 @@ def format_table(res: dict) -> str:
         f"batch: {b['rows']} rows, prompts ~{b['prompt_len']}, responses {b['min_len']}.."
         f"{b['max_len']} (seed {b['seed']}): {b['useful_tokens']:,} useful tokens, "
         f"{b['padded_tokens']:,} padded; micro-batch {b['micro_batch_size']} rows (project: "
-        f"{_packing(b['project_micro_batch_tokens'])}); median of "
+        f"{_packing(b['project_micro_batch_tokens'])}; hf-packed: "
+        f"{_packing(b.get('hf_packed_micro_batch_tokens'))}); median of "
         f"{res['steps']} after {res['warmup']} warm-up",
-        f"{'':<12}{'train step':^40}{'log-prob pass':^40}",
-        f"{'side':<12}"
+        f"{'':<18}{'train step':^40}{'log-prob pass':^40}",
+        f"{'side':<18}"
         + f"{'s':>9}{'tok/s':>11}{'MFU 6N':>9}{'peak GiB':>11}"
         + f"{'s':>9}{'tok/s':>11}{'MFU 2N':>9}{'peak GiB':>11}",
     ]
 
     for name, s in res["sides"].items():
-        lines.append(f"{name:<12}" + _phase_cells(s["train"]) + _phase_cells(s["logprob"]))
-    r = res["ratio"]
-    lines.append(
-        f"{'project/hf':<12}{_num(r['train'], '.2f') + 'x tokens/s':>40}"
-        f"{_num(r['logprob'], '.2f') + 'x tokens/s':>40}"
-    )
+        label = name + (" +liger" if s.get("liger") else "")
+        lines.append(f"{label:<18}" + _phase_cells(s["train"]) + _phase_cells(s["logprob"]))
+    for name in res["sides"]:
+        r = res["ratio"].get(name) if name != "project" else None
+        if r:
+            lines.append(
+                f"{'project/' + name:<18}{_num(r['train'], '.2f') + 'x tokens/s':>40}"
+                f"{_num(r['logprob'], '.2f') + 'x tokens/s':>40}"
+            )
     if res["search"]:
         parts = []
         for name, s in res["sides"].items():
@@ -59,12 +63,18 @@ def format_table(res: dict) -> str:
             end = f", {fail[0]:,} OOM" if fail else f", cap {ls['cap']:,}"
             parts.append(f"{name} {_num(ls['largest'], ',')}{at}{end}")
         lines.append("largest sequence that trains: " + "; ".join(parts))
-    par = res["logprob_parity"]
-    if par:
+    par = res["logprob_parity"] or {}
+    if "max_abs_diff" in par:
         lines.append(
             f"log-prob parity on the same initial weights: max |diff| "
             f"{par['max_abs_diff']:.2e}, mean {par['mean_abs_diff']:.2e} over "
             f"{par['tokens']:,} tokens"
+        )
+    packed = par.get("hf-packed_vs_hf")
+    if packed:
+        lines.append(
+            f"hf-packed vs hf log-probs: max |diff| {packed['max_abs_diff']:.2e}, mean "
+            f"{packed['mean_abs_diff']:.2e} (padding removed, same weights)"
         )
     fs = {n: s.get("first_step") for n, s in res["sides"].items()}
     if all(fs.values()):

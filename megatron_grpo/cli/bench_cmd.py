@@ -153,6 +153,11 @@ def _add_train(bsub: argparse._SubParsersAction) -> None:
     t.add_argument("--search", choices=("auto", "on", "off"), default="auto",
                    help="find the longest sequence that trains, per side (auto: on GPU only)")  # fmt: skip
     t.add_argument("--search-cap", type=int, default=32768, help="longest length tried")
+    t.add_argument("--sides", default="project,hf,hf-packed",
+                   help="sides measured, project first: hf (padded, SDPA) and hf-packed "
+                   "(padding removed, varlen attention, the project's token budget)")  # fmt: skip
+    t.add_argument("--liger", choices=("auto", "on", "off"), default="auto",
+                   help="Liger-Kernel RMSNorm/SwiGLU/RoPE on hf-packed (auto: installed + CUDA)")  # fmt: skip
     t.add_argument("--seed", type=int, default=0, help="seed of the batch and the weights")
     t.add_argument("--json", dest="json_out", help="write the results here")
 

@@ -236,3 +236,31 @@ def test_long_packed_sequence_peak_vs_plan(ctx, device, figures):
     figures[f"peak_{preset}_{seq}_plan_gib"] = predicted
     assert not m["skipped"]
     assert measured == pytest.approx(predicted, rel=0.15), (measured, predicted)
+
+
+def test_hf_packed_side_on_cuda(ctx, device, figures):
+    """``bench train``'s ``hf-packed`` side (issue 31's anchor) on the GPU: the HF model with
+    padding removed (varlen attention registered with transformers, positions restarting per
+    document) scores what the padded HF model does on the same weights, within bf16 noise,
+    and trains a step; Liger-Kernel's RMSNorm / SwiGLU / RoPE are applied where installed
+    (the figure says whether they were)."""
+    needs_cuda()
+    from megatron_grpo.bench.train_args import BenchTrainArgs
+    from megatron_grpo.bench.train_batch import add_loss_inputs, grpo_loss_fn, make_batch
+    from megatron_grpo.bench.train_sides import HFSide, ProjectSide
+
+    spec = preset_spec("tiny")
+    args = BenchTrainArgs(rows=8, prompt_len=32, min_len=8, max_len=64, dtype="bfloat16")
+    batch = make_batch(spec.vocab_size, 8, 32, 8, 64, 0)
+    state = ProjectSide(spec, ctx, args).hf_state_dict()
+    padded = HFSide(spec, state, device, torch.bfloat16, args)
+    packed = HFSide(spec, state, device, torch.bfloat16, args, packed_budget=256)
+    a, b = padded.logprobs(batch)["logp"], packed.logprobs(batch)["logp"]
+    mask = batch["attention_mask"].bool()
+    mask[:, 0] = False
+    diff = (a - b).abs()[mask].max().item()
+    figures["hf_packed_vs_hf_logp_max_abs_bf16"] = diff
+    figures["hf_packed_liger"] = packed.liger
+    assert diff < 0.1, diff
+    m = packed.train_step(add_loss_inputs(batch, b, 0), grpo_loss_fn())
+    assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
