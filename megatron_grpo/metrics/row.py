@@ -34,12 +34,15 @@ def step_row(
     eval_metrics: Mapping[str, Any] | None = None,
     gpu_memory: Any = None,
     drift: float | None = None,
+    ratio_parts: Mapping[str, float] | None = None,
 ) -> StepMetrics:
     """Step ``step``'s row. ``version``: the policy version that sampled its batch; ``adv``:
     ``algorithms.advantages``' result (``keep``, ``metrics``); ``train``: one dict per
     optimizer step (``policy.train_step``); ``sync_report``: the bridge's ``SyncReport``
     when the step synced, else None; ``times``: ``PhaseTimer.times()``; ``drift``: the
-    step's agreed drift of pi_k from alpha (``GRPOTrainer.measure_drift``), if measured."""
+    step's agreed drift of pi_k from alpha (``GRPOTrainer.measure_drift``), if measured;
+    ``ratio_parts``: grpo.score_alpha's staleness and numerics metrics
+    (``algorithms.staleness.decomposition_metrics``), if measured."""
 
     def mean(key: str) -> float | None:
         vals = [m[key] for m in train if key in m]
@@ -54,6 +57,7 @@ def step_row(
     if "time_eval" in times:
         extra["time_eval"] = times["time_eval"]
     extra.update({k: v for k in _TRAIN_EXTRAS if (v := mean(k)) is not None})
+    extra.update(ratio_parts or {})
     if sync_report is not None:
         extra.update(sync_seconds=sync_report.seconds, sync_minimal_bytes=sync_report.minimal_bytes,
                      sync_wire_bytes=sync_report.wire_bytes)  # fmt: skip
