@@ -401,7 +401,9 @@ class SyncConfig:
     ``max_interval`` steps have (``interval`` is then unused). The drift is the token-mean k3
     estimate of KL(alpha || pi_k) on the step's samples (algorithms/drift.py;
     docs/algorithms.md, "Adaptive sync"); with ``grpo.ratio_mode=one`` it costs one extra
-    forward pass of the batch per step (``exact`` has pi_k's log-probs already)."""
+    forward pass of the batch per step (``exact`` has pi_k's log-probs already). With
+    ``grpo.score_alpha`` alpha is scored by the trainer: the drift is the staleness alone,
+    without vLLM's numerical mismatch with the trainer."""
     interval: int = 4
     """v: push the trainer's weights to vLLM when step % v == 0 (Algorithm 1); ``mode=fixed``."""
     max_drift: float = 0.01
