@@ -14,6 +14,8 @@ import torch
 from megatron_grpo.algorithms import aggregation as agg
 from megatron_grpo.algorithms import losses as L
 from megatron_grpo.algorithms import staleness as S
+from megatron_grpo.bench.report import _score_alpha_lines
+from megatron_grpo.bench.throughput import analyze_run
 from megatron_grpo.config.schema import ConfigError, GRPOConfig
 from megatron_grpo.metrics.summary import format_summary, summarize
 
@@ -172,3 +174,19 @@ def test_summary_reports_both_parts():
         "TIS touched 0.00% of tokens, 0.00% of sequences (on the mixed ratio 5.00%, 25.00%)" in text
     )
     assert "staleness" not in format_summary(summarize([dict(rows[0], staleness_kl=None)], 2))
+
+
+def test_bench_throughput_reports_alphas_pass():
+    # Steps 2..4 measured (warm-up 1): alpha's pass 0 at lag 0 (step 3: no key, not timed),
+    # 0.1 and 0.2 s later in the window -> 0.1 s per step of the 1 s steps.
+    rows = [{"step": 1, "time_step": 1.0, "time_score_alpha": 0.5},
+            {"step": 2, "time_step": 1.0, "time_score_alpha": 0.1},
+            {"step": 3, "time_step": 1.0},
+            {"step": 4, "time_step": 1.0, "time_score_alpha": 0.2}]  # fmt: skip
+    r = analyze_run(rows, 2, warmup=1)
+    assert r["score_alpha_mean_s"] == pytest.approx(0.1)
+    assert _score_alpha_lines([r]) == [
+        "v=2: grpo.score_alpha's log-prob pass 0.100 s per step (10.0% of a step; in train)"
+    ]
+    assert analyze_run([{k: v for k, v in x.items() if k != "time_score_alpha"} for x in rows],
+                       2, warmup=1)["score_alpha_mean_s"] is None  # fmt: skip

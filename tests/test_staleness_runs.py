@@ -52,6 +52,7 @@ def test_staleness_is_zero_at_lag_0_and_grows_through_a_v4_window(tmp_path):
         else:
             assert x["staleness_max_abs"] > 1e-3, x
         assert x["drift"] == x["staleness_kl"], x  # what sync.mode=adaptive would read
+        assert ("time_score_alpha" in x) is (x["lag"] > 0), x  # the kept copy's pass only
     for window in (r[:4], r[4:]):
         kl = [x["staleness_kl"] for x in window]
         assert kl == sorted(kl) and kl[-1] > kl[1] > 0, kl

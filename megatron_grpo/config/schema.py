@@ -353,7 +353,7 @@ class GRPOConfig:
             raise ConfigError(
                 f"grpo.tis={self.tis!r} compares the trainer's log-probs of alpha with the "
                 "rollout's, which only grpo.ratio_mode=exact or grpo.score_alpha=true computes: "
-                "set one of them or grpo.tis=none."
+                "set grpo.ratio_mode=exact, grpo.score_alpha=true or grpo.tis=none."
             )
 
 

@@ -54,8 +54,9 @@ def step_row(
     extra = {k: v for k, v in reward_info.items() if k not in ("reward_mean", "task_scores")}
     extra.update({f"adv_{k}": v for k, v in adv.metrics.items()})
     extra.update(eval_metrics or {})  # validation of this step (eval.interval), if any
-    if "time_eval" in times:
-        extra["time_eval"] = times["time_eval"]
+    for key in ("time_eval", "time_score_alpha"):  # validation; alpha's pass (in time_train)
+        if key in times:
+            extra[key] = times[key]
     extra.update({k: v for k in _TRAIN_EXTRAS if (v := mean(k)) is not None})
     extra.update(ratio_parts or {})
     if sync_report is not None:

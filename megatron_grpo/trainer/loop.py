@@ -230,9 +230,10 @@ class GRPOTrainer:
         if step - 1 == self.policy_version:
             shard["alpha_logp"] = pi_logp
         else:
-            shard["alpha_logp"] = self.alpha.compute_logprobs(
-                shard, g.micro_batch_size, token_budget=self.token_budget
-            )["logp"]
+            with self.timer.phase("score_alpha"):  # inside "train": its cost, for the bench
+                shard["alpha_logp"] = self.alpha.compute_logprobs(
+                    shard, g.micro_batch_size, token_budget=self.token_budget
+                )["logp"]
         tis = None if g.tis == "none" else (g.tis.startswith("token"), g.tis_cap)
         sums, maxima = decomposition_sums(
             pi_logp, shard["alpha_logp"], shard["rollout_logp"], shard["response_mask"], tis
@@ -246,9 +247,10 @@ class GRPOTrainer:
         """Token-mean k3 estimate of KL(alpha || pi_k) over the whole batch's response tokens
         (algorithms/drift.py), the same value on every rank: the DP shards' sums are added,
         then the world takes the largest value (all ranks hold the same one up to rounding;
-        a decision read from it cannot differ between ranks). With grpo.score_alpha, alpha
-        is alpha_trainer: the drift is the staleness KL, without the engines' numerics."""
-        alpha_logp = shard["alpha_logp"] if self.cfg.grpo.score_alpha else shard["rollout_logp"]
+        a decision read from it cannot differ between ranks). With grpo.score_alpha the
+        shard holds alpha_trainer (``split_ratio``, run before): the drift is the staleness
+        KL, without the engines' numerics."""
+        alpha_logp = shard["alpha_logp"] if "alpha_logp" in shard else shard["rollout_logp"]
         sums = k3_drift_sums(pi_logp, alpha_logp, shard["response_mask"])
         if self.ctx.dp > 1:
             dist.all_reduce(sums, group=self.ctx.dp_group)
