@@ -190,3 +190,51 @@ def test_bench_throughput_reports_alphas_pass():
     ]
     assert analyze_run([{k: v for k, v in x.items() if k != "time_score_alpha"} for x in rows],
                        2, warmup=1)["score_alpha_mean_s"] is None  # fmt: skip
+
+
+def _copy_scores_worker(rank, world_size, hf_dir):
+    from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
+    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.models.spec import load_spec
+    from megatron_grpo.policy import build_policy
+
+    spec = load_spec(hf_dir)
+    ctx = init_distributed(ParallelConfig(), spec, seed=3)
+    try:
+        policy = build_policy(spec, ctx, ModelConfig(), OptimConfig(lr=1e-2), temperature=0.7)
+        g = torch.Generator().manual_seed(5)
+        ids = torch.randint(3, spec.vocab_size, (4, 9), generator=g)
+        attn = torch.ones(4, 9)
+        attn[1, 6:] = 0
+        batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": attn.clone(),
+                 "advantages": torch.tensor([1.0, -1.0, 0.5, 2.0])}  # fmt: skip
+
+        def loss_fn(logp, entropy, mb):
+            return -(mb["advantages"][:, None] * logp * mb["loss_mask"]).sum(), {}
+
+        policy.train_step(batch, loss_fn, micro_batch_size=2)  # weights moved from the load
+        alpha = policy.make_reference()  # what the trainer keeps of the served weights
+        out = {}
+        for budget in (None, 20):  # padded rows, and packed micro-batches
+            a = policy.compute_logprobs(batch, 2, token_budget=budget)["logp"]
+            b = alpha.compute_logprobs(batch, 2, token_budget=budget)["logp"]
+            out[budget] = (torch.equal(a, b), float((a - b).abs().max()))
+        policy.train_step(batch, loss_fn, micro_batch_size=2)
+        moved = policy.compute_logprobs(batch, 2)["logp"] - alpha.compute_logprobs(batch, 2)["logp"]
+        out["moved"] = float(moved.abs().max())
+        return out
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_kept_copy_scores_bitwise_like_the_policy(tiny_dir):
+    """Later in a window alpha is scored by the kept copy (``Policy.make_reference``): at the
+    policy's own weights it must give the policy's log-probs bit for bit, or the staleness
+    part would carry a numerics of its own."""
+    from tests.dist_utils import run_distributed
+
+    (r,) = run_distributed(_copy_scores_worker, 1, tiny_dir, timeout=220)
+    assert r[None] == (True, 0.0) and r[20] == (True, 0.0), r
+    assert r["moved"] > 1e-4, r  # a step later the copy is alpha, no longer pi_k

@@ -281,9 +281,10 @@ class GRPOConfig:
     (alpha), to split today's ratio pi_k/alpha_vLLM into staleness (pi_k/alpha_trainer) and
     engine numerics (alpha_trainer/alpha_vLLM): the off-policy clip, REC/GSPO and OPMD read
     the staleness ratio, ``tis`` the numerics one, ``sync.mode=adaptive`` the staleness KL,
-    and each step logs both (docs/algorithms.md, "Staleness and numerics"). Cost: with
-    v > 1 a forward-only copy of the policy's weights, refreshed at each sync, and one
-    log-prob pass per batch sampled before the last sync's step (lag > 0); none at lag 0."""
+    and each step logs both (docs/algorithms.md, "Staleness and numerics"). Cost: one
+    log-prob pass per batch at lag > 0 (none at lag 0, where the trainer holds alpha), by
+    a forward-only copy of the served weights: ``checkpoint.exact_resume``'s (the default)
+    when it keeps one, else one more copy of the weights, refreshed at each sync."""
     kl_coef: float = 0.0
     """beta: KL(pi || pi_ref) coefficient; 0 disables the reference policy."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
