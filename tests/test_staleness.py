@@ -238,3 +238,15 @@ def test_the_kept_copy_scores_bitwise_like_the_policy(tiny_dir):
     (r,) = run_distributed(_copy_scores_worker, 1, tiny_dir, timeout=220)
     assert r[None] == (True, 0.0) and r[20] == (True, 0.0), r
     assert r["moved"] > 1e-4, r  # a step later the copy is alpha, no longer pi_k
+
+
+def test_bench_reproduce_claim_6_compares_adaptive_by_staleness():
+    from megatron_grpo.bench.reproduce_claims import plan_runs
+
+    runs, run_of = plan_runs([5, 6])
+    by = {r.name: r for r in runs}
+    staleness = by[run_of[(6, "adaptive, staleness")]]
+    assert "grpo.score_alpha=true" in staleness.overrides
+    assert "sync.mode=adaptive" in staleness.overrides
+    assert run_of[(6, "adaptive, mixed")] == run_of[(5, "adaptive")]  # run once for both
+    assert by[run_of[(6, "fixed, same syncs")]].match == staleness.name
