@@ -97,13 +97,13 @@ def decomposition_sums(
             (_k3(staleness) * m).sum(), m.sum().double()]  # fmt: skip
     for old in (alpha_logp_BT, pi_logp_BT):
         if tis is None:
-            sums += [torch.zeros((), dtype=torch.float64)] * 2
+            sums += [numerics.new_zeros(())] * 2  # on the inputs' device, as every sum
             continue
         touched = tis_touched_BT(old.detach(), rollout_logp_BT.detach(), mask_BT, *tis)
         sums += [touched.sum().double(), touched.any(dim=1).sum().double()]
     sums.append(seq_has.sum().double())
     maxima = torch.stack([numerics.abs().max(), staleness.abs().max()]) if m.numel() else (
-        torch.zeros(2, dtype=torch.float64))  # fmt: skip
+        numerics.new_zeros(2))  # fmt: skip
     return torch.stack([s.reshape(()) for s in sums]).double(), maxima
 
 

@@ -1,9 +1,9 @@
 """Build a run's parts once, in the order that fails cheapest first, and run it.
 
 ``build_trainer``: checks (``trainer.preflight``) -> model directory -> process groups ->
-policy (+ pi_ref, + the served copy for exact resume or grpo.score_alpha) -> engines and weight sender
-(``rollout.interface``) -> data, rewards, losses -> resume -> metrics -> the trainer, whose
-``start`` pushes the starting weights (the initial sync).
+policy (+ pi_ref, + the served copy for exact resume or grpo.score_alpha) -> engines and
+weight sender (``rollout.interface``) -> data, rewards, losses -> resume -> metrics -> the
+trainer, whose ``start`` pushes the starting weights (the initial sync).
 ``train``: build, ``GRPOTrainer.run``, tear down (every process started here is stopped).
 """
 

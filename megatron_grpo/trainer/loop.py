@@ -277,7 +277,7 @@ class GRPOTrainer:
         self.checkpointer.snapshot_served(weights)
         a = self.alpha
         if a is not None and a is not weights and a is not self.checkpointer.served:
-            self.alpha.copy_weights_from(weights)  # grpo.score_alpha: alpha follows vLLM
+            a.copy_weights_from(weights)  # grpo.score_alpha: alpha follows what vLLM serves
         return report
 
     def start(self, resumed: tuple[LoopState, Policy] | None = None) -> SyncReport:
