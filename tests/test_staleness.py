@@ -250,3 +250,13 @@ def test_bench_reproduce_claim_6_compares_adaptive_by_staleness():
     assert "sync.mode=adaptive" in staleness.overrides
     assert run_of[(6, "adaptive, mixed")] == run_of[(5, "adaptive")]  # run once for both
     assert by[run_of[(6, "fixed, same syncs")]].match == staleness.name
+
+
+def test_tensorboard_files_the_parts_under_their_own_tag():
+    from megatron_grpo.metrics.logger import _tb_tag
+
+    assert _tb_tag("staleness_kl") == "ratio_parts/staleness_kl"
+    assert _tb_tag("numerics_max_abs") == "ratio_parts/numerics_max_abs"
+    assert _tb_tag("tis_mixed_seqs_frac") == "ratio_parts/tis_mixed_seqs_frac"
+    assert _tb_tag("tis_weight_mean") == "train/tis_weight_mean"  # the loss's own metric
+    assert _tb_tag("time_score_alpha") == "time/score_alpha"
