@@ -47,7 +47,10 @@ def test_yaml_then_overrides(tmp_path):
             ["parallel.sequence_parallel=true"],
             "parallel.sequence_parallel=true needs parallel.tp > 1",
         ),
-        (["grpo.tis=token_truncate"], "set grpo.ratio_mode=exact or grpo.tis=none"),
+        (
+            ["grpo.tis=token_truncate"],
+            "set grpo.ratio_mode=exact, grpo.score_alpha=true or grpo.tis=none",
+        ),
         (["grpo.dual_clip_c=0.5"], "grpo.dual_clip_c=0.5 must be > 1"),
         (["optim.min_lr=1", "optim.lr=0.1"], "optim.min_lr=1.0 exceeds optim.lr=0.1"),
         (["grpo.mini_batch_size=5"], "is not a multiple of grpo.mini_batch_size(5)"),

@@ -24,6 +24,8 @@ Keys ``loss_fn`` reads from ``mb``:
 - ``rollout_logp`` ``[mb, T]``: alpha's log-probs from vLLM, same alignment, 0 off the mask.
 - ``old_logp`` ``[mb, T]``: pi_k's log-probs recomputed on the trainer before the SGD pass;
   read only when ``grpo.ratio_mode == "exact"``.
+- ``alpha_logp`` ``[mb, T]``: alpha's log-probs scored by the trainer (alpha's weights on
+  the trainer's numerics); read only when ``grpo.score_alpha`` (algorithms/staleness.py).
 - ``ref_logp`` ``[mb, T]``: pi_ref's log-probs; read only when ``kl_coef > 0`` and not
   ``kl_in_reward``.
 - ``global_num_tokens`` (0-dim): loss tokens in the mini-batch over all micro-batches and DP
@@ -61,6 +63,7 @@ from torch import Tensor
 
 from megatron_grpo.algorithms.kl import get_kl_estimator
 from megatron_grpo.algorithms.losses import build_policy_loss, entropy_bonus, masked_mean
+from megatron_grpo.algorithms.staleness import build_split_policy_loss
 
 LossFn = Callable[[Tensor, Tensor, Mapping[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
 
@@ -169,7 +172,8 @@ def make_loss_fn(grpo_cfg, max_response_len: int | None = None) -> LossFn:
     (``num_tokens`` is the local count, to weight them when averaging over micro-batches).
     """
     c = grpo_cfg
-    policy_loss = build_policy_loss(c)
+    split = c.score_alpha  # staleness and numerics apart (algorithms/staleness.py)
+    policy_loss = build_split_policy_loss(c) if split else build_policy_loss(c)
     exact = c.ratio_mode == "exact"
     kl_in_loss = c.kl_coef > 0 and not c.kl_in_reward
     kl_est = get_kl_estimator(c.kl_estimator)
@@ -212,7 +216,8 @@ def make_loss_fn(grpo_cfg, max_response_len: int | None = None) -> LossFn:
         adv = _need(mb, "advantages", "per-sequence advantages")
         rollout_logp = _need(mb, "rollout_logp", "alpha's log-probs from the rollout")
         old_logp = _need(mb, "old_logp", "ratio_mode=exact") if exact else None
-        tok_loss, metrics = policy_loss(logp, adv, mask, rollout_logp, old_logp)
+        alpha = (_need(mb, "alpha_logp", "grpo.score_alpha"),) if split else ()
+        tok_loss, metrics = policy_loss(logp, adv, mask, rollout_logp, old_logp, *alpha)
         metrics["pg_loss"] = masked_mean(tok_loss, mask)
         if kl_in_loss:
             kl = kl_est(logp, _need(mb, "ref_logp", "kl_coef > 0 with the KL in the loss"))

@@ -286,8 +286,8 @@ def mismatch_tis_weight(
 ) -> tuple[Tensor, Metrics]:
     """Rollout-mismatch TIS (``grpo.tis``): the detached weight ``[B, T]`` =
     ``cap_fn(ratio_fn(old, rollout, mask))``, e.g. ``min(exp(logp_old - logp_rollout), C)``.
-    It corrects vLLM-vs-trainer numerics of the same weights; REC's ``rec_weight=tis``
-    (:func:`rec_weight_tis`) is a different thing, a clamp of ``pi/pi_old``."""
+    It corrects vLLM-vs-trainer numerics only where old is alpha on the trainer (v = 1, or
+    grpo.score_alpha: staleness.py); REC's ``rec_weight=tis`` is a clamp of ``pi/pi_old``."""
     ratio = ratio_fn(old_logp_BT, rollout_logp_BT, mask_BT)
     w = cap_fn(ratio)
     return w, {

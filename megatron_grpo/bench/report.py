@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +103,18 @@ def format_table(res: Mapping[str, Any]) -> str:
     for r in res["runs"]:
         f = _figures(r)
         lines.append("".join(f[key].rjust(width) for _, key, width in CONSOLE_COLUMNS))
+    lines += _score_alpha_lines(res["runs"])
     return "\n".join(lines)
+
+
+def _score_alpha_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """grpo.score_alpha: what alpha's log-prob pass costs per step, inside ``train``."""
+    return [
+        f"v={r['v']}: grpo.score_alpha's log-prob pass {r['score_alpha_mean_s']:.3f} s per step "
+        f"({100 * r['score_alpha_mean_s'] / r['step_time_mean_s']:.1f}% of a step; in train)"
+        for r in runs
+        if r.get("score_alpha_mean_s") is not None and r["step_time_mean_s"]
+    ]
 
 
 def throughput_markdown(res: Mapping[str, Any]) -> str:

@@ -86,7 +86,7 @@ def seed_overrides(seed: int) -> list[str]:
 @dataclass
 class ReproduceArgs:
     claims: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
-    """Claim 5 (adaptive sync) runs only when named: --claims 5."""
+    """Claims 5 and 6 (adaptive sync; by staleness alone) run only when named: --claims 5,6."""
     seeds: int = 3
     """Seeds per variant (1..seeds)."""
     steps: int = 60

@@ -66,6 +66,9 @@ WIDE = ("grpo.clip_eps_low=0.6", "grpo.clip_eps_high=2.0")
 TASK_DRIFT: tuple[str, ...] = ("grpo.ratio_mode=exact",)
 ADAPTIVE = ("sync.mode=adaptive", "sync.max_drift=0.02", "sync.min_interval=1",
             "sync.max_interval=8")  # fmt: skip
+# Claim 6: the same adaptive rule read off the staleness part alone (grpo.score_alpha: alpha
+# scored by the trainer, so the drift leaves out vLLM's numerical mismatch with it).
+STALENESS = ("grpo.score_alpha=true",)
 
 CLAIMS: dict[int, Claim] = {
     c.id: c
@@ -139,6 +142,24 @@ CLAIMS: dict[int, Claim] = {
             (
                 Comparison("better", "adaptive", "fixed, same syncs", "auc"),
                 Comparison("equivalent", "adaptive", "v=1"),
+            ),
+            threshold=0.6,
+        ),
+        Claim(
+            6,
+            "Adaptive sync driven by staleness alone (engine numerics measured apart) matches "
+            "the mixed drift, and beats fixed v at the same number of syncs",
+            "issue 33; verl #7567 (separating staleness from numerics needs alpha scored by "
+            "the trainer)",
+            TASK_DRIFT,
+            (
+                Variant("adaptive, staleness", 4, (*ADAPTIVE, *STALENESS)),
+                Variant("adaptive, mixed", 4, ADAPTIVE),
+                Variant("fixed, same syncs", 4, match="adaptive, staleness"),
+            ),
+            (
+                Comparison("equivalent", "adaptive, staleness", "adaptive, mixed"),
+                Comparison("better", "adaptive, staleness", "fixed, same syncs", "auc"),
             ),
             threshold=0.6,
         ),

@@ -273,8 +273,18 @@ class GRPOConfig:
     regularizer_coef: float = 0.0
     tis: Literal["none", "token_truncate", "token_mask", "seq_truncate", "seq_mask"] = "none"
     """Rollout-mismatch TIS, ``min(exp(logp_old - logp_rollout), tis_cap)`` (needs
-    ratio_mode=exact); unrelated to REC's ``rec_weight=tis``."""
+    ratio_mode=exact, or score_alpha); unrelated to REC's ``rec_weight=tis``. With
+    ``score_alpha`` it truncates (masks) the numerics ratio alpha_trainer/alpha_vLLM only."""
     tis_cap: float = 2.0
+    score_alpha: bool = False
+    """Score each batch's samples on the trainer under the weights that generated them
+    (alpha), to split today's ratio pi_k/alpha_vLLM into staleness (pi_k/alpha_trainer) and
+    engine numerics (alpha_trainer/alpha_vLLM): the off-policy clip, REC/GSPO and OPMD read
+    the staleness ratio, ``tis`` the numerics one, ``sync.mode=adaptive`` the staleness KL,
+    and each step logs both (docs/algorithms.md, "Staleness and numerics"). Cost: one
+    log-prob pass per batch at lag > 0 (none at lag 0, where the trainer holds alpha), by
+    a forward-only copy of the served weights: ``checkpoint.exact_resume``'s (the default)
+    when it keeps one, else one more copy of the weights, refreshed at each sync."""
     kl_coef: float = 0.0
     """beta: KL(pi || pi_ref) coefficient; 0 disables the reference policy."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -340,11 +350,11 @@ class GRPOConfig:
                 f"grpo.dual_clip_c={self.dual_clip_c} must be > 1 (3 is usual) or null to disable."
             )
         _non_negative("grpo", self, "kl_coef", "overlong_buffer", "ref_update_interval")
-        if self.tis != "none" and self.ratio_mode != "exact":
+        if self.tis != "none" and self.ratio_mode != "exact" and not self.score_alpha:
             raise ConfigError(
                 f"grpo.tis={self.tis!r} compares the trainer's log-probs of alpha with the "
-                "rollout's, which only grpo.ratio_mode=exact computes: set grpo.ratio_mode=exact "
-                "or grpo.tis=none."
+                "rollout's, which only grpo.ratio_mode=exact or grpo.score_alpha=true computes: "
+                "set grpo.ratio_mode=exact, grpo.score_alpha=true or grpo.tis=none."
             )
 
 
@@ -392,7 +402,9 @@ class SyncConfig:
     ``max_interval`` steps have (``interval`` is then unused). The drift is the token-mean k3
     estimate of KL(alpha || pi_k) on the step's samples (algorithms/drift.py;
     docs/algorithms.md, "Adaptive sync"); with ``grpo.ratio_mode=one`` it costs one extra
-    forward pass of the batch per step (``exact`` has pi_k's log-probs already)."""
+    forward pass of the batch per step (``exact`` has pi_k's log-probs already). With
+    ``grpo.score_alpha`` alpha is scored by the trainer: the drift is the staleness alone,
+    without vLLM's numerical mismatch with the trainer."""
     interval: int = 4
     """v: push the trainer's weights to vLLM when step % v == 0 (Algorithm 1); ``mode=fixed``."""
     max_drift: float = 0.01

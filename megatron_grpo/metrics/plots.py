@@ -138,11 +138,38 @@ def plot_drift(
     return path
 
 
+def plot_ratio_parts(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:
+    """``grpo.score_alpha``: ``staleness_kl`` and ``numerics_kl`` per step on one log axis
+    (a step whose value is exactly 0, staleness at lag 0, has no point)."""
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    fig = Figure(figsize=(8, 3.5))
+    ax = fig.subplots()
+    for key, color in (("staleness_kl", "tab:purple"), ("numerics_kl", "tab:green")):
+        pts = [(r["step"], _num(r.get(key))) for r in rows]
+        pts = [p for p in pts if p[1] is not None and p[1] > 0]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, lw=1.2, color=color,
+                label=key)  # fmt: skip
+    for r in rows:
+        if r.get("synced"):
+            ax.axvline(r["step"], color="gray", lw=0.6, alpha=0.5)
+    ax.set_yscale("log")
+    ax.set_ylabel("KL per token")
+    ax.set_xlabel("step (gray: a sync after it)")
+    ax.set_title("The ratio's two parts: staleness KL(alpha || pi_k), numerics KL(vLLM || trainer)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    _save(fig, path)
+    return path
+
+
 def write_plots(
     run_dir: str | os.PathLike, rows: Sequence[Mapping[str, Any]], max_drift: float | None = None
 ) -> list[Path]:
     """Write ``reward.png`` and ``step_time.png`` into the run directory, and ``drift.png``
-    when the run measured its drift (``sync.mode=adaptive`` or ``grpo.ratio_mode=exact``)."""
+    when the run measured its drift (``sync.mode=adaptive`` or ``grpo.ratio_mode=exact``), and
+    ``ratio_parts.png`` when it split the ratio (``grpo.score_alpha``)."""
     run_dir = Path(run_dir)
     out = [
         plot_reward(rows, run_dir / "reward.png"),
@@ -150,4 +177,6 @@ def write_plots(
     ]
     if any(_num(r.get("drift")) is not None for r in rows):
         out.append(plot_drift(rows, run_dir / "drift.png", max_drift))
+    if any(_num(r.get("numerics_kl")) is not None for r in rows):
+        out.append(plot_ratio_parts(rows, run_dir / "ratio_parts.png"))
     return out

@@ -34,12 +34,15 @@ def step_row(
     eval_metrics: Mapping[str, Any] | None = None,
     gpu_memory: Any = None,
     drift: float | None = None,
+    ratio_parts: Mapping[str, float] | None = None,
 ) -> StepMetrics:
     """Step ``step``'s row. ``version``: the policy version that sampled its batch; ``adv``:
     ``algorithms.advantages``' result (``keep``, ``metrics``); ``train``: one dict per
     optimizer step (``policy.train_step``); ``sync_report``: the bridge's ``SyncReport``
     when the step synced, else None; ``times``: ``PhaseTimer.times()``; ``drift``: the
-    step's agreed drift of pi_k from alpha (``GRPOTrainer.measure_drift``), if measured."""
+    step's agreed drift of pi_k from alpha (``GRPOTrainer.measure_drift``), if measured;
+    ``ratio_parts``: grpo.score_alpha's staleness and numerics metrics
+    (``algorithms.staleness.decomposition_metrics``), if measured."""
 
     def mean(key: str) -> float | None:
         vals = [m[key] for m in train if key in m]
@@ -51,9 +54,11 @@ def step_row(
     extra = {k: v for k, v in reward_info.items() if k not in ("reward_mean", "task_scores")}
     extra.update({f"adv_{k}": v for k, v in adv.metrics.items()})
     extra.update(eval_metrics or {})  # validation of this step (eval.interval), if any
-    if "time_eval" in times:
-        extra["time_eval"] = times["time_eval"]
+    for key in ("time_eval", "time_score_alpha"):  # validation; alpha's pass (in time_train)
+        if key in times:
+            extra[key] = times[key]
     extra.update({k: v for k in _TRAIN_EXTRAS if (v := mean(k)) is not None})
+    extra.update(ratio_parts or {})
     if sync_report is not None:
         extra.update(sync_seconds=sync_report.seconds, sync_minimal_bytes=sync_report.minimal_bytes,
                      sync_wire_bytes=sync_report.wire_bytes)  # fmt: skip

@@ -80,6 +80,7 @@ def summarize(
     drifts = _values(rows, "drift")
     out["drift_mean"] = _mean(drifts)
     out["drift_max"] = max(drifts) if drifts else None
+    out.update(_ratio_parts(rows))
 
     # Mean seconds per step of each phase; time_sync counts 0 on steps that did not sync.
     phase_means: dict[str, float | None] = {}
@@ -118,6 +119,37 @@ def summarize(
     return out
 
 
+def _ratio_parts(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """grpo.score_alpha: each part's largest |log-ratio| and KL over the run (mean and max of
+    the steps' values), and the mean fraction of tokens / sequences TIS touched; {} when the
+    run did not split the ratio."""
+    out: dict[str, Any] = {}
+    for part in ("numerics", "staleness"):
+        kl, big = _values(rows, f"{part}_kl"), _values(rows, f"{part}_max_abs")
+        if kl:
+            out.update({f"{part}_kl_mean": _mean(kl), f"{part}_kl_max": max(kl),
+                        f"{part}_max_abs": max(big) if big else None})  # fmt: skip
+    for key in ("tis_tokens_frac", "tis_seqs_frac", "tis_mixed_tokens_frac", "tis_mixed_seqs_frac"):
+        if vals := _values(rows, key):
+            out[f"{key}_mean"] = _mean(vals)
+    return out
+
+
+def _ratio_parts_line(s: Mapping[str, Any]) -> str | None:
+    if s.get("staleness_kl_mean") is None:
+        return None
+    line = (f"ratio pi_k/alpha_vLLM split (grpo.score_alpha): staleness KL mean "
+            f"{s['staleness_kl_mean']:.3g} (max {s['staleness_kl_max']:.3g}), numerics KL mean "
+            f"{s['numerics_kl_mean']:.3g}, max |log-ratio| staleness "
+            f"{_fmt(s['staleness_max_abs'], '.3g')}, numerics {_fmt(s['numerics_max_abs'], '.3g')}")  # fmt: skip
+    if s.get("tis_tokens_frac_mean") is not None:
+        line += (f"; TIS touched {100 * s['tis_tokens_frac_mean']:.2f}% of tokens, "
+                 f"{100 * s['tis_seqs_frac_mean']:.2f}% of sequences (on the mixed ratio "
+                 f"{100 * s['tis_mixed_tokens_frac_mean']:.2f}%, "
+                 f"{100 * s['tis_mixed_seqs_frac_mean']:.2f}%)")  # fmt: skip
+    return line
+
+
 def _fmt(x: float | None, spec: str = ".4g") -> str:
     return "n/a" if x is None else format(x, spec)
 
@@ -151,6 +183,8 @@ def format_summary(s: Mapping[str, Any]) -> str:
     if s.get("drift_mean") is not None:
         lines.append(f"drift of pi_k from the served policy (per-token KL): mean "
                      f"{s['drift_mean']:.3g}, max {s['drift_max']:.3g}")  # fmt: skip
+    if parts := _ratio_parts_line(s):
+        lines.append(parts)
     sv = s["sync_every_v_saving"]
     what = "sync every v" if s.get("sync_mode", "fixed") == "fixed" else "adaptive sync"
     if "note" in sv:

@@ -1,9 +1,9 @@
 """Build a run's parts once, in the order that fails cheapest first, and run it.
 
 ``build_trainer``: checks (``trainer.preflight``) -> model directory -> process groups ->
-policy (+ pi_ref, + the served copy for exact resume) -> engines and weight sender
-(``rollout.interface``) -> data, rewards, losses -> resume -> metrics -> the trainer, whose
-``start`` pushes the starting weights (the initial sync).
+policy (+ pi_ref, + the served copy for exact resume or grpo.score_alpha) -> engines and
+weight sender (``rollout.interface``) -> data, rewards, losses -> resume -> metrics -> the
+trainer, whose ``start`` pushes the starting weights (the initial sync).
 ``train``: build, ``GRPOTrainer.run``, tear down (every process started here is stopped).
 """
 
@@ -83,6 +83,9 @@ def build_trainer(
     ref = policy.make_reference() if g.kl_coef > 0 else None
     keep_served = cfg.checkpoint.exact_resume and cfg.sync.can_lag
     served = policy.make_reference() if keep_served else None
+    alpha = None  # grpo.score_alpha: the weights vLLM serves, on the trainer (the served copy)
+    if g.score_alpha and cfg.sync.can_lag:
+        alpha = served if served is not None else policy.make_reference()
     t0 = time.perf_counter()
     rollout, sender = (rollout_factory or build_rollout)(cfg, world, ctx, hf_dir, policy)
     say_rank0(ctx, f"vLLM engine up in {time.perf_counter() - t0:.1f}s")
@@ -108,7 +111,7 @@ def build_trainer(
         sender=sender, schedule=schedule, batches=batches, advantage_fn=build_advantage_fn(g),
         loss_fn=make_loss_fn(g, cfg.rollout.max_new_tokens), memory=memory,
         checkpointer=checkpointer, logger=logger, timer=PhaseTimer.for_device(ctx.device),
-        validator=validator,
+        validator=validator, alpha=alpha,
         closers=[logger.close, reward_fn.close, rollout.shutdown, destroy_distributed],
     )  # fmt: skip
     _start(trainer, resumed)

@@ -35,6 +35,7 @@ from megatron_grpo.algorithms.drift import drift_from_sums, k3_drift_sums
 from megatron_grpo.algorithms.kl import get_kl_estimator
 from megatron_grpo.algorithms.seeds import advantage_seed, mini_batch_seed
 from megatron_grpo.algorithms.shaping import overlong_filter_keep
+from megatron_grpo.algorithms.staleness import decomposition_metrics, decomposition_sums
 from megatron_grpo.bridge.accounting import SyncReport
 from megatron_grpo.bridge.weight_sync import WeightSender
 from megatron_grpo.checkpoint import LoopState, find_latest
@@ -77,6 +78,7 @@ class GRPOTrainer:
     logger: MetricsLogger
     timer: PhaseTimer
     validator: Validator | None = None  # when eval.interval > 0
+    alpha: Policy | None = None  # grpo.score_alpha, v > 1: a copy of the weights vLLM serves
     schedule: SyncSchedule | None = None  # when to sync; None: built from cfg.sync
     start_step: int = 0
     policy_version: int = 0
@@ -110,7 +112,7 @@ class GRPOTrainer:
                 batch, kl_seq = self.reference_logprobs(batch)
             adv = self.group_advantages(rewards, kl_seq, step)
             with timer.phase("train"):
-                train, drift = self.train_on(batch, adv, step)
+                train, drift, ratio_parts = self.train_on(batch, adv, step)
             sync_report = eval_metrics = None
             if self.schedule.due(step, drift):
                 with timer.phase("sync"), self._bounded(f"the weight sync of step {step}"):
@@ -126,7 +128,7 @@ class GRPOTrainer:
                 step, version, rewards, reward_info, samples, adv, train, sync_report,
                 timer.times(), time.perf_counter() - t_step, eval_metrics=eval_metrics,
                 sync_verify=getattr(self.sender, "last_verify", None),
-                gpu_memory=self.memory.take_boundaries(), drift=drift,
+                gpu_memory=self.memory.take_boundaries(), drift=drift, ratio_parts=ratio_parts,
             ))  # fmt: skip
             if self.checkpointer.after_step(step, self.loop_state(step)):
                 return {"preempted": True, "step": step}
@@ -181,10 +183,11 @@ class GRPOTrainer:
         gen = torch.Generator().manual_seed(advantage_seed(self.cfg.seed, step))
         return self.advantage_fn(rewards_PG, gen, task_PG)
 
-    def train_on(self, batch, adv, step) -> tuple[list[dict[str, Any]], float | None]:
+    def train_on(self, batch, adv, step) -> tuple[list[dict[str, Any]], float | None, dict | None]:
         """i SGD iterations over mini-batches of this DP rank's share of the batch; returns
-        the optimizer steps' metrics and the drift of pi_k from alpha measured before them
-        (``measure_drift``; None when neither sync.mode=adaptive nor ratio_mode=exact)."""
+        the optimizer steps' metrics, the drift of pi_k from alpha measured before them
+        (``measure_drift``; None when neither sync.mode=adaptive, ratio_mode=exact nor
+        score_alpha) and, with grpo.score_alpha, the ratio's two parts (``split_ratio``)."""
         g, ctx = self.cfg.grpo, self.ctx
         batch["advantages"] = adv.advantages.reshape(-1)
         batch["response_mask"] = batch["loss_mask"]  # grpo.loss_normalizer=all counts these
@@ -193,13 +196,15 @@ class GRPOTrainer:
             keep = keep * overlong_filter_keep(batch["truncated"]).reshape(-1, 1).float()
         batch["loss_mask"] = batch["loss_mask"] * keep
         shard = dp_shard(batch, ctx.dp_rank, ctx.dp)
-        pi_logp = drift = None
-        # pi_k's log-probs, computed once before the SGD passes: the exact ratio's r' and the
-        # adaptive schedule's drift both read them
-        if g.ratio_mode == "exact" or self.schedule.adaptive:
+        pi_logp = drift = ratio_parts = None
+        # pi_k's log-probs, computed once before the SGD passes: the exact ratio's r', the
+        # adaptive schedule's drift and score_alpha's staleness all read them
+        if g.ratio_mode == "exact" or self.schedule.adaptive or g.score_alpha:
             pi_logp = self.policy.compute_logprobs(
                 shard, g.micro_batch_size, token_budget=self.token_budget
             )["logp"]
+            if g.score_alpha:
+                ratio_parts = self.split_ratio(pi_logp, shard, step)
             drift = self.measure_drift(pi_logp, shard)
         if g.ratio_mode == "exact":
             shard["old_logp"] = pi_logp
@@ -214,14 +219,39 @@ class GRPOTrainer:
                         mb, self.loss_fn, g.micro_batch_size, token_budget=self.token_budget
                     )
                 )
-        return out, drift
+        return out, drift, ratio_parts
+
+    def split_ratio(self, pi_logp, shard, step: int) -> dict[str, float]:
+        """grpo.score_alpha: alpha's log-probs on the trainer (``shard["alpha_logp"]``) and
+        the step's staleness / numerics metrics (algorithms/staleness.py), the same on every
+        rank. At lag 0 the trainer holds alpha itself: pi_k's log-probs are alpha's (no
+        extra pass; the staleness is exactly 0); later in a window the kept copy scores them."""
+        g, ctx = self.cfg.grpo, self.ctx
+        if step - 1 == self.policy_version:
+            shard["alpha_logp"] = pi_logp
+        else:
+            with self.timer.phase("score_alpha"):  # inside "train": its cost, for the bench
+                shard["alpha_logp"] = self.alpha.compute_logprobs(
+                    shard, g.micro_batch_size, token_budget=self.token_budget
+                )["logp"]
+        tis = None if g.tis == "none" else (g.tis.startswith("token"), g.tis_cap)
+        sums, maxima = decomposition_sums(
+            pi_logp, shard["alpha_logp"], shard["rollout_logp"], shard["response_mask"], tis
+        )
+        if ctx.dp > 1:
+            dist.all_reduce(sums, group=ctx.dp_group)
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=ctx.dp_group)
+        return decomposition_metrics(sums, maxima, with_tis=tis is not None)
 
     def measure_drift(self, pi_logp, shard) -> float:
         """Token-mean k3 estimate of KL(alpha || pi_k) over the whole batch's response tokens
         (algorithms/drift.py), the same value on every rank: the DP shards' sums are added,
         then the world takes the largest value (all ranks hold the same one up to rounding;
-        a decision read from it cannot differ between ranks)."""
-        sums = k3_drift_sums(pi_logp, shard["rollout_logp"], shard["response_mask"])
+        a decision read from it cannot differ between ranks). With grpo.score_alpha the
+        shard holds alpha_trainer (``split_ratio``, run before): the drift is the staleness
+        KL, without the engines' numerics."""
+        alpha_logp = shard["alpha_logp"] if "alpha_logp" in shard else shard["rollout_logp"]
+        sums = k3_drift_sums(pi_logp, alpha_logp, shard["response_mask"])
         if self.ctx.dp > 1:
             dist.all_reduce(sums, group=self.ctx.dp_group)
         drift = torch.tensor([drift_from_sums(sums)], dtype=torch.float64)
@@ -245,6 +275,9 @@ class GRPOTrainer:
         self.policy_version = step
         self.schedule.synced(step)
         self.checkpointer.snapshot_served(weights)
+        a = self.alpha
+        if a is not None and a is not weights and a is not self.checkpointer.served:
+            a.copy_weights_from(weights)  # grpo.score_alpha: alpha follows what vLLM serves
         return report
 
     def start(self, resumed: tuple[LoopState, Policy] | None = None) -> SyncReport:
