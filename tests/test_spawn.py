@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_grpo.distributed.spawn import RankFailed, spawn_ranks
+from megatron_grpo.distributed.spawn import RankFailed, _load_result, spawn_ranks
 from megatron_grpo.rollout.engine import Sample
 
 
@@ -55,3 +55,18 @@ def test_a_result_of_another_class_fails_in_the_rank_and_runs_nothing(tmp_path):
     with pytest.raises(RankFailed, match="holds _io.open, which spawn_ranks does not unpickle"):
         spawn_ranks(_boom, 1, str(marker), timeout_s=150, threads=1)
     assert not Path(marker).exists()
+
+
+def test_the_parent_reads_a_result_file_as_data_only(tmp_path):
+    """Should a rank's file hold more than its own check let through, the parent still runs
+    nothing: it reads with weights_only=True and names the global it refused."""
+    marker, path = tmp_path / "marker", tmp_path / "0.pt"
+    torch.save({"x": _Boom(str(marker))}, path)
+    with pytest.raises(RankFailed, match=r"^rank 0's result is refused by torch.load\(weights_only"
+                       r"=True\): Unsupported global: GLOBAL _io.open .*result_types"):  # fmt: skip
+        _load_result(path, 0, ())
+    assert not marker.exists()
+    torch.save([Sample([1], [2], [-0.5], "stop")], path)
+    assert _load_result(path, 0, (Sample,)) == [Sample([1], [2], [-0.5], "stop")]
+    with pytest.raises(RankFailed, match="GLOBAL megatron_grpo.rollout.engine.Sample"):
+        _load_result(path, 0, ())

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -98,6 +99,20 @@ def _save_result(result: Any, path: Path, result_types: tuple[type, ...]) -> Non
     tmp.rename(path)
 
 
+def _load_result(path: Path, rank: int, result_types: tuple[type, ...]) -> Any:
+    """Rank ``rank``'s result: plain data and ``result_types`` only, nothing else unpickled."""
+    try:
+        with torch.serialization.safe_globals(list(result_types)):
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:  # torch's text: the line that names the global
+        why = next((ln.split("error: ", 1)[1].split(". Please")[0]
+                    for ln in str(e).splitlines() if "WeightsUnpickler error: " in ln), str(e))  # fmt: skip
+        raise RankFailed(
+            f"rank {rank}'s result is refused by torch.load(weights_only=True): {why}; return "
+            "plain data or name the class in spawn_ranks(..., result_types=(...))."
+        ) from None
+
+
 def spawn_ranks(
     fn: Callable[..., Any],
     world: int,
@@ -156,8 +171,7 @@ def spawn_ranks(
             if missing:
                 codes = {r: procs[r].exitcode for r in missing}
                 raise RankFailed(f"ranks {missing} returned no result (exit codes {codes})")
-            with torch.serialization.safe_globals(list(result_types)):
-                return [torch.load(out / f"{r}.pt", weights_only=True) for r in range(world)]
+            return [_load_result(out / f"{r}.pt", r, result_types) for r in range(world)]
         finally:
             for p in procs:
                 if p.is_alive():
