@@ -21,9 +21,16 @@ from tests.nccl_rules import maybe_install
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, threads: int = 1
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    threads: int = 1,
+    result_types: tuple[type, ...] = (),
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return results."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return results
+    (plain data, and instances of ``result_types``: ``spawn_ranks``)."""
     return spawn_ranks(
-        fn, world_size, *args, timeout_s=timeout, threads=threads, setup=maybe_install
-    )
+        fn, world_size, *args, timeout_s=timeout, threads=threads, setup=maybe_install,
+        result_types=result_types,
+    )  # fmt: skip

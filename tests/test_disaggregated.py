@@ -107,20 +107,21 @@ def test_disaggregated_trains_syncs_every_v_and_serves_the_trainers_weights(tmp_
 
 # ------------------------------------------------------------------------------ control
 def test_channel_gives_up_on_a_silent_peer_and_on_abort():
+    from megatron_grpo.rollout import messages
     from megatron_grpo.rollout.control import Channel, PeerGone
 
     store = dist.HashStore()
     ch = Channel(store, timeout_s=0.3)
     t0 = time.monotonic()
     with pytest.raises(PeerGone, match="heartbeat 'hb/trainer' stopped"):
-        ch.wait("cmd/0", ["hb/trainer"], "command 0")
+        ch.wait("cmd/0", ["hb/trainer"], "command 0", ("command",))
     assert time.monotonic() - t0 < 5
-    ch.post("abort", "trainer rank 0 failed to start: boom")
+    ch.post("abort", messages.abort("trainer rank 0 failed to start: boom"))
     with pytest.raises(PeerGone, match="boom"):
-        ch.wait("cmd/0", ["hb/trainer"], "command 0")
-    ch.post("cmd/1", {"op": "stop"})
-    assert ch.wait("cmd/1", [], "command 1") == {"op": "stop"}
-    assert not store.check(["megatron_grpo/ctl/cmd/1"])
+        ch.wait("cmd/0", ["hb/trainer"], "command 0", ("command",))
+    ch.post("cmd/1", messages.command("stop"))
+    assert ch.wait("cmd/1", [], "command 1", ("command",)).body == {"op": "stop"}
+    assert not ch.store.check(["cmd/1"])
 
 
 # ------------------------------------------------------------------------------ rollout.ahead

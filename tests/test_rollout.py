@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from megatron_grpo.distributed.spawn import free_port
+from megatron_grpo.rollout.engine import Sample
 from tests.dist_utils import run_distributed
 from tests.test_receiver_sharding import vllm_shards_from_hf
 
@@ -126,7 +127,7 @@ def _colocated_tp1(rank: int, world: int, root: str) -> dict:
 @pytest.fixture(scope="module")
 def colocated_tp1(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("rollout_tp1")
-    return run_distributed(_colocated_tp1, 1, str(root), timeout=240.0)[0]
+    return run_distributed(_colocated_tp1, 1, str(root), timeout=240.0, result_types=(Sample,))[0]
 
 
 @pytest.mark.timeout(300)

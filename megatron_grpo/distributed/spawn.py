@@ -3,8 +3,11 @@
 ``spawn_ranks(fn, world, *args)`` runs ``fn(rank, world, *args)`` in ``world`` fresh
 ``spawn`` processes with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR=127.0.0.1 and a free MASTER_PORT) and returns what each rank returned, in rank
-order, through ``torch.save`` files in a temporary directory. ``eval``, ``bench sync`` and
-the distributed tests start their ranks this way, so that they need no launcher.
+order, through ``torch.save`` files in a temporary directory, read back with
+``torch.load(weights_only=True)``: plain data (tensors, numbers, strings, bytes, None, lists,
+tuples, sets, dicts) and the classes the caller names in ``result_types``, never arbitrary
+pickled objects. ``eval``, ``bench sync`` and the distributed tests start their ranks this
+way, so that they need no launcher.
 
 ``run_under_torchrun(argv, nproc)`` is how ``megatron-grpo train`` run as one process starts
 the ranks its layout needs (:func:`ranks_needed`): it re-runs the same command as
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -54,6 +58,7 @@ def free_port() -> int:
 def _rank_main(
     fn: Callable, rank: int, world: int, port: int, out_dir: str, env: dict[str, str],
     threads: int | None, setup: Callable[[], object] | None, args: tuple,
+    result_types: tuple[type, ...] = (),
 ) -> None:  # fmt: skip
     die_with_parent()  # a killed parent must not leave its ranks behind
     os.environ.update(
@@ -66,9 +71,7 @@ def _rank_main(
             torch.set_num_threads(threads)
         if setup is not None:
             setup()
-        result = fn(rank, world, *args)
-        torch.save(result, out / f"{rank}.pt.tmp")
-        (out / f"{rank}.pt.tmp").rename(out / f"{rank}.pt")
+        _save_result(fn(rank, world, *args), out / f"{rank}.pt", result_types)
     except BaseException:  # noqa: BLE001 - reported to the parent through the file
         (out / f"{rank}.err").write_text(traceback.format_exc())
         code = 1
@@ -81,6 +84,35 @@ def _rank_main(
     os._exit(code)
 
 
+def _save_result(result: Any, path: Path, result_types: tuple[type, ...]) -> None:
+    """``result`` at ``path``, once the parent's ``torch.load(weights_only=True)`` can read it."""
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save(result, tmp)
+    named = {f"{t.__module__}.{t.__qualname__}" for t in result_types}
+    other = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(tmp)) - named)
+    if other:
+        raise TypeError(
+            f"the rank's result holds {', '.join(other)}, which spawn_ranks does not unpickle: "
+            "return plain data (tensors, numbers, strings, lists, tuples, dicts) or name the "
+            "class in spawn_ranks(..., result_types=(...))."
+        )
+    tmp.rename(path)
+
+
+def _load_result(path: Path, rank: int, result_types: tuple[type, ...]) -> Any:
+    """Rank ``rank``'s result: plain data and ``result_types`` only, nothing else unpickled."""
+    try:
+        with torch.serialization.safe_globals(list(result_types)):
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:  # torch's text: the line that names the global
+        why = next((ln.split("error: ", 1)[1].split(". Please")[0]
+                    for ln in str(e).splitlines() if "WeightsUnpickler error: " in ln), str(e))  # fmt: skip
+        raise RankFailed(
+            f"rank {rank}'s result is refused by torch.load(weights_only=True): {why}; return "
+            "plain data or name the class in spawn_ranks(..., result_types=(...))."
+        ) from None
+
+
 def spawn_ranks(
     fn: Callable[..., Any],
     world: int,
@@ -89,12 +121,16 @@ def spawn_ranks(
     env: dict[str, str] | None = None,
     threads: int | None = None,
     setup: Callable[[], object] | None = None,
+    result_types: tuple[type, ...] = (),
 ) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` spawned ranks; their results in rank order.
 
     ``fn`` (and ``setup``) must be module-level functions (pickled by name); ``env`` is
     added to each rank's environment; ``threads`` sets OMP_NUM_THREADS and torch's thread
-    count in each rank; ``setup()`` runs in each rank before ``fn``. If a rank raises,
+    count in each rank; ``setup()`` runs in each rank before ``fn``. A rank's result holds
+    plain data and instances of ``result_types`` (e.g. ``rollout.engine.Sample``), which the
+    parent reads with ``torch.load(weights_only=True)``; a rank returning anything else fails,
+    naming the type. If a rank raises,
     the other ranks are killed and :class:`RankFailed` carries its traceback; past
     ``timeout_s`` every rank is killed and the error names those still running.
     """
@@ -109,7 +145,7 @@ def spawn_ranks(
         out = Path(out_dir)
         try:
             for r in range(world):
-                a = (fn, r, world, port, out_dir, env, threads, setup, args)
+                a = (fn, r, world, port, out_dir, env, threads, setup, args, result_types)
                 procs.append(ctx.Process(target=_rank_main, args=a))
                 procs[-1].start()
             deadline = time.monotonic() + timeout_s
@@ -135,7 +171,7 @@ def spawn_ranks(
             if missing:
                 codes = {r: procs[r].exitcode for r in missing}
                 raise RankFailed(f"ranks {missing} returned no result (exit codes {codes})")
-            return [torch.load(out / f"{r}.pt", weights_only=False) for r in range(world)]
+            return [_load_result(out / f"{r}.pt", r, result_types) for r in range(world)]
         finally:
             for p in procs:
                 if p.is_alive():

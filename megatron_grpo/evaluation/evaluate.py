@@ -46,6 +46,7 @@ from megatron_grpo.models.spec import check_heads, load_spec
 from megatron_grpo.policy.policy import build_policy
 from megatron_grpo.rewards import build_reward
 from megatron_grpo.rollout.colocated import build_colocated
+from megatron_grpo.rollout.engine import Sample
 from megatron_grpo.rollout.interface import sampling_args
 from megatron_grpo.trainer.batch import collate
 
@@ -236,7 +237,8 @@ def generate(s: EvalSettings, timeout_s: float = 1800.0) -> dict[str, Any] | Non
 
     threads = max(1, (os.cpu_count() or 1) // world)
     # through the module: tests/bad_inputs.py stubs spawn_ranks out there
-    return spawn.spawn_ranks(eval_rank, world, replace(s, threads=threads), timeout_s=timeout_s)[0]
+    return spawn.spawn_ranks(eval_rank, world, replace(s, threads=threads), timeout_s=timeout_s,
+                             result_types=(Sample,))[0]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- scoring

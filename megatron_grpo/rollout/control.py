@@ -1,15 +1,16 @@
-"""The control channel of the disaggregated placement (rollout/server.py): small pickled
-messages and heartbeat counters in torchrun's rendezvous store, so a wait for a dead or hung
-peer ends in a clear error (``PeerGone``), never a hang."""
+"""The control channel of the disaggregated placement (rollout/server.py): small messages
+(data, never code: rollout/messages.py) and heartbeat counters in torchrun's rendezvous
+store, so a wait for a dead or hung peer ends in a clear error (``PeerGone``), never a hang."""
 
 from __future__ import annotations
 
-import pickle
 import threading
 import time
 from typing import Any
 
 import torch.distributed as dist
+
+from megatron_grpo.rollout.messages import MAX_MESSAGE_BYTES, Message, decode, too_large
 
 _PREFIX = "megatron_grpo/ctl/"
 _HEARTBEAT_S = 2.0
@@ -21,15 +22,19 @@ class PeerGone(RuntimeError):
 
 
 class Channel:
-    """Pickled messages and heartbeats in a key-value store (the control channel)."""
+    """Messages (``rollout.messages``) and heartbeats in a key-value store."""
 
-    def __init__(self, store: Any, timeout_s: float) -> None:
+    def __init__(self, store: Any, timeout_s: float, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.store = dist.PrefixStore(_PREFIX, store)
         self.timeout_s = timeout_s
+        self.max_bytes = max_bytes
         self._beat_stop = threading.Event()
 
-    def post(self, key: str, obj: Any) -> None:
-        self.store.set(key, pickle.dumps(obj))
+    def post(self, key: str, data: bytes) -> None:
+        """Store one encoded message (``rollout.messages``: ``command``, ``samples``, ...)."""
+        if len(data) > self.max_bytes:
+            raise ValueError(f"control message {key!r} not sent: {too_large(data, self.max_bytes)}")
+        self.store.set(key, data)
 
     def beat_forever(self, key: str) -> None:
         """Bump ``key`` every few seconds from a daemon thread until ``stop_beating``."""
@@ -48,14 +53,17 @@ class Channel:
     def stop_beating(self) -> None:
         self._beat_stop.set()
 
-    def wait(self, key: str, alive: list[str], what: str, take: bool = True) -> Any:
-        """The object at ``key`` once posted; raises ``PeerGone`` when any heartbeat in
-        ``alive`` has not moved for ``timeout_s`` (a peer that never started counts)."""
+    def wait(
+        self, key: str, alive: list[str], what: str, expect: tuple[str, ...], take: bool = True
+    ) -> Message:
+        """The message at ``key`` once posted, of one of the kinds ``expect``-ed (else
+        ``BadMessage``); raises ``PeerGone`` when any heartbeat in ``alive`` has not moved
+        for ``timeout_s`` (a peer that never started counts)."""
         last = {k: (self.store.add(k, 0), time.monotonic()) for k in alive}
         while not self.store.check([key]):
             if self.store.check(["abort"]):
-                reason = pickle.loads(self.store.get("abort"))
-                raise PeerGone(f"gave up waiting for {what}: {reason}")
+                reason = self._read("abort", f"the abort, waiting for {what}", ("abort",))
+                raise PeerGone(f"gave up waiting for {what}: {reason.body}")
             now = time.monotonic()
             for k in alive:
                 value = self.store.add(k, 0)
@@ -68,10 +76,13 @@ class Channel:
                         "the other ranks stop."
                     )
             time.sleep(_POLL_S)
-        value = pickle.loads(self.store.get(key))
+        message = self._read(key, what, expect)
         if take:
             self.store.delete_key(key)
-        return value
+        return message
+
+    def _read(self, key: str, what: str, expect: tuple[str, ...]) -> Message:
+        return decode(self.store.get(key), key, what, expect, self.max_bytes)
 
 
 def trainer_beat() -> str:

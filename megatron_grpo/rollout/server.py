@@ -14,10 +14,12 @@ Three channels, each with one job:
   asserts ``world_size == tp*pp*cp*dp``) and its optimizer/checkpoint code calls
   ``torch.distributed`` collectives on the default group, so giving the trainers their own
   default group is the one change that keeps all of that untouched.
-- **control** (``rollout/control.py``): small pickled messages in torchrun's rendezvous store
-  (``TCPStore``): trainer rank 0 posts commands ``cmd/<seq>`` (generate, init_transfer,
-  update, stop), each driver answers ``res/<seq>/<e>``; waits poll with liveness checks
-  (heartbeat counters both ways), so a dead peer ends in a clear error, never a hang.
+- **control** (``rollout/control.py``): small messages in torchrun's rendezvous store
+  (``TCPStore``), JSON and raw arrays checked on arrival, never pickles
+  (``rollout/messages.py``): trainer rank 0 posts commands ``cmd/<seq>`` (generate,
+  init_transfer, update, stop), each driver answers ``res/<seq>/<e>``; waits poll with
+  liveness checks (heartbeat counters both ways), so a dead peer ends in a clear error, never
+  a hang.
   Trainer rank 0 shares results with the other trainer ranks over the sub-world.
 - **weights**: the transfer group of trainer ranks + engine workers
   (``bridge.transfer_group.init_transfer_group``), running the bridge's plan and transport on
@@ -42,6 +44,7 @@ from megatron_grpo.bridge.transfer_group import PlanInputs, init_transfer_group
 from megatron_grpo.bridge.weight_sync import remote_sender
 from megatron_grpo.config import Config
 from megatron_grpo.distributed.placement import RankPlacement, place_ranks
+from megatron_grpo.rollout import messages
 from megatron_grpo.rollout.colocated import engine_slice
 from megatron_grpo.rollout.control import Channel, engine_beat, trainer_beat
 from megatron_grpo.rollout.engine import RolloutEngine
@@ -76,7 +79,7 @@ class DisaggregatedWorld:
 
     def abort(self, reason: str) -> None:
         """Trainer side: make every rollout rank stop waiting (start-up failed)."""
-        Channel(self.store, self.timeout_s).post("abort", reason)
+        Channel(self.store, self.timeout_s).post("abort", messages.abort(reason))
 
     def trainer_world(self) -> dict[str, Any]:
         """``init_distributed`` keywords for the trainer sub-world."""
@@ -196,47 +199,53 @@ def _start_engine(cfg: Config, hf_dir: Any, e: int, ch: Channel) -> Any:
     try:
         engine = RolloutEngine.from_config(hf_dir, cfg.rollout)
     except Exception as exc:
-        ch.post(f"ready/{e}", {"error": f"{type(exc).__name__}: {exc}"})
+        ch.post(f"ready/{e}", messages.error(f"{type(exc).__name__}: {exc}"))
         raise
     engine.replica_index = e  # per-replica sampling seeds, as colocated engines have
-    ch.post(f"ready/{e}", {"seconds": time.perf_counter() - t0})
+    ch.post(f"ready/{e}", messages.ready(time.perf_counter() - t0))
     return engine
 
 
 def _serve_loop(cfg: Config, ch: Channel, engine: Any, e: int, rank: int) -> dict[str, Any]:
     seq = 0
     while True:
-        cmd = ch.wait(f"cmd/{seq}", [trainer_beat()], f"command {seq} from trainer rank 0",
-                      take=False)  # fmt: skip
+        key = f"cmd/{seq}"
+        try:
+            cmd = ch.wait(key, [trainer_beat()], f"command {seq} from trainer rank 0",
+                          ("command",), take=False).body  # fmt: skip
+        except messages.BadMessage as exc:  # the trainer hears why, then this rank stops
+            if engine is not None:
+                ch.post(f"res/{seq}/{e}", messages.error(f"BadMessage: {exc}"))
+            raise
         op = cmd["op"]
         if op == "stop":
             return {"preempted": False, "step": None, "role": "rollout", "rank": rank}
         if engine is not None:
             try:
-                result = _run(engine, cmd, e)
+                ch.post(f"res/{seq}/{e}", _run(engine, cmd, e))
             except Exception as exc:  # reported to the trainer, which decides
                 log.exception("rollout engine %d: %s failed", e, op)
-                result = {"error": f"{type(exc).__name__}: {exc}"}
-            ch.post(f"res/{seq}/{e}", result)
+                ch.post(f"res/{seq}/{e}", messages.error(f"{type(exc).__name__}: {exc}"))
         seq += 1
 
 
-def _run(engine: Any, cmd: dict[str, Any], e: int) -> Any:
+def _run(engine: Any, cmd: dict[str, Any], e: int) -> bytes:
+    """Run one command (checked against ``messages.COMMANDS``); its encoded answer."""
     op = cmd["op"]
     if op == "generate":  # this engine's share, split as the colocated engines split
         prompts = cmd["prompts"]
-        return engine.generate(
+        return messages.samples(engine.generate(
             prompts[engine_slice(len(prompts), cmd["engines"], e)], **cmd["sampling"]
-        )
+        ))  # fmt: skip
     if op == "init_transfer":
         info = dict(cmd["info"], rank_offset=cmd["rank_offsets"][e])
         engine.init_transfer(info)
-        return {"ok": True}
+        return messages.reply(ok=True)
     if op == "update":
         # Each worker runs the receiving half of the plan's transport (update_info by
         # worker rank, vllm/v1/worker/gpu_worker.py: update_weights).
         engine.update_weights_remote([{"plan": True}] * engine.tp)
-        return {"version": engine.weight_version}
+        return messages.reply(version=engine.weight_version)
     raise ValueError(f"unknown rollout command {op!r}")
 
 
@@ -261,20 +270,23 @@ class RolloutClient:
     def _post(self, op: str, **payload: Any) -> int:
         assert self.ch is not None
         seq, self._seq = self._seq, self._seq + 1
-        self.ch.post(f"cmd/{seq}", {"op": op, **payload})
+        self.ch.post(f"cmd/{seq}", messages.command(op, **payload))
         return seq
 
-    def _collect(self, seq: int, what: str) -> list[Any]:
+    def _collect(self, seq: int, what: str, expect: tuple[str, ...] = ("reply",)) -> list[Any]:
+        """Every engine's answer to command ``seq`` (``expect``: its kinds besides error)."""
+        expect = (*expect, "error")
         assert self.ch is not None
         out = []
         for e in range(self.engines):
-            r = self.ch.wait(f"res/{seq}/{e}", [engine_beat(e)], f"engine {e}'s {what}")
-            if isinstance(r, dict) and "error" in r:
+            driver = self.world.placement.engines[e][0]
+            r = self.ch.wait(f"res/{seq}/{e}", [engine_beat(e)],
+                             f"engine {e}'s {what}, from rank {driver}", expect)  # fmt: skip
+            if r.kind == "error":
                 raise RuntimeError(
-                    f"rollout engine {e} (rank {self.world.placement.engines[e][0]}) failed "
-                    f"its {what}: {r['error']}"
+                    f"rollout engine {e} (rank {driver}) failed its {what}: {r.body['error']}"
                 )
-            out.append(r)
+            out.append(r.body)
         return out
 
     def share(self, fn: Any) -> Any:
@@ -303,10 +315,11 @@ class RolloutClient:
             assert self.ch is not None
             secs = []
             for e in range(self.engines):
-                r = self.ch.wait(f"ready/{e}", [engine_beat(e)], f"engine {e} to start")
-                if "error" in r:
-                    raise RuntimeError(f"rollout engine {e} failed to start: {r['error']}")
-                secs.append(r["seconds"])
+                r = self.ch.wait(f"ready/{e}", [engine_beat(e)], f"engine {e} to start",
+                                 ("ready", "error"))  # fmt: skip
+                if r.kind == "error":
+                    raise RuntimeError(f"rollout engine {e} failed to start: {r.body['error']}")
+                secs.append(r.body["seconds"])
             return max(secs)
 
         return self.share(ready)
@@ -340,7 +353,7 @@ class RolloutClient:
         only, no collective, so the arrivals thread may wait here (rollout/ahead.py)."""
         if self.ch is None:
             return None
-        return [s for part in self._collect(ticket, "generate") for s in part]
+        return [s for part in self._collect(ticket, "generate", ("samples",)) for s in part]
 
     def init_transfer(self, inputs: Any, backend: str, timeout_s: float) -> Any:
         """Build the transfer group (trainer ranks + every engine worker); returns it."""

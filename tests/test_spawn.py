@@ -1,0 +1,72 @@
+"""``spawn_ranks`` reads its ranks' results with ``torch.load(weights_only=True)``: plain
+data and the classes a caller names come back; anything else fails in the rank, naming the
+type, and nothing a result holds is run in the parent (distributed/spawn.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_grpo.distributed.spawn import RankFailed, _load_result, spawn_ranks
+from megatron_grpo.rollout.engine import Sample
+
+
+class _Boom:
+    """Unpickling this creates ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _plain(rank: int, world: int) -> dict:
+    return {"rank": rank, "t": torch.arange(3) * rank, "dtype": torch.bfloat16, "set": {1, 2},
+            "tuple": (1.5, "a", None, b"raw"), "nested": [{"x": [1, 2]}]}  # fmt: skip
+
+
+def _samples(rank: int, world: int) -> list[Sample]:
+    return [Sample([1, 2], [3], [-0.5], "stop", str(rank))]
+
+
+def _boom(rank: int, world: int, path: str) -> _Boom:
+    return _Boom(path)
+
+
+@pytest.mark.timeout(180)
+def test_plain_results_and_named_classes_come_back():
+    got = spawn_ranks(_plain, 2, timeout_s=150, threads=1)
+    assert [r["rank"] for r in got] == [0, 1]
+    assert torch.equal(got[1]["t"], torch.tensor([0, 1, 2]))
+    assert got[0]["dtype"] is torch.bfloat16 and got[0]["tuple"] == (1.5, "a", None, b"raw")
+    [samples] = spawn_ranks(_samples, 1, timeout_s=150, threads=1, result_types=(Sample,))
+    assert samples == [Sample([1, 2], [3], [-0.5], "stop", "0")]
+
+
+@pytest.mark.timeout(180)
+def test_a_result_of_another_class_fails_in_the_rank_and_runs_nothing(tmp_path):
+    with pytest.raises(RankFailed, match=r"holds megatron_grpo\.rollout\.engine\.Sample, which "
+                       r"spawn_ranks does not unpickle.*result_types"):  # fmt: skip
+        spawn_ranks(_samples, 1, timeout_s=150, threads=1)
+    marker = tmp_path / "marker"
+    with pytest.raises(RankFailed, match="holds _io.open, which spawn_ranks does not unpickle"):
+        spawn_ranks(_boom, 1, str(marker), timeout_s=150, threads=1)
+    assert not Path(marker).exists()
+
+
+def test_the_parent_reads_a_result_file_as_data_only(tmp_path):
+    """Should a rank's file hold more than its own check let through, the parent still runs
+    nothing: it reads with weights_only=True and names the global it refused."""
+    marker, path = tmp_path / "marker", tmp_path / "0.pt"
+    torch.save({"x": _Boom(str(marker))}, path)
+    with pytest.raises(RankFailed, match=r"^rank 0's result is refused by torch.load\(weights_only"
+                       r"=True\): Unsupported global: GLOBAL _io.open .*result_types"):  # fmt: skip
+        _load_result(path, 0, ())
+    assert not marker.exists()
+    torch.save([Sample([1], [2], [-0.5], "stop")], path)
+    assert _load_result(path, 0, (Sample,)) == [Sample([1], [2], [-0.5], "stop")]
+    with pytest.raises(RankFailed, match="GLOBAL megatron_grpo.rollout.engine.Sample"):
+        _load_result(path, 0, ())
