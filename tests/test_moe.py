@@ -1,0 +1,261 @@
+"""Mixture-of-experts policies (Qwen3-MoE): the spec, the layouts of experts over EP ranks,
+the config checks, and parity of the megatron MoE model with `transformers`.
+
+The parity test builds the ``tiny-moe`` preset (4 experts, top-2, renormalised) in HF
+format, loads it through ``megatron_grpo.layouts`` at EP=1 (one rank) and EP=2 (two gloo
+ranks, dp=2: each rank holds 2 experts, tokens cross ranks through megatron's alltoall
+dispatcher), compares per-token log-probs with transformers' on the same weights, takes one
+optimizer step on the batch split over the DP ranks, and gathers the HF weights back.
+"""
+
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import pytest
+import torch
+
+from megatron_grpo.config.schema import ConfigError, ParallelConfig
+from megatron_grpo.distributed.setup import check_experts, validate_parallel
+from megatron_grpo.layouts import hf
+from megatron_grpo.layouts import megatron as mg
+from megatron_grpo.layouts.io import gather_schedule
+from megatron_grpo.layouts.pieces import assemble, reader_from_dict, scatter
+from megatron_grpo.models.shapes import preset_spec
+from megatron_grpo.models.spec import spec_from_hf_config
+from megatron_grpo.models.tiny import hf_config_dict
+from tests.dist_utils import run_distributed
+from tests.test_parity import MICRO_BATCH, hf_reference, make_batch, pg_loss
+
+LOGP_TOL = 1e-5
+WEIGHT_TOL = 1e-6
+
+
+def moe_spec(experts=4, topk=2, moe_ffn=8, layers=2, tied=False, norm_topk_prob=True):
+    shape = dict(PRESET_SHAPE, num_experts=experts, num_experts_per_tok=topk,
+                 moe_intermediate_size=moe_ffn, num_hidden_layers=layers,
+                 tie_word_embeddings=tied, norm_topk_prob=norm_topk_prob)  # fmt: skip
+    return spec_from_hf_config(hf_config_dict(shape, 77, max_position_embeddings=64))
+
+
+PRESET_SHAPE = dict(
+    architecture="Qwen3MoeForCausalLM", hidden_size=16, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=4, intermediate_size=24,
+)  # fmt: skip
+
+
+def arange_hf(spec) -> dict[str, torch.Tensor]:
+    out, base = {}, 1.0
+    for name, shape in hf.hf_shapes(spec).items():
+        n = torch.Size(shape).numel()
+        out[name] = torch.arange(base, base + n, dtype=torch.float64).reshape(shape)
+        base += n
+    return out
+
+
+# --- the spec ----------------------------------------------------------------------------
+
+
+def test_tiny_moe_preset_spec():
+    spec = preset_spec("tiny-moe")
+    assert (spec.family, spec.num_experts, spec.moe_topk, spec.moe_ffn_hidden_size) == (
+        "qwen3_moe", 4, 2, 64,
+    )  # fmt: skip
+    assert spec.is_moe and spec.qk_norm and spec.norm_topk_prob and not spec.qkv_bias
+    assert not preset_spec("tiny").is_moe
+    # every HF tensor counted: embedding (tied) + per layer attention, router, 4 experts
+    assert spec.num_parameters == sum(torch.Size(s).numel() for s in hf.hf_shapes(spec).values())
+
+
+def test_moe_configs_the_trainer_cannot_build_are_refused():
+    from megatron_grpo.models.spec import UnsupportedModelError
+
+    shape = dict(PRESET_SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                 num_hidden_layers=2, tie_word_embeddings=False)  # fmt: skip
+    for bad in (dict(decoder_sparse_step=2), dict(mlp_only_layers=[0])):
+        with pytest.raises(UnsupportedModelError, match="every layer is MoE"):
+            spec_from_hf_config(hf_config_dict({**shape, **bad}, 77))
+    with pytest.raises(UnsupportedModelError, match="num_experts_per_tok <= num_experts"):
+        spec_from_hf_config(hf_config_dict({**shape, "num_experts_per_tok": 5}, 77))
+
+
+# --- config validation -------------------------------------------------------------------
+
+
+def test_ep_that_does_not_divide_the_experts_is_one_line():
+    spec = moe_spec(experts=6)
+    with pytest.raises(ConfigError) as e:
+        validate_parallel(ParallelConfig(ep=4), 4, spec, has_cuda=False)
+    assert str(e.value) == (
+        "parallel.ep(4) does not divide the model's 6 experts: every EP rank holds "
+        "num_experts/ep of them; choose parallel.ep from [1, 2, 3, 6]."
+    )
+
+
+def test_ep_with_a_dense_model_is_one_line():
+    dense = preset_spec("tiny")
+    with pytest.raises(ConfigError) as e:
+        check_experts(dense, 2, 1)
+    assert str(e.value) == (
+        "parallel.ep(2) > 1 needs a mixture-of-experts model, and Qwen2ForCausalLM is dense: "
+        "set parallel.ep=1."
+    )
+    check_experts(dense, 1, 1)  # the dense default passes
+
+
+def test_ep_must_divide_the_data_parallel_ranks():
+    with pytest.raises(ConfigError, match=r"parallel.ep\(4\) does not divide dp\(2\)"):
+        validate_parallel(ParallelConfig(tp=2, ep=4), 4, has_cuda=False)
+    assert validate_parallel(ParallelConfig(ep=2), 2, moe_spec(), has_cuda=False) == 2
+
+
+def test_expert_width_must_split_over_tp():
+    with pytest.raises(ConfigError, match=r"moe_intermediate_size\(6\) is not divisible"):
+        check_experts(moe_spec(moe_ffn=6), 1, 4)
+
+
+# --- layouts -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 4), (2, 2, 2)])
+def test_experts_round_trip_over_ep_ranks(tp, pp, ep):
+    """Cut every shard of every (pp, tp, ep) rank from arange-filled HF tensors, scatter back:
+    each HF tensor returns whole, and local expert j of EP rank e reads HF expert e*E/ep+j."""
+    spec = moe_spec()
+    ml = mg.MegatronLayout(tp=tp, pp=pp, dp=ep, ep=ep)
+    mg.validate(spec, ml)
+    w = arange_hf(spec)
+    read = reader_from_dict(w)
+    back = {n: torch.zeros_like(t) for n, t in w.items()}
+    for p, r, e in itertools.product(range(pp), range(tp), range(ep)):
+        for lay in mg.chunk_shards(spec, ml, p, 0, r, e):
+            if e > 0 and not mg.is_expert(lay.name):
+                continue  # replicated over EP: EP rank 0's copy is the same
+            scatter(lay, assemble(lay, read, torch.float64), back)
+    for n, t in w.items():
+        assert torch.equal(back[n], t), n
+    # the last stage's local layer 0 is HF layer pp-1; the last EP rank's last local expert
+    # is HF expert 3
+    last = 4 // ep - 1
+    lay = mg.shard(spec, ml, f"decoder.layers.0.mlp.experts.local_experts.{last}.linear_fc2.weight",
+                   pp - 1, 0, tp - 1, ep - 1)  # fmt: skip
+    assert lay.hf_names == (f"model.layers.{pp - 1}.mlp.experts.3.down_proj.weight",)
+
+
+def test_gather_schedule_takes_each_expert_from_its_ep_rank_once():
+    spec = moe_spec()
+    ml = mg.MegatronLayout(tp=2, dp=2, ep=2)
+    sched = gather_schedule(spec, ml)
+    covered = [p.src for s in sched for p in s.layout.pieces if p.src]
+    assert set(covered) == set(hf.hf_shapes(spec))
+    experts = {(s.ep_rank, s.layout.hf_names[0].split(".")[5]) for s in sched
+               if ".experts." in s.layout.hf_names[0]}  # fmt: skip
+    assert experts == {(0, "0"), (0, "1"), (1, "2"), (1, "3")}
+    assert all(s.ep_rank == 0 for s in sched if not mg.is_expert(s.layout.name))
+
+
+def test_unknown_expert_names_raise():
+    spec = moe_spec()
+    ml = mg.MegatronLayout(dp=2, ep=2)
+    with pytest.raises(mg.UnknownParameterError, match="experts=4/ep 2"):
+        mg.shard(spec, ml, "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight")
+    with pytest.raises(mg.UnknownParameterError):  # a dense MLP name in an MoE layer
+        mg.shard(spec, ml, "decoder.layers.0.mlp.linear_fc1.weight")
+
+
+# --- parity with transformers ------------------------------------------------------------
+
+
+def _ep_worker(rank, world_size, ep, hf_dir, batch):
+    from megatron_grpo.config.schema import ModelConfig, OptimConfig
+    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.layouts import gather_hf_state_dict, load_hf_into_megatron
+    from megatron_grpo.models.spec import load_spec
+    from megatron_grpo.policy import build_policy
+    from megatron_grpo.policy.batching import check_expert_ranks_agree
+
+    spec = load_spec(hf_dir)
+    ctx = init_distributed(ParallelConfig(ep=ep), spec, seed=1)
+    try:
+        policy = build_policy(
+            spec, ctx, ModelConfig(), OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-2),
+            init_weights=lambda chunks: load_hf_into_megatron(chunks, hf_dir, spec, ctx),
+        )  # fmt: skip
+        loaded = gather_hf_state_dict(policy.models, spec, ctx)
+        logp = policy.compute_logprobs(batch, MICRO_BATCH)
+        # the DP ranks split the batch's rows; the loss keeps the global normalizer
+        n_tokens = float(batch["loss_mask"].sum())
+        rows = batch["input_ids"].shape[0] // world_size
+        mine = {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.items()}
+        metrics = policy.train_step(mine, partial(pg_loss, n_tokens=n_tokens), MICRO_BATCH)
+        weights = gather_hf_state_dict(policy.models, spec, ctx)
+        try:  # EP ranks with different numbers of micro-batches are refused, not hung
+            check_expert_ranks_agree(1 + rank, ctx.ep_group, ctx.ep)
+            mismatch = None
+        except ValueError as e:
+            mismatch = str(e)
+    finally:
+        destroy_distributed()
+    return {"logp": logp["logp"], "metrics": metrics, "loaded": loaded, "weights": weights,
+            "mismatch": mismatch}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory) -> str:
+    from megatron_grpo.models.tiny import build_hf_model
+
+    d = tmp_path_factory.mktemp("moe") / "tiny-moe"
+    build_hf_model(d, "tiny-moe", seed=3)
+    return str(d)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_logprobs_and_step_match_hf_at_ep1_and_ep2(tiny_moe_dir):
+    from safetensors.torch import load_file
+
+    from megatron_grpo.models.spec import load_spec
+
+    torch.set_num_threads(1)
+    batch = make_batch(load_spec(tiny_moe_dir).vocab_size)
+    ref = hf_reference(tiny_moe_dir, batch)
+    with ThreadPoolExecutor(2) as pool:
+        futures = {
+            ep: pool.submit(run_distributed, _ep_worker, ep, ep, tiny_moe_dir, batch, timeout=300)
+            for ep in (1, 2)
+        }
+        results = {ep: f.result() for ep, f in futures.items()}
+
+    on_disk = load_file(f"{tiny_moe_dir}/model.safetensors")
+    base = results[1][0]
+    report = []
+    for ep, ranks in results.items():
+        for r, res in enumerate(ranks):
+            d_logp = (res["logp"] - ref).abs().max().item()
+            report.append(f"ep={ep} rank {r}: logp vs HF {d_logp:.2e}")
+            assert d_logp < LOGP_TOL, report[-1]
+            assert res["metrics"]["skipped"] is False
+            assert res["metrics"]["loss"] == pytest.approx(base["metrics"]["loss"], abs=1e-6)
+            assert res["metrics"]["grad_norm"] == pytest.approx(
+                base["metrics"]["grad_norm"], rel=1e-5
+            )
+        loaded, weights = ranks[0]["loaded"], ranks[0]["weights"]
+        assert loaded.keys() == on_disk.keys() - {hf.LM_HEAD}
+        for k in loaded:  # load then gather is bit-exact
+            assert torch.equal(loaded[k], on_disk[k]), f"ep={ep}: {k}"
+        d_w = max((weights[k] - base["weights"][k]).abs().max().item() for k in weights)
+        report.append(f"ep={ep}: updated weights vs ep=1 {d_w:.2e}")
+        assert d_w < WEIGHT_TOL, report[-1]
+    print("\n".join(report))
+    assert results[1][0]["mismatch"] is None
+    assert [r["mismatch"] for r in results[2]] == [
+        "the 2 expert-parallel ranks split their batches into 1 to 2 micro-batches, and MoE "
+        "layers need the same number on each: set grpo.pack_sequences=false (padded "
+        "micro-batches) for parallel.ep > 1."
+    ] * 2
+    # the step moved every expert of every layer (top-2 of 4 over ~30 tokens routes to all)
+    for k, t in base["weights"].items():
+        if ".experts." in k:
+            assert not torch.equal(t, on_disk[k]), f"{k} did not change"
