@@ -168,7 +168,7 @@ def test_unknown_expert_names_raise():
 # --- parity with transformers ------------------------------------------------------------
 
 
-def _ep_worker(rank, world_size, ep, hf_dir, batch):
+def _ep_worker(rank, world_size, ep, hf_dir, batch, aux_loss=0.0):
     from megatron_grpo.config.schema import ModelConfig, OptimConfig
     from megatron_grpo.distributed import destroy_distributed, init_distributed
     from megatron_grpo.layouts import gather_hf_state_dict, load_hf_into_megatron
@@ -180,7 +180,7 @@ def _ep_worker(rank, world_size, ep, hf_dir, batch):
     ctx = init_distributed(ParallelConfig(ep=ep), spec, seed=1)
     try:
         policy = build_policy(
-            spec, ctx, ModelConfig(), OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-2),
+            spec, ctx, ModelConfig(moe_aux_loss_coeff=aux_loss), OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-2),
             init_weights=lambda chunks: load_hf_into_megatron(chunks, hf_dir, spec, ctx),
         )  # fmt: skip
         loaded = gather_hf_state_dict(policy.models, spec, ctx)
@@ -221,12 +221,14 @@ def test_logprobs_and_step_match_hf_at_ep1_and_ep2(tiny_moe_dir):
     torch.set_num_threads(1)
     batch = make_batch(load_spec(tiny_moe_dir).vocab_size)
     ref = hf_reference(tiny_moe_dir, batch)
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(3) as pool:
         futures = {
             ep: pool.submit(run_distributed, _ep_worker, ep, ep, tiny_moe_dir, batch, timeout=300)
             for ep in (1, 2)
         }
+        aux = pool.submit(run_distributed, _ep_worker, 1, 1, tiny_moe_dir, batch, 0.1, timeout=300)
         results = {ep: f.result() for ep, f in futures.items()}
+        aux_result = aux.result()[0]
 
     on_disk = load_file(f"{tiny_moe_dir}/model.safetensors")
     base = results[1][0]
@@ -255,6 +257,15 @@ def test_logprobs_and_step_match_hf_at_ep1_and_ep2(tiny_moe_dir):
         "layers need the same number on each: set grpo.pack_sequences=false (padded "
         "micro-batches) for parallel.ep > 1."
     ] * 2
+    # model.moe_aux_loss_coeff > 0: the same forward and policy loss, and the load-balancing
+    # loss's gradient (megatron's MoEAuxLossAutoScaler, outside the returned loss) moves the
+    # routers differently
+    assert torch.equal(aux_result["logp"], base["logp"])
+    assert aux_result["metrics"]["loss"] == base["metrics"]["loss"]
+    routers = [k for k in on_disk if k.endswith("mlp.gate.weight")]
+    assert routers and all(
+        not torch.equal(aux_result["weights"][k], base["weights"][k]) for k in routers
+    )
     # the step moved every expert of every layer (top-2 of 4 over ~30 tokens routes to all)
     for k, t in base["weights"].items():
         if ".experts." in k:
