@@ -270,3 +270,68 @@ def test_logprobs_and_step_match_hf_at_ep1_and_ep2(tiny_moe_dir):
     for k, t in base["weights"].items():
         if ".experts." in k:
             assert not torch.equal(t, on_disk[k]), f"{k} did not change"
+
+
+# --- conversion round trip at EP=2 -------------------------------------------------------
+
+
+def _convert_worker(rank, world_size, fn_name, *args):
+    """``checkpoints_tools`` conversions run as one process: a 1-rank spawn keeps megatron's
+    global state out of the test process."""
+    from checkpoints_tools import hf_to_mcore, mcore_to_hf
+
+    fn = {"hf_to_mcore": hf_to_mcore, "mcore_to_hf": mcore_to_hf}[fn_name]
+    fn(*args)
+
+
+def _ep2_load_save_worker(rank, world_size, ckpt_in, ckpt_out, hf_dir):
+    """EP=2: load the (EP=1) converted checkpoint into a policy, gather its HF weights, and
+    save the policy's model state as a dist checkpoint of its own."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_grpo.config.schema import ModelConfig
+    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.layouts import gather_hf_state_dict
+    from megatron_grpo.models.spec import load_spec
+    from megatron_grpo.policy import build_policy
+
+    spec = load_spec(hf_dir)
+    ctx = init_distributed(ParallelConfig(ep=2), spec, seed=1)
+    try:
+        policy = build_policy(spec, ctx, ModelConfig())  # forward only: megatron's random init
+        loaded = dist_checkpointing.load(policy.sharded_state_dict(for_loading=True), ckpt_in)
+        policy.load_sharded_state_dict(loaded)
+        weights = gather_hf_state_dict(policy.models, spec, ctx)
+        dist_checkpointing.save(policy.sharded_state_dict(), ckpt_out)
+    finally:
+        destroy_distributed()
+    return weights
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_conversion_round_trip_through_ep2_is_bit_exact(tiny_moe_dir, tmp_path):
+    """HF -> dist checkpoint (one process, EP=1) -> an EP=2 policy (each rank reads its two
+    experts) -> its own dist checkpoint -> HF: every tensor bit-exact, and the EP=2 policy
+    holds exactly the HF weights."""
+    from safetensors.torch import load_file
+
+    ckpt = tmp_path / "mcore"
+    run_distributed(_convert_worker, 1, "hf_to_mcore", tiny_moe_dir, ckpt, timeout=300)
+    saved = tmp_path / "ep2"
+    saved.mkdir()
+    gathered = run_distributed(
+        _ep2_load_save_worker, 2, str(ckpt), str(saved), tiny_moe_dir, timeout=300
+    )[0]
+    back = tmp_path / "hf_back"
+    run_distributed(_convert_worker, 1, "mcore_to_hf", saved, back, tiny_moe_dir, timeout=300)
+
+    original = load_file(f"{tiny_moe_dir}/model.safetensors")
+    returned = {}
+    for f in sorted(back.glob("*.safetensors")):
+        returned.update(load_file(str(f)))
+    assert gathered.keys() == returned.keys() == original.keys() - {hf.LM_HEAD}
+    for k, t in original.items():
+        if k in returned:
+            assert torch.equal(gathered[k], t), f"EP=2 policy: {k}"
+            assert torch.equal(returned[k], t), f"round trip: {k}"
