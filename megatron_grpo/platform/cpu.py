@@ -75,13 +75,14 @@ PATCHES: tuple[Patch, ...] = (
         since=CURRENT_STREAM_SINCE,
     ),
     Patch(
-        "torch.cuda.Stream / torch.cuda.stream",
+        "torch.cuda.Stream",
         "transformer/moe/token_dispatcher.py MoEAlltoAllTokenDispatcher: `__init__` creates "
-        "`torch.cuda.Stream()` for its device-to-host copies of the split sizes, and "
-        "`_maybe_dtoh_and_synchronize` enters `torch.cuda.stream(...)`, records an event and "
-        "later `synchronize()`s it, on every MoE layer's dispatch (MoE models only). Answered "
-        "by torch.cpu's stream context and a CPU stream whose `record_event` returns a "
-        "`torch.cpu.Event` (all no-ops: CPU ops are synchronous).",
+        "`torch.cuda.Stream()` for its device-to-host copies of the split sizes (fails "
+        "'CUDA driver version is insufficient' on CPU), and `_maybe_dtoh_and_synchronize` "
+        "records an event on it and later `synchronize()`s it, on every MoE layer's dispatch "
+        "(MoE models only). Answered by a torch.cpu stream whose `record_event` returns a "
+        "`torch.cpu.Event` (no-ops: CPU ops are synchronous). `torch.cuda.stream(...)` around "
+        "the copies needs no patch: its context is a no-op without a CUDA device index.",
     ),
     Patch(
         "token_dispatcher.maybe_move_tensor_to_cpu",
@@ -276,7 +277,6 @@ def apply_cpu_platform() -> bool:
     if installed >= Version(CURRENT_STREAM_SINCE):
         torch.cuda.current_stream = _cpu_current_stream
     torch.cuda.Stream = _CpuStream
-    torch.cuda.stream = torch.cpu.stream
     torch.cuda.get_rng_state = _cuda_rng_get
     torch.cuda.set_rng_state = _cuda_rng_set
     torch.cuda.manual_seed = _cuda_manual_seed
