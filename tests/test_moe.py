@@ -33,10 +33,13 @@ LOGP_TOL = 1e-5
 WEIGHT_TOL = 1e-6
 
 
-def moe_spec(experts=4, topk=2, moe_ffn=8, layers=2, tied=False, norm_topk_prob=True):
+def moe_spec(experts=4, topk=2, moe_ffn=8, layers=2, tied=False, norm_topk_prob=True, shared=0):
+    """A small Qwen3-MoE spec, or with ``shared`` a Qwen2-MoE one with a shared expert."""
     shape = dict(PRESET_SHAPE, num_experts=experts, num_experts_per_tok=topk,
                  moe_intermediate_size=moe_ffn, num_hidden_layers=layers,
                  tie_word_embeddings=tied, norm_topk_prob=norm_topk_prob)  # fmt: skip
+    if shared:
+        shape.update(architecture="Qwen2MoeForCausalLM", shared_expert_intermediate_size=shared)
     return spec_from_hf_config(hf_config_dict(shape, 77, max_position_embeddings=64))
 
 
@@ -119,11 +122,13 @@ def test_expert_width_must_split_over_tp():
 # --- layouts -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("shared", [0, 12], ids=["qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 4), (2, 2, 2)])
-def test_experts_round_trip_over_ep_ranks(tp, pp, ep):
+def test_experts_round_trip_over_ep_ranks(tp, pp, ep, shared):
     """Cut every shard of every (pp, tp, ep) rank from arange-filled HF tensors, scatter back:
     each HF tensor returns whole, and local expert j of EP rank e reads HF expert e*E/ep+j."""
-    spec = moe_spec()
+    spec = moe_spec(shared=shared)
+    assert spec.qkv_bias == bool(shared) and spec.shared_expert_ffn_hidden_size == shared
     ml = mg.MegatronLayout(tp=tp, pp=pp, dp=ep, ep=ep)
     mg.validate(spec, ml)
     w = arange_hf(spec)
@@ -168,7 +173,7 @@ def test_unknown_expert_names_raise():
 # --- parity with transformers ------------------------------------------------------------
 
 
-def _ep_worker(rank, world_size, ep, hf_dir, batch, aux_loss=0.0):
+def _ep_worker(rank, world_size, ep, models, batch, aux_loss=0.0):
     from megatron_grpo.config.schema import ModelConfig, OptimConfig
     from megatron_grpo.distributed import destroy_distributed, init_distributed
     from megatron_grpo.layouts import gather_hf_state_dict, load_hf_into_megatron
@@ -176,80 +181,109 @@ def _ep_worker(rank, world_size, ep, hf_dir, batch, aux_loss=0.0):
     from megatron_grpo.policy import build_policy
     from megatron_grpo.policy.batching import check_expert_ranks_agree
 
-    spec = load_spec(hf_dir)
-    ctx = init_distributed(ParallelConfig(ep=ep), spec, seed=1)
+    ctx = init_distributed(ParallelConfig(ep=ep), seed=1)
+    out = {}
     try:
-        policy = build_policy(
-            spec, ctx, ModelConfig(moe_aux_loss_coeff=aux_loss), OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-2),
-            init_weights=lambda chunks: load_hf_into_megatron(chunks, hf_dir, spec, ctx),
-        )  # fmt: skip
-        loaded = gather_hf_state_dict(policy.models, spec, ctx)
-        logp = policy.compute_logprobs(batch, MICRO_BATCH)
-        # the DP ranks split the batch's rows; the loss keeps the global normalizer
-        n_tokens = float(batch["loss_mask"].sum())
-        rows = batch["input_ids"].shape[0] // world_size
-        mine = {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.items()}
-        metrics = policy.train_step(mine, partial(pg_loss, n_tokens=n_tokens), MICRO_BATCH)
-        weights = gather_hf_state_dict(policy.models, spec, ctx)
+        for name, hf_dir in models.items():
+            spec = load_spec(hf_dir)
+            policy = build_policy(
+                spec, ctx, ModelConfig(moe_aux_loss_coeff=aux_loss),
+                OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-2),
+                init_weights=lambda chunks, d=hf_dir, s=spec: load_hf_into_megatron(
+                    chunks, d, s, ctx),
+            )  # fmt: skip
+            loaded = gather_hf_state_dict(policy.models, spec, ctx)
+            logp = policy.compute_logprobs(batch, MICRO_BATCH)
+            # the DP ranks split the batch's rows; the loss keeps the global normalizer
+            n_tokens = float(batch["loss_mask"].sum())
+            rows = batch["input_ids"].shape[0] // world_size
+            mine = {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.items()}
+            metrics = policy.train_step(mine, partial(pg_loss, n_tokens=n_tokens), MICRO_BATCH)
+            weights = gather_hf_state_dict(policy.models, spec, ctx)
+            out[name] = {"logp": logp["logp"], "metrics": metrics, "loaded": loaded,
+                         "weights": weights}  # fmt: skip
         try:  # EP ranks with different numbers of micro-batches are refused, not hung
             check_expert_ranks_agree(1 + rank, ctx.ep_group, ctx.ep)
-            mismatch = None
+            out["mismatch"] = None
         except ValueError as e:
-            mismatch = str(e)
+            out["mismatch"] = str(e)
     finally:
         destroy_distributed()
-    return {"logp": logp["logp"], "metrics": metrics, "loaded": loaded, "weights": weights,
-            "mismatch": mismatch}  # fmt: skip
+    return out
+
+
+# Qwen3-MoE (QK-norm, renormalised top-k) and Qwen2-MoE (QKV bias, plain top-k of the
+# softmax, a gated shared expert), both of the tiny-moe shape
+MOE_VARIANTS = {
+    "qwen3_moe": {},
+    "qwen2_moe": dict(architecture="Qwen2MoeForCausalLM", norm_topk_prob=False,
+                      shared_expert_intermediate_size=96),
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def tiny_moe_dir(tmp_path_factory) -> str:
+def tiny_moe_dirs(tmp_path_factory) -> dict[str, str]:
     from megatron_grpo.models.tiny import build_hf_model
 
-    d = tmp_path_factory.mktemp("moe") / "tiny-moe"
-    build_hf_model(d, "tiny-moe", seed=3)
-    return str(d)
+    root = tmp_path_factory.mktemp("moe")
+    return {
+        name: str(build_hf_model(root / name, "tiny-moe", seed=3, **overrides))
+        for name, overrides in MOE_VARIANTS.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tiny_moe_dirs) -> str:
+    return tiny_moe_dirs["qwen3_moe"]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_logprobs_and_step_match_hf_at_ep1_and_ep2(tiny_moe_dir):
+@pytest.mark.timeout(600)
+def test_logprobs_and_step_match_hf_at_ep1_and_ep2(tiny_moe_dirs):
     from safetensors.torch import load_file
 
     from megatron_grpo.models.spec import load_spec
 
     torch.set_num_threads(1)
-    batch = make_batch(load_spec(tiny_moe_dir).vocab_size)
-    ref = hf_reference(tiny_moe_dir, batch)
+    batch = make_batch(load_spec(tiny_moe_dirs["qwen3_moe"]).vocab_size)
+    refs = {name: hf_reference(d, batch) for name, d in tiny_moe_dirs.items()}
+    qwen3 = {"qwen3_moe": tiny_moe_dirs["qwen3_moe"]}
     with ThreadPoolExecutor(3) as pool:
         futures = {
-            ep: pool.submit(run_distributed, _ep_worker, ep, ep, tiny_moe_dir, batch, timeout=300)
+            ep: pool.submit(run_distributed, _ep_worker, ep, ep, tiny_moe_dirs, batch, timeout=500)
             for ep in (1, 2)
         }
-        aux = pool.submit(run_distributed, _ep_worker, 1, 1, tiny_moe_dir, batch, 0.1, timeout=300)
+        aux = pool.submit(run_distributed, _ep_worker, 1, 1, qwen3, batch, 0.1, timeout=500)
         results = {ep: f.result() for ep, f in futures.items()}
-        aux_result = aux.result()[0]
+        aux_result = aux.result()[0]["qwen3_moe"]
 
-    on_disk = load_file(f"{tiny_moe_dir}/model.safetensors")
-    base = results[1][0]
     report = []
-    for ep, ranks in results.items():
-        for r, res in enumerate(ranks):
-            d_logp = (res["logp"] - ref).abs().max().item()
-            report.append(f"ep={ep} rank {r}: logp vs HF {d_logp:.2e}")
-            assert d_logp < LOGP_TOL, report[-1]
-            assert res["metrics"]["skipped"] is False
-            assert res["metrics"]["loss"] == pytest.approx(base["metrics"]["loss"], abs=1e-6)
-            assert res["metrics"]["grad_norm"] == pytest.approx(
-                base["metrics"]["grad_norm"], rel=1e-5
-            )
-        loaded, weights = ranks[0]["loaded"], ranks[0]["weights"]
-        assert loaded.keys() == on_disk.keys() - {hf.LM_HEAD}
-        for k in loaded:  # load then gather is bit-exact
-            assert torch.equal(loaded[k], on_disk[k]), f"ep={ep}: {k}"
-        d_w = max((weights[k] - base["weights"][k]).abs().max().item() for k in weights)
-        report.append(f"ep={ep}: updated weights vs ep=1 {d_w:.2e}")
-        assert d_w < WEIGHT_TOL, report[-1]
+    for name, hf_dir in tiny_moe_dirs.items():
+        on_disk = load_file(f"{hf_dir}/model.safetensors")
+        base = results[1][0][name]
+        for ep, ranks in results.items():
+            for r, res in enumerate(ranks):
+                res = res[name]
+                d_logp = (res["logp"] - refs[name]).abs().max().item()
+                report.append(f"{name} ep={ep} rank {r}: logp vs HF {d_logp:.2e}")
+                assert d_logp < LOGP_TOL, report[-1]
+                assert res["metrics"]["skipped"] is False
+                assert res["metrics"]["loss"] == pytest.approx(base["metrics"]["loss"], abs=1e-6)
+                assert res["metrics"]["grad_norm"] == pytest.approx(
+                    base["metrics"]["grad_norm"], rel=1e-5
+                )
+            loaded, weights = ranks[0][name]["loaded"], ranks[0][name]["weights"]
+            assert loaded.keys() == on_disk.keys() - {hf.LM_HEAD}
+            for k in loaded:  # load then gather is bit-exact
+                assert torch.equal(loaded[k], on_disk[k]), f"{name} ep={ep}: {k}"
+            d_w = max((weights[k] - base["weights"][k]).abs().max().item() for k in weights)
+            report.append(f"{name} ep={ep}: updated weights vs ep=1 {d_w:.2e}")
+            assert d_w < WEIGHT_TOL, report[-1]
+        # the step moved every expert of every layer (top-2 of 4 over ~30 tokens routes to
+        # all), and the shared expert and its gate
+        for k, t in base["weights"].items():
+            if ".experts." in k or "shared_expert" in k:
+                assert not torch.equal(t, on_disk[k]), f"{name}: {k} did not change"
     print("\n".join(report))
     assert results[1][0]["mismatch"] is None
     assert [r["mismatch"] for r in results[2]] == [
@@ -260,16 +294,13 @@ def test_logprobs_and_step_match_hf_at_ep1_and_ep2(tiny_moe_dir):
     # model.moe_aux_loss_coeff > 0: the same forward and policy loss, and the load-balancing
     # loss's gradient (megatron's MoEAuxLossAutoScaler, outside the returned loss) moves the
     # routers differently
+    base = results[1][0]["qwen3_moe"]
     assert torch.equal(aux_result["logp"], base["logp"])
     assert aux_result["metrics"]["loss"] == base["metrics"]["loss"]
-    routers = [k for k in on_disk if k.endswith("mlp.gate.weight")]
+    routers = [k for k in base["weights"] if k.endswith("mlp.gate.weight")]
     assert routers and all(
         not torch.equal(aux_result["weights"][k], base["weights"][k]) for k in routers
     )
-    # the step moved every expert of every layer (top-2 of 4 over ~30 tokens routes to all)
-    for k, t in base["weights"].items():
-        if ".experts." in k:
-            assert not torch.equal(t, on_disk[k]), f"{k} did not change"
 
 
 # --- conversion round trip at EP=2 -------------------------------------------------------

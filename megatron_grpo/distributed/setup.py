@@ -131,12 +131,14 @@ def check_experts(spec: ModelSpec, ep: int, tp: int) -> None:
             f"EP rank holds num_experts/ep of them; choose parallel.ep from "
             f"{_divisors(spec.num_experts)}."
         )
-    if spec.moe_ffn_hidden_size % tp:
-        raise ConfigError(
-            f"moe_intermediate_size({spec.moe_ffn_hidden_size}) is not divisible by "
-            f"parallel.tp({tp}): every TP rank holds 1/tp of each expert; choose parallel.tp "
-            f"from {_divisors(math.gcd(spec.moe_ffn_hidden_size, spec.num_heads))}."
-        )
+    for key, width in (("moe_intermediate_size", spec.moe_ffn_hidden_size),
+                       ("shared_expert_intermediate_size", spec.shared_expert_ffn_hidden_size)):  # fmt: skip
+        if width % tp:
+            raise ConfigError(
+                f"{key}({width}) is not divisible by parallel.tp({tp}): every TP rank holds "
+                f"1/tp of each expert; choose parallel.tp from "
+                f"{_divisors(math.gcd(width, spec.num_heads))}."
+            )
 
 
 def _data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:

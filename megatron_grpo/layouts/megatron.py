@@ -30,7 +30,10 @@ Verified against megatron-core 0.16.1 (paths under megatron/core/):
   (E, h), replicated; this rank's E/ep experts as ``mlp.experts.local_experts.{j}.linear_fc1``
   / ``linear_fc2``, each a dense MLP of width ``moe_ffn_hidden_size`` split over TP like the
   dense ``linear_fc1``/``linear_fc2`` (expert TP = TP). Local expert j on EP rank e is global
-  expert ``e*E/ep + j`` (moe_layer.py ``local_expert_indices``).
+  expert ``e*E/ep + j`` (moe_layer.py ``local_expert_indices``). Qwen2-MoE's shared expert
+  (moe/shared_experts.py ``SharedExpertMLP``): ``mlp.shared_experts.linear_fc1``/``fc2`` split
+  over TP like a dense MLP, on every EP rank, and its gate ``mlp.shared_experts.gate_weight``
+  (1, h), replicated.
 - Layer numbering (transformer/transformer_layer.py ``get_transformer_layer_offset``, even
   split): chunk (pp_rank, vp_stage) holds global layers from
   ``vp_stage*(L/vpp) + pp_rank*(L/(pp*vpp))``, named with the local index from 0.
@@ -61,8 +64,10 @@ NORM_NAMES: dict[str, tuple[str, str]] = {
 
 ROUTER = "mlp.router.weight"
 EXPERTS = "mlp.experts.local_experts."
+SHARED = "mlp.shared_experts."
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+SHARED_NAMES = ("linear_fc1.weight", "linear_fc2.weight", "gate_weight")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 
 
@@ -152,8 +157,9 @@ def validate(spec: ModelSpec, ml: MegatronLayout) -> None:
             f"ep={ml.ep} must be 1 for a dense model and divide the {spec.num_experts} experts "
             "of an MoE one."
         )
-    if spec.moe_ffn_hidden_size % t:
-        raise ValueError(f"moe_ffn_hidden_size={spec.moe_ffn_hidden_size} not divisible by tp={t}")
+    for width in (spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size):
+        if width % t:
+            raise ValueError(f"expert FFN width {width} not divisible by tp={t}")
     if ml.norm_style not in NORM_NAMES:
         raise ValueError(f"norm_style={ml.norm_style!r}: expected one of {sorted(NORM_NAMES)}")
 
@@ -207,6 +213,8 @@ def chunk_names(spec: ModelSpec, ml: MegatronLayout, pp_rank: int, vp_stage: int
             for e in range(spec.num_experts // ml.ep):
                 out.append(f"{p}{EXPERTS}{e}.linear_fc1.weight")
                 out.append(f"{p}{EXPERTS}{e}.linear_fc2.weight")
+            if spec.shared_expert_ffn_hidden_size:
+                out += [f"{p}{SHARED}{n}" for n in SHARED_NAMES]
         else:
             out.append(p + "mlp.linear_fc1.weight")
             out.append(p + "mlp.linear_fc2.weight")
@@ -251,12 +259,22 @@ def _mlp_shard(name: str, hf_mlp: str, suffix: str, f: int, h: int, t: int, r: i
 def _expert_shard(
     spec: ModelSpec, name: str, pre: str, suffix: str, ep: int, ep_rank: int, t: int, r: int
 ) -> ShardLayout | None:
-    """The MoE router, or local expert j of EP rank ``ep_rank`` (global expert
-    ``ep_rank*E/ep + j``), or None if ``suffix`` is neither."""
+    """The MoE router, the shared expert (Qwen2-MoE), or local expert j of EP rank
+    ``ep_rank`` (global expert ``ep_rank*E/ep + j``), or None if ``suffix`` is none of them."""
     h = spec.hidden_size
     if suffix == ROUTER:
         e = spec.num_experts
         return ShardLayout(name, (e, h), 0, (Piece(pre + "mlp.gate.weight", 0, e),))
+    if spec.shared_expert_ffn_hidden_size and suffix.startswith(SHARED):
+        part = suffix[len(SHARED) :]
+        if part == "gate_weight":
+            return ShardLayout(
+                name, (1, h), 0, (Piece(pre + "mlp.shared_expert_gate.weight", 0, 1),)
+            )
+        if part in SHARED_NAMES:
+            f = spec.shared_expert_ffn_hidden_size
+            return _mlp_shard(name, pre + "mlp.shared_expert.", part, f, h, t, r)
+        return None
     m = _EXPERT_RE.match(suffix)
     per_rank = spec.num_experts // ep
     if m is None or int(m.group(1)) >= per_rank:

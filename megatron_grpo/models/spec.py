@@ -2,8 +2,9 @@
 
 ``ModelSpec`` is what every other part reads (model builder, layouts, bridge, plan); none
 of them look at HF config keys directly. Supported families: Llama, Qwen2 (QKV bias),
-Qwen3 (QK-norm), each with GQA and tied or untied embeddings, and Qwen3-MoE (Qwen3's
-attention, every MLP a mixture of experts; docs/moe.md).
+Qwen3 (QK-norm), each with GQA and tied or untied embeddings, and their mixture-of-experts
+siblings Qwen3-MoE and Qwen2-MoE (every MLP a mixture of experts; Qwen2-MoE adds a gated
+shared expert; docs/moe.md).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 
 
 class UnsupportedModelError(ValueError):
@@ -55,6 +58,9 @@ class ModelSpec:
     """One expert's FFN width (HF ``moe_intermediate_size``)."""
     norm_topk_prob: bool = False
     """Renormalise the top-k routing probabilities to sum to 1 (HF ``norm_topk_prob``)."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Qwen2-MoE: width of the shared expert every token also goes through, scaled by a
+    sigmoid gate (HF ``shared_expert_intermediate_size``); 0 for none."""
 
     @property
     def is_moe(self) -> bool:
@@ -75,6 +81,8 @@ class ModelSpec:
         mlp = (
             self.num_experts * (3 * self.moe_ffn_hidden_size * h + h) if self.is_moe else 3 * f * h
         )
+        if self.shared_expert_ffn_hidden_size:
+            mlp += 3 * self.shared_expert_ffn_hidden_size * h + h
         layer = attn + mlp + 2 * h
         emb = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + h
@@ -112,7 +120,7 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"architecture {arch!r} is not supported: megatron-grpo builds "
-            f"{sorted(SUPPORTED_ARCHITECTURES)} (dense Llama/Qwen2/Qwen3, Qwen3-MoE)."
+            f"{sorted(SUPPORTED_ARCHITECTURES)} (dense Llama/Qwen2/Qwen3, Qwen2-MoE/Qwen3-MoE)."
         )
     family = SUPPORTED_ARCHITECTURES[arch]
     if cfg.get("rope_scaling"):
@@ -153,15 +161,15 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
         rope_theta=rope_theta,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        qkv_bias=family == "qwen2",
+        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and cfg.get("qkv_bias", True)),
         qk_norm=family in ("qwen3", "qwen3_moe"),
     )
 
 
 def _moe_fields(cfg: dict, arch: str) -> dict:
-    """The MoE fields of a Qwen3-MoE config (none for a dense one); refuses the layouts that
-    megatron's uniform MoE stack cannot build (dense layers in between)."""
-    if arch != "Qwen3MoeForCausalLM":
+    """The MoE fields of a Qwen3-MoE or Qwen2-MoE config (none for a dense one); refuses the
+    layouts that megatron's uniform MoE stack cannot build (dense layers in between)."""
+    if SUPPORTED_ARCHITECTURES[arch] not in MOE_FAMILIES:
         return {}
     step, dense_layers = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
     if step != 1 or dense_layers:
@@ -181,6 +189,7 @@ def _moe_fields(cfg: dict, arch: str) -> dict:
         moe_topk=int(topk),
         moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_ffn_hidden_size=int(cfg.get("shared_expert_intermediate_size") or 0),
     )
 
 

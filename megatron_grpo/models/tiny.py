@@ -105,6 +105,7 @@ def hf_config_dict(preset: str | dict, vocab_size: int | None = None, **override
         "Qwen2ForCausalLM": "qwen2",
         "Qwen3ForCausalLM": "qwen3",
         "Qwen3MoeForCausalLM": "qwen3_moe",
+        "Qwen2MoeForCausalLM": "qwen2_moe",
         "LlamaForCausalLM": "llama",
     }[arch]
     cfg = dict(
@@ -121,9 +122,9 @@ def hf_config_dict(preset: str | dict, vocab_size: int | None = None, **override
     )
     if model_type == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen3_moe", "qwen2_moe"):
         cfg.update(decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
-    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         cfg.update(
             use_sliding_window=False,
             sliding_window=None,

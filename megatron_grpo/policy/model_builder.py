@@ -6,7 +6,8 @@ this rank's TP shard of its layers. The mapping from the HF families:
 - Llama: RMSNorm, SwiGLU (``gated_linear_unit`` + silu), RoPE, no biases, GQA.
 - Qwen2: as Llama plus a bias on the fused QKV (``add_qkv_bias``).
 - Qwen3: as Llama plus RMSNorm over each head's q and k (``qk_layernorm``).
-- Qwen3-MoE: as Qwen3 with every MLP a megatron ``MoELayer`` (``moe_args``; docs/moe.md).
+- Qwen3-MoE: as Qwen3 with every MLP a megatron ``MoELayer`` (``moe_args``; docs/moe.md);
+  Qwen2-MoE: as Qwen2 with MoE layers and a gated shared expert.
 - tied embeddings -> ``share_embeddings_and_output_weights``.
 
 The vocabulary is padded to ``megatron_padded_vocab(spec.vocab_size, tp, divisible_by)``;
@@ -132,7 +133,7 @@ def transformer_config(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelCo
 
 
 def moe_args(spec: ModelSpec, model_cfg: ModelConfig) -> dict:
-    """TransformerConfig's MoE fields for a Qwen3-MoE ``spec`` (none for a dense one).
+    """TransformerConfig's MoE fields for a Qwen3-MoE / Qwen2-MoE ``spec`` (none if dense).
 
     HF's Qwen3-MoE router (transformers models/qwen3_moe ``Qwen3MoeTopKRouter``): softmax over
     all experts in fp32, top-k, then renormalise when ``norm_topk_prob``. megatron's
@@ -156,6 +157,10 @@ def moe_args(spec: ModelSpec, model_cfg: ModelConfig) -> dict:
         moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
         moe_aux_loss_coeff=coeff,
         moe_grouped_gemm=False,
+        # Qwen2-MoE's shared expert: sigmoid(x @ gate) * MLP(x), added to the routed output
+        # (transformer/moe/shared_experts.py SharedExpertMLP with gate=True).
+        moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=bool(spec.shared_expert_ffn_hidden_size),
     )
 
 
