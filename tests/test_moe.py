@@ -173,7 +173,7 @@ def test_unknown_expert_names_raise():
 # --- parity with transformers ------------------------------------------------------------
 
 
-def _ep_worker(rank, world_size, ep, models, batch, aux_loss=0.0):
+def _ep_worker(rank, world_size, ep, models, batch, aux_loss=0.0, dist_opt="auto"):
     from megatron_grpo.config.schema import ModelConfig, OptimConfig
     from megatron_grpo.distributed import destroy_distributed, init_distributed
     from megatron_grpo.layouts import gather_hf_state_dict, load_hf_into_megatron
@@ -188,7 +188,7 @@ def _ep_worker(rank, world_size, ep, models, batch, aux_loss=0.0):
             spec = load_spec(hf_dir)
             policy = build_policy(
                 spec, ctx, ModelConfig(moe_aux_loss_coeff=aux_loss),
-                OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-2),
+                OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-2, distributed_optimizer=dist_opt),
                 init_weights=lambda chunks, d=hf_dir, s=spec: load_hf_into_megatron(
                     chunks, d, s, ctx),
             )  # fmt: skip
@@ -248,14 +248,20 @@ def test_logprobs_and_step_match_hf_at_ep1_and_ep2(tiny_moe_dirs):
     batch = make_batch(load_spec(tiny_moe_dirs["qwen3_moe"]).vocab_size)
     refs = {name: hf_reference(d, batch) for name, d in tiny_moe_dirs.items()}
     qwen3 = {"qwen3_moe": tiny_moe_dirs["qwen3_moe"]}
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(4) as pool:
         futures = {
             ep: pool.submit(run_distributed, _ep_worker, ep, ep, tiny_moe_dirs, batch, timeout=500)
             for ep in (1, 2)
         }
         aux = pool.submit(run_distributed, _ep_worker, 1, 1, qwen3, batch, 0.1, timeout=500)
+        # the GPU default: megatron's DistributedOptimizer (expert params in their own
+        # optimizer over the expert-data-parallel group)
+        dist_opt = pool.submit(
+            run_distributed, _ep_worker, 2, 2, qwen3, batch, 0.0, "on", timeout=500
+        )
         results = {ep: f.result() for ep, f in futures.items()}
         aux_result = aux.result()[0]["qwen3_moe"]
+        dist_opt_result = dist_opt.result()[0]["qwen3_moe"]
 
     report = []
     for name, hf_dir in tiny_moe_dirs.items():
@@ -291,6 +297,15 @@ def test_logprobs_and_step_match_hf_at_ep1_and_ep2(tiny_moe_dirs):
         "layers need the same number on each: set grpo.pack_sequences=false (padded "
         "micro-batches) for parallel.ep > 1."
     ] * 2
+    base = results[1][0]["qwen3_moe"]
+    d_w = max(
+        (dist_opt_result["weights"][k] - base["weights"][k]).abs().max().item()
+        for k in base["weights"]
+    )
+    assert d_w < WEIGHT_TOL, f"EP=2 with the distributed optimizer vs EP=1: {d_w:.2e}"
+    assert dist_opt_result["metrics"]["grad_norm"] == pytest.approx(
+        base["metrics"]["grad_norm"], rel=1e-5
+    )
     # model.moe_aux_loss_coeff > 0: the same forward and policy loss, and the load-balancing
     # loss's gradient (megatron's MoEAuxLossAutoScaler, outside the returned loss) moves the
     # routers differently
