@@ -1,11 +1,13 @@
-"""Mixture-of-experts policies (Qwen3-MoE): the spec, the layouts of experts over EP ranks,
-the config checks, and parity of the megatron MoE model with `transformers`.
+"""Mixture-of-experts policies (Qwen3-MoE, Qwen2-MoE): the spec, the layouts of experts over
+EP ranks, the config checks, parity of the megatron MoE model with `transformers`, and the
+conversion round trip.
 
-The parity test builds the ``tiny-moe`` preset (4 experts, top-2, renormalised) in HF
-format, loads it through ``megatron_grpo.layouts`` at EP=1 (one rank) and EP=2 (two gloo
-ranks, dp=2: each rank holds 2 experts, tokens cross ranks through megatron's alltoall
-dispatcher), compares per-token log-probs with transformers' on the same weights, takes one
-optimizer step on the batch split over the DP ranks, and gathers the HF weights back.
+The parity test builds the ``tiny-moe`` preset (4 experts, top-2, renormalised) and its
+Qwen2-MoE sibling (QKV bias, plain top-k, a gated shared expert) in HF format, loads them
+through ``megatron_grpo.layouts`` at EP=1 (one rank), EP=2 (two gloo ranks, dp=2: each rank
+holds 2 experts, tokens cross ranks through megatron's alltoall dispatcher) and PP=2,
+compares per-token log-probs with transformers' on the same weights, takes one optimizer
+step on the batch split over the DP ranks, and gathers the HF weights back.
 """
 
 from __future__ import annotations
@@ -173,7 +175,7 @@ def test_unknown_expert_names_raise():
 # --- parity with transformers ------------------------------------------------------------
 
 
-def _ep_worker(rank, world_size, ep, models, batch, aux_loss=0.0, dist_opt="auto"):
+def _ep_worker(rank, world_size, ep, models, batch, aux_loss=0.0, dist_opt="auto", pp=1):
     from megatron_grpo.config.schema import ModelConfig, OptimConfig
     from megatron_grpo.distributed import destroy_distributed, init_distributed
     from megatron_grpo.layouts import gather_hf_state_dict, load_hf_into_megatron
@@ -181,7 +183,7 @@ def _ep_worker(rank, world_size, ep, models, batch, aux_loss=0.0, dist_opt="auto
     from megatron_grpo.policy import build_policy
     from megatron_grpo.policy.batching import check_expert_ranks_agree
 
-    ctx = init_distributed(ParallelConfig(ep=ep), seed=1)
+    ctx = init_distributed(ParallelConfig(ep=ep, pp=pp), seed=1)
     out = {}
     try:
         for name, hf_dir in models.items():
@@ -196,8 +198,8 @@ def _ep_worker(rank, world_size, ep, models, batch, aux_loss=0.0, dist_opt="auto
             logp = policy.compute_logprobs(batch, MICRO_BATCH)
             # the DP ranks split the batch's rows; the loss keeps the global normalizer
             n_tokens = float(batch["loss_mask"].sum())
-            rows = batch["input_ids"].shape[0] // world_size
-            mine = {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.items()}
+            rows = batch["input_ids"].shape[0] // ctx.dp
+            mine = {k: v[ctx.dp_rank * rows : (ctx.dp_rank + 1) * rows] for k, v in batch.items()}
             metrics = policy.train_step(mine, partial(pg_loss, n_tokens=n_tokens), MICRO_BATCH)
             weights = gather_hf_state_dict(policy.models, spec, ctx)
             out[name] = {"logp": logp["logp"], "metrics": metrics, "loaded": loaded,
@@ -248,7 +250,7 @@ def test_logprobs_and_step_match_hf_at_ep1_and_ep2(tiny_moe_dirs):
     batch = make_batch(load_spec(tiny_moe_dirs["qwen3_moe"]).vocab_size)
     refs = {name: hf_reference(d, batch) for name, d in tiny_moe_dirs.items()}
     qwen3 = {"qwen3_moe": tiny_moe_dirs["qwen3_moe"]}
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(5) as pool:
         futures = {
             ep: pool.submit(run_distributed, _ep_worker, ep, ep, tiny_moe_dirs, batch, timeout=500)
             for ep in (1, 2)
@@ -259,7 +261,12 @@ def test_logprobs_and_step_match_hf_at_ep1_and_ep2(tiny_moe_dirs):
         dist_opt = pool.submit(
             run_distributed, _ep_worker, 2, 2, qwen3, batch, 0.0, "on", timeout=500
         )
+        # MoE layers split over two pipeline stages (Qwen2-MoE: its shared expert too)
+        piped = pool.submit(
+            run_distributed, _ep_worker, 2, 1, tiny_moe_dirs, batch, 0.0, "auto", 2, timeout=500
+        )
         results = {ep: f.result() for ep, f in futures.items()}
+        results["pp2"] = piped.result()
         aux_result = aux.result()[0]["qwen3_moe"]
         dist_opt_result = dist_opt.result()[0]["qwen3_moe"]
 
@@ -271,7 +278,7 @@ def test_logprobs_and_step_match_hf_at_ep1_and_ep2(tiny_moe_dirs):
             for r, res in enumerate(ranks):
                 res = res[name]
                 d_logp = (res["logp"] - refs[name]).abs().max().item()
-                report.append(f"{name} ep={ep} rank {r}: logp vs HF {d_logp:.2e}")
+                report.append(f"{name} {ep=} rank {r}: logp vs HF {d_logp:.2e}")
                 assert d_logp < LOGP_TOL, report[-1]
                 assert res["metrics"]["skipped"] is False
                 assert res["metrics"]["loss"] == pytest.approx(base["metrics"]["loss"], abs=1e-6)
@@ -283,7 +290,7 @@ def test_logprobs_and_step_match_hf_at_ep1_and_ep2(tiny_moe_dirs):
             for k in loaded:  # load then gather is bit-exact
                 assert torch.equal(loaded[k], on_disk[k]), f"{name} ep={ep}: {k}"
             d_w = max((weights[k] - base["weights"][k]).abs().max().item() for k in weights)
-            report.append(f"{name} ep={ep}: updated weights vs ep=1 {d_w:.2e}")
+            report.append(f"{name} {ep=}: updated weights vs ep=1 {d_w:.2e}")
             assert d_w < WEIGHT_TOL, report[-1]
         # the step moved every expert of every layer (top-2 of 4 over ~30 tokens routes to
         # all), and the shared expert and its gate
