@@ -234,11 +234,6 @@ def tiny_moe_dirs(tmp_path_factory) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="module")
-def tiny_moe_dir(tiny_moe_dirs) -> str:
-    return tiny_moe_dirs["qwen3_moe"]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_logprobs_and_step_match_hf_at_ep1_and_ep2(tiny_moe_dirs):
@@ -363,11 +358,14 @@ def _ep2_load_save_worker(rank, world_size, ckpt_in, ckpt_out, hf_dir):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_conversion_round_trip_through_ep2_is_bit_exact(tiny_moe_dir, tmp_path):
+@pytest.mark.parametrize("family", list(MOE_VARIANTS))
+def test_conversion_round_trip_through_ep2_is_bit_exact(tiny_moe_dirs, family, tmp_path):
     """HF -> dist checkpoint (one process, EP=1) -> an EP=2 policy (each rank reads its two
     experts) -> its own dist checkpoint -> HF: every tensor bit-exact, and the EP=2 policy
     holds exactly the HF weights."""
     from safetensors.torch import load_file
+
+    tiny_moe_dir = tiny_moe_dirs[family]
 
     ckpt = tmp_path / "mcore"
     run_distributed(_convert_worker, 1, "hf_to_mcore", tiny_moe_dir, ckpt, timeout=300)
