@@ -327,6 +327,11 @@ def _convert_worker(rank, world_size, fn_name, *args):
     """``checkpoints_tools`` conversions run as one process: a 1-rank spawn keeps megatron's
     global state out of the test process."""
     from checkpoints_tools import hf_to_mcore, mcore_to_hf
+    from megatron_grpo.platform.lifetime import start_checkpoint_manager
+
+    # dist_checkpointing.save's write-results Manager, bound to this rank: spawned ranks end
+    # with os._exit, which would leave megatron's own Manager process behind
+    start_checkpoint_manager()
 
     fn = {"hf_to_mcore": hf_to_mcore, "mcore_to_hf": mcore_to_hf}[fn_name]
     fn(*args)
@@ -341,8 +346,10 @@ def _ep2_load_save_worker(rank, world_size, ckpt_in, ckpt_out, hf_dir):
     from megatron_grpo.distributed import destroy_distributed, init_distributed
     from megatron_grpo.layouts import gather_hf_state_dict
     from megatron_grpo.models.spec import load_spec
+    from megatron_grpo.platform.lifetime import start_checkpoint_manager
     from megatron_grpo.policy import build_policy
 
+    start_checkpoint_manager()  # as in _convert_worker
     spec = load_spec(hf_dir)
     ctx = init_distributed(ParallelConfig(ep=2), spec, seed=1)
     try:
