@@ -169,3 +169,23 @@ def test_tensor_type_names_the_cuda_type_for_megatrons_optimizers(platform):
     assert torch.nn.Parameter(torch.zeros(2, dtype=torch.float16)).type() == "torch.cuda.HalfTensor"
     converted = torch.zeros(2).type(torch.float64)
     assert converted.dtype == torch.float64 and converted.device.type == "cpu"
+
+
+def test_moe_dispatcher_streams_and_split_sizes(platform):
+    """The alltoall MoE dispatcher's side stream, stream context and event are CPU no-ops,
+    and its split sizes come out as numpy arrays, as the GPU path's device-to-host copy
+    gives them (transformer/moe/token_dispatcher.py)."""
+    import numpy as np
+    from megatron.core.transformer.moe import token_dispatcher
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(stream)  # (current_stream is patched from megatron-core 0.19 only)
+    with torch.cuda.stream(stream):  # unpatched: a no-op without a CUDA device index
+        event = stream.record_event()
+    event.synchronize()
+    splits = torch.tensor([3, 5])
+    moved = token_dispatcher.maybe_move_tensor_to_cpu(splits, as_numpy=True, record_stream=True)
+    assert isinstance(moved, np.ndarray) and moved.tolist() == [3, 5]
+    splits[0] = 7  # a copy, as the device-to-host copy is
+    assert moved.tolist() == [3, 5]
+    assert token_dispatcher.maybe_move_tensor_to_cpu(splits) is splits

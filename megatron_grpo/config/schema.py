@@ -77,6 +77,10 @@ class ModelConfig:
     a right answer, so GRPO alone would see no reward signal). 0 disables."""
     warm_start_lr: float = 3e-3
     warm_start_batch_size: int = 64
+    moe_aux_loss_coeff: float = 0.0
+    """MoE models: weight of megatron's load-balancing auxiliary loss (``aux_loss``, added to
+    the policy loss's gradient by the router). 0 (the default) trains on the policy loss
+    alone, as HF computes it without ``output_router_logits``; docs/moe.md."""
 
     def __post_init__(self) -> None:
         _check_choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
@@ -88,6 +92,7 @@ class ModelConfig:
         _positive("model", self, "make_vocab_size_divisible_by")
         _non_negative("model", self, "warm_start_steps")
         _positive("model", self, "warm_start_lr", "warm_start_batch_size")
+        _non_negative("model", self, "moe_aux_loss_coeff")
 
 
 @dataclass
@@ -100,6 +105,10 @@ class ParallelConfig:
     """Trainer data-parallel size; 0 derives it as WORLD_SIZE / (tp * pp * cp)."""
     vpp: int | None = None
     """Virtual pipeline stages per pipeline rank (interleaved schedule, GPU); None disables."""
+    ep: int = 1
+    """Expert-parallel size (MoE models): each EP rank holds num_experts/ep of every layer's
+    experts; EP ranks are carved from the data-parallel ranks, so ep must divide dp.
+    A dense model needs 1. docs/moe.md."""
     cp: int = 1
     """Context-parallel size. Only 1: no sequence is split across context-parallel ranks
     yet (that needs the batch sliced per CP rank and log-probs gathered back)."""
@@ -112,7 +121,7 @@ class ParallelConfig:
     """Timeout of every collective, after which the run fails with an error instead of hanging."""
 
     def __post_init__(self) -> None:
-        _positive("parallel", self, "tp", "pp", "cp")
+        _positive("parallel", self, "tp", "pp", "ep", "cp")
         _non_negative("parallel", self, "dp")
         if self.cp > 1:
             raise ConfigError(

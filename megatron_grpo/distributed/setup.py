@@ -43,6 +43,9 @@ class ParallelContext:
     pp_rank: int
     dp_rank: int
     cp_rank: int
+    ep: int
+    """Expert-parallel size (1 for dense models); EP ranks are a sub-axis of the DP ranks."""
+    ep_rank: int
     device: torch.device
     backend: str
     tp_group: Any
@@ -55,6 +58,10 @@ class ParallelContext:
     """Model-parallel (TP x PP) group: what the grad norm is summed over."""
     embd_group: Any
     """First and last pipeline stage of this TP rank (tied embeddings), or None."""
+    ep_group: Any
+    """The ranks that hold the other experts of this rank's MoE layers (alltoall dispatch)."""
+    expt_dp_group: Any
+    """The ranks that hold the same experts: what megatron DDP reduces expert gradients over."""
     pg_collection: Any
     """megatron.core.process_groups_config.ProcessGroupCollection of the groups above."""
     sequence_parallel: bool = False
@@ -96,9 +103,42 @@ def validate_parallel(
     cuda = torch.cuda.is_available() if has_cuda is None else has_cuda
     dp = _data_parallel_size(parallel, world_size)
     _check_device_options(parallel, cuda)
+    if parallel.ep > 1 and (dp * parallel.cp) % parallel.ep:
+        raise ConfigError(
+            f"parallel.ep({parallel.ep}) does not divide dp({dp}): expert-parallel ranks are "
+            f"carved from the data-parallel ranks; pick parallel.ep from {_divisors(dp)} or "
+            "launch more processes."
+        )
     if spec is not None:
         _check_model_split(spec, parallel.tp, parallel.pp, parallel.vpp)
+        check_experts(spec, parallel.ep, parallel.tp)
     return dp
+
+
+def check_experts(spec: ModelSpec, ep: int, tp: int) -> None:
+    """ConfigError (one line) when the experts cannot split over ``ep`` expert-parallel ranks
+    and ``tp`` expert-tensor ranks, or when ``ep > 1`` is asked of a dense model."""
+    if not spec.is_moe:
+        if ep > 1:
+            raise ConfigError(
+                f"parallel.ep({ep}) > 1 needs a mixture-of-experts model, and "
+                f"{spec.architecture} is dense: set parallel.ep=1."
+            )
+        return
+    if spec.num_experts % ep:
+        raise ConfigError(
+            f"parallel.ep({ep}) does not divide the model's {spec.num_experts} experts: every "
+            f"EP rank holds num_experts/ep of them; choose parallel.ep from "
+            f"{_divisors(spec.num_experts)}."
+        )
+    for key, width in (("moe_intermediate_size", spec.moe_ffn_hidden_size),
+                       ("shared_expert_intermediate_size", spec.shared_expert_ffn_hidden_size)):  # fmt: skip
+        if width % tp:
+            raise ConfigError(
+                f"{key}({width}) is not divisible by parallel.tp({tp}): every TP rank holds "
+                f"1/tp of each expert; choose parallel.tp from "
+                f"{_divisors(math.gcd(width, spec.num_heads))}."
+            )
 
 
 def _data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
@@ -260,6 +300,8 @@ def _context_from_megatron(
         pp_rank=mpu.get_pipeline_model_parallel_rank(),
         dp_rank=mpu.get_data_parallel_rank(),
         cp_rank=mpu.get_context_parallel_rank(),
+        ep=parallel.ep,
+        ep_rank=mpu.get_expert_model_parallel_rank(),
         device=device,
         backend=backend,
         tp_group=mpu.get_tensor_model_parallel_group(),
@@ -269,6 +311,8 @@ def _context_from_megatron(
         dp_cp_group=mpu.get_data_parallel_group(with_context_parallel=True),
         mp_group=mpu.get_model_parallel_group(),
         embd_group=mpu.get_embedding_group(check_initialized=False),
+        ep_group=mpu.get_expert_model_parallel_group(),
+        expt_dp_group=mpu.get_expert_data_parallel_group(),
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
         sequence_parallel=parallel.sequence_parallel,
     )
@@ -324,6 +368,7 @@ def init_distributed(
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp,
         context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
         distributed_timeout_minutes=max(1, math.ceil(parallel.timeout_s / 60)),
         # No extra gloo groups, on either backend: every group is created with the run's
         # backend string, "cpu:gloo,cuda:nccl" on GPU (process_group_backend), so CPU tensors

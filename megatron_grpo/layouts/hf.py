@@ -1,8 +1,11 @@
-"""Hugging Face tensor names and shapes for the supported dense families.
+"""Hugging Face tensor names and shapes for the supported families.
 
 These are the shared coordinates of every layout: Megatron and vLLM shards are both
 described as slices of these tensors. Names follow transformers' Llama/Qwen2/Qwen3
-modelling files (``model.layers.{i}.self_attn.q_proj.weight`` ...).
+modelling files (``model.layers.{i}.self_attn.q_proj.weight`` ...); Qwen3-MoE checkpoints
+store one tensor per expert (``mlp.experts.{e}.gate_proj.weight``) and the router as
+``mlp.gate.weight`` (transformers fuses the experts only in memory, on load); Qwen2-MoE adds
+``mlp.shared_expert.*`` and its gate ``mlp.shared_expert_gate.weight``.
 """
 
 from __future__ import annotations
@@ -44,10 +47,24 @@ def hf_layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
         out[p + "self_attn.k_norm.weight"] = (hn,)
     out[p + "self_attn.o_proj.weight"] = (h, q)
     out[p + "post_attention_layernorm.weight"] = (h,)
-    out[p + "mlp.gate_proj.weight"] = (f, h)
-    out[p + "mlp.up_proj.weight"] = (f, h)
-    out[p + "mlp.down_proj.weight"] = (h, f)
+    if spec.is_moe:
+        out[p + "mlp.gate.weight"] = (spec.num_experts, h)
+        for e in range(spec.num_experts):
+            out.update(_mlp_shapes(f"{p}mlp.experts.{e}.", spec.moe_ffn_hidden_size, h))
+        if spec.shared_expert_ffn_hidden_size:  # Qwen2-MoE
+            out.update(_mlp_shapes(p + "mlp.shared_expert.", spec.shared_expert_ffn_hidden_size, h))
+            out[p + "mlp.shared_expert_gate.weight"] = (1, h)
+    else:
+        out.update(_mlp_shapes(p + "mlp.", f, h))
     return out
+
+
+def _mlp_shapes(p: str, f: int, h: int) -> dict[str, tuple[int, ...]]:
+    return {
+        p + "gate_proj.weight": (f, h),
+        p + "up_proj.weight": (f, h),
+        p + "down_proj.weight": (h, f),
+    }
 
 
 def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:

@@ -1,4 +1,4 @@
-"""Move whole models between HF safetensors and a (TP, PP, VPP) sharded Megatron GPTModel.
+"""Move whole models between HF safetensors and a (TP, PP, VPP, EP) sharded Megatron GPTModel.
 
 - :func:`load_hf_into_megatron`: every rank reads only the HF slices of its own shards,
   straight from the memory-mapped safetensors files (``safe_open(...).get_slice``), one
@@ -9,7 +9,7 @@
 
 Both take the model chunks (one per virtual pipeline stage, in vp_stage order; DDP /
 Float16Module wrappers allowed) and ``ctx``: any object with ``tp``, ``pp``, ``tp_rank``,
-``pp_rank``, ``dp_rank`` (and optionally ``vpp``, ``dp``) -- the runtime's
+``pp_rank``, ``dp_rank`` (and optionally ``vpp``, ``dp``, ``ep``, ``ep_rank``) -- the runtime's
 ``ParallelContext`` or, without a runtime, :class:`RankInfo`.
 """
 
@@ -38,8 +38,10 @@ class RankInfo:
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
+    ep_rank: int = 0
 
     tp = property(lambda self: self.layout.tp)
+    ep = property(lambda self: self.layout.ep)
     pp = property(lambda self: self.layout.pp)
     vpp = property(lambda self: self.layout.vpp)
     dp = property(lambda self: self.layout.dp)
@@ -216,7 +218,7 @@ def load_hf_into_megatron(model_chunks, hf_dir: str | Path, spec: ModelSpec, ctx
                 "it was not built for this spec/layout"
             )
         for name, p in params.items():
-            layout = mg.shard(spec, ml, name, ctx.pp_rank, vp_stage, ctx.tp_rank)
+            layout = mg.shard(spec, ml, name, ctx.pp_rank, vp_stage, ctx.tp_rank, _ep_rank(ctx))
             if tuple(p.shape) != layout.shape:
                 raise ValueError(
                     f"Megatron parameter {name} has shape {tuple(p.shape)}, the layout for "
@@ -233,6 +235,10 @@ def load_hf_into_megatron(model_chunks, hf_dir: str | Path, spec: ModelSpec, ctx
 # ---------------------------------------------------------------------------------------
 
 
+def _ep_rank(ctx) -> int:
+    return getattr(ctx, "ep_rank", 0)
+
+
 @dataclass(frozen=True)
 class _Source:
     group: int
@@ -241,6 +247,8 @@ class _Source:
     vp_stage: int
     tp_rank: int
     layout: ShardLayout
+    ep_rank: int = 0
+    """The EP rank holding an expert shard; 0 for the shards every EP rank holds."""
 
 
 def _group_of(layout: ShardLayout, num_layers: int) -> int:
@@ -253,21 +261,27 @@ def _group_of(layout: ShardLayout, num_layers: int) -> int:
 
 def gather_schedule(spec: ModelSpec, ml: mg.MegatronLayout) -> list[_Source]:
     """Every shard the gather moves, grouped by HF group, deduplicated: TP-replicated
-    tensors (norms) come from TP rank 0 only; a tied output layer is skipped."""
+    tensors (norms) come from TP rank 0 only, EP-replicated ones (all but the experts) from
+    EP rank 0 only; a tied output layer is skipped."""
     out: list[_Source] = []
     for pp_rank in range(ml.pp):
         for vp in range(ml.vpp):
             names = mg.chunk_names(spec, ml, pp_rank, vp)
-            for tp_rank in range(ml.tp):
-                for n in names:
-                    if n == mg.OUTPUT and spec.tie_word_embeddings:
-                        continue
-                    lay = mg.shard(spec, ml, n, pp_rank, vp, tp_rank)
-                    if not lay.hf_names:  # a vocabulary shard of padding rows only
-                        continue
-                    if tp_rank > 0 and lay.pieces == mg.shard(spec, ml, n, pp_rank, vp, 0).pieces:
-                        continue
-                    out.append(_Source(_group_of(lay, spec.num_layers), pp_rank, vp, tp_rank, lay))
+            for tp_rank, ep_rank, n in (
+                (t, e, n) for t in range(ml.tp) for e in range(ml.ep) for n in names
+            ):
+                if (n == mg.OUTPUT and spec.tie_word_embeddings) or (
+                    ep_rank > 0 and not mg.is_expert(n)
+                ):
+                    continue
+                lay = mg.shard(spec, ml, n, pp_rank, vp, tp_rank, ep_rank)
+                if not lay.hf_names:  # a vocabulary shard of padding rows only
+                    continue
+                first = mg.shard(spec, ml, n, pp_rank, vp, 0, ep_rank)
+                if tp_rank > 0 and lay.pieces == first.pieces:
+                    continue
+                group = _group_of(lay, spec.num_layers)
+                out.append(_Source(group, pp_rank, vp, tp_rank, lay, ep_rank))
     out.sort(key=lambda s: s.group)  # stable: keeps (pp, vp, tp, name) order inside a group
     return out
 
@@ -288,17 +302,23 @@ def _distributed() -> bool:
 def _rank_table(
     ctx, dtype: torch.dtype, padded_vocab: int | None
 ) -> tuple[dict[tuple[int, int, int], int], dict[int, torch.dtype], int | None]:
-    """Exchange every rank's coordinates: (dp_rank, pp_rank, tp_rank) -> global rank, each
-    rank's parameter dtype, and the padded vocabulary (known to the stages holding it)."""
+    """Exchange every rank's coordinates: (ep_rank, pp_rank, tp_rank) -> the global rank of
+    the lowest DP replica there (DP replica 0 for ep_rank 0, since EP ranks are a sub-axis of
+    DP), each rank's parameter dtype, and the padded vocabulary (known to the stages holding
+    it)."""
     # Context-parallel ranks hold the same weights as cp_rank 0; only those are sources.
     cp_rank = getattr(ctx, "cp_rank", 0)
-    me = (ctx.dp_rank, ctx.pp_rank, ctx.tp_rank, str(dtype).split(".")[-1], padded_vocab, cp_rank)
+    me = (ctx.dp_rank, ctx.pp_rank, ctx.tp_rank, str(dtype).split(".")[-1], padded_vocab, cp_rank,
+          _ep_rank(ctx))  # fmt: skip
     if _distributed():
         allv: list = [None] * dist.get_world_size()
         dist.all_gather_object(allv, me)
     else:
         allv = [me]
-    table = {(v[0], v[1], v[2]): r for r, v in enumerate(allv) if v[5] == 0}
+    table: dict[tuple[int, int, int], int] = {}
+    for r, v in sorted(enumerate(allv), key=lambda rv: -rv[1][0]):  # lowest dp_rank last
+        if v[5] == 0:
+            table[(v[6], v[1], v[2])] = r
     dtypes = {r: getattr(torch, v[3]) for r, v in enumerate(allv)}
     vocabs = {v[4] for v in allv if v[4] is not None}
     if len(vocabs) > 1:
@@ -336,7 +356,7 @@ def iter_hf_tensors(
                     n: torch.zeros(s, dtype=dtypes[table[(0, src.pp_rank, src.tp_rank)]])
                     for n, s in _group_hf_names(spec, group).items()
                 }
-        owner = table[(0, src.pp_rank, src.tp_rank)]
+        owner = table[(src.ep_rank, src.pp_rank, src.tp_rank)]
         if me != owner and me != dst_rank:
             continue
         if me == owner:

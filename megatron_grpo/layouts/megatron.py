@@ -26,6 +26,14 @@ Verified against megatron-core 0.16.1 (paths under megatron/core/):
   ``mlp.linear_fc1.layer_norm_weight`` (models/gpt/gpt_layer_specs.py, the local spec's
   ``sharded_state_dict_keys_map`` maps one onto the other). QK-norm:
   ``self_attention.q_layernorm.weight`` / ``k_layernorm.weight`` of size hn, replicated.
+- MoE layers (transformer/moe/moe_layer.py, experts.py ``SequentialMLP``): ``mlp.router.weight``
+  (E, h), replicated; this rank's E/ep experts as ``mlp.experts.local_experts.{j}.linear_fc1``
+  / ``linear_fc2``, each a dense MLP of width ``moe_ffn_hidden_size`` split over TP like the
+  dense ``linear_fc1``/``linear_fc2`` (expert TP = TP). Local expert j on EP rank e is global
+  expert ``e*E/ep + j`` (moe_layer.py ``local_expert_indices``). Qwen2-MoE's shared expert
+  (moe/shared_experts.py ``SharedExpertMLP``): ``mlp.shared_experts.linear_fc1``/``fc2`` split
+  over TP like a dense MLP, on every EP rank, and its gate ``mlp.shared_experts.gate_weight``
+  (1, h), replicated.
 - Layer numbering (transformer/transformer_layer.py ``get_transformer_layer_offset``, even
   split): chunk (pp_rank, vp_stage) holds global layers from
   ``vp_stage*(L/vpp) + pp_rank*(L/(pp*vpp))``, named with the local index from 0.
@@ -54,7 +62,13 @@ NORM_NAMES: dict[str, tuple[str, str]] = {
     "te": ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"),
 }
 
+ROUTER = "mlp.router.weight"
+EXPERTS = "mlp.experts.local_experts."
+SHARED = "mlp.shared_experts."
+
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+SHARED_NAMES = ("linear_fc1.weight", "linear_fc2.weight", "gate_weight")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 
 
 class UnknownParameterError(KeyError):
@@ -81,6 +95,9 @@ class MegatronLayout:
     ``megatron_padded_vocab(V, tp)`` (make_vocab_size_divisible_by=128)."""
     norm_style: NormStyle = "local"
     """``local`` or ``te`` parameter names for the layer norms (``NORM_NAMES``)."""
+    ep: int = 1
+    """Expert-parallel ranks (MoE): each holds ``num_experts / ep`` experts of every layer;
+    they are a sub-axis of the ``dp`` replicas, which hold the same non-expert shards."""
 
     @classmethod
     def of(
@@ -92,6 +109,7 @@ class MegatronLayout:
         return cls(
             ctx.tp, ctx.pp, getattr(ctx, "vpp", None) or 1, getattr(ctx, "dp", 1),
             padded_vocab=padded_vocab, norm_style=detect_norm_style(list(param_names)),
+            ep=getattr(ctx, "ep", 1),
         )  # fmt: skip
 
     def vocab(self, spec: ModelSpec) -> int:
@@ -134,6 +152,14 @@ def validate(spec: ModelSpec, ml: MegatronLayout) -> None:
         raise ValueError(
             f"padded vocab {vm} must be >= vocab {spec.vocab_size} and divisible by tp={t}"
         )
+    if ml.ep < 1 or spec.num_experts % ml.ep or (ml.ep > 1 and not spec.is_moe):
+        raise ValueError(
+            f"ep={ml.ep} must be 1 for a dense model and divide the {spec.num_experts} experts "
+            "of an MoE one."
+        )
+    for width in (spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size):
+        if width % t:
+            raise ValueError(f"expert FFN width {width} not divisible by tp={t}")
     if ml.norm_style not in NORM_NAMES:
         raise ValueError(f"norm_style={ml.norm_style!r}: expected one of {sorted(NORM_NAMES)}")
 
@@ -182,8 +208,16 @@ def chunk_names(spec: ModelSpec, ml: MegatronLayout, pp_rank: int, vp_stage: int
             out.append(p + "self_attention.k_layernorm.weight")
         out.append(p + "self_attention.linear_proj.weight")
         out.append(p + mlp_norm)
-        out.append(p + "mlp.linear_fc1.weight")
-        out.append(p + "mlp.linear_fc2.weight")
+        if spec.is_moe:
+            out.append(p + ROUTER)
+            for e in range(spec.num_experts // ml.ep):
+                out.append(f"{p}{EXPERTS}{e}.linear_fc1.weight")
+                out.append(f"{p}{EXPERTS}{e}.linear_fc2.weight")
+            if spec.shared_expert_ffn_hidden_size:
+                out += [f"{p}{SHARED}{n}" for n in SHARED_NAMES]
+        else:
+            out.append(p + "mlp.linear_fc1.weight")
+            out.append(p + "mlp.linear_fc2.weight")
     if is_last_chunk(ml, pp_rank, vp_stage):
         out.append(FINAL_NORM)
         if not (spec.tie_word_embeddings and is_first_chunk(ml, pp_rank, vp_stage)):
@@ -206,11 +240,56 @@ def _prefixed(pieces: tuple[Piece, ...], prefix: str) -> tuple[Piece, ...]:
     return tuple(Piece(prefix + p.src if p.src else None, p.start, p.length) for p in pieces)
 
 
+def _mlp_shard(name: str, hf_mlp: str, suffix: str, f: int, h: int, t: int, r: int) -> ShardLayout:
+    """A dense MLP's ``linear_fc1`` (gate and up rows) or ``linear_fc2`` (down columns) of
+    width ``f`` on TP rank ``r`` of ``t``; ``hf_mlp`` the HF prefix of its projections."""
+    if suffix == "linear_fc1.weight":
+        rows = f // t
+        pieces = merge(
+            [
+                Piece(hf_mlp + "gate_proj.weight", r * rows, rows),
+                Piece(hf_mlp + "up_proj.weight", r * rows, rows),
+            ]
+        )
+        return ShardLayout(name, (2 * rows, h), 0, pieces)
+    cols = f // t
+    return ShardLayout(name, (h, cols), 1, (Piece(hf_mlp + "down_proj.weight", r * cols, cols),))
+
+
+def _expert_shard(
+    spec: ModelSpec, name: str, pre: str, suffix: str, ep: int, ep_rank: int, t: int, r: int
+) -> ShardLayout | None:
+    """The MoE router, the shared expert (Qwen2-MoE), or local expert j of EP rank
+    ``ep_rank`` (global expert ``ep_rank*E/ep + j``), or None if ``suffix`` is none of them."""
+    h = spec.hidden_size
+    if suffix == ROUTER:
+        e = spec.num_experts
+        return ShardLayout(name, (e, h), 0, (Piece(pre + "mlp.gate.weight", 0, e),))
+    if spec.shared_expert_ffn_hidden_size and suffix.startswith(SHARED):
+        part = suffix[len(SHARED) :]
+        if part == "gate_weight":
+            return ShardLayout(
+                name, (1, h), 0, (Piece(pre + "mlp.shared_expert_gate.weight", 0, 1),)
+            )
+        if part in SHARED_NAMES:
+            f = spec.shared_expert_ffn_hidden_size
+            return _mlp_shard(name, pre + "mlp.shared_expert.", part, f, h, t, r)
+        return None
+    m = _EXPERT_RE.match(suffix)
+    per_rank = spec.num_experts // ep
+    if m is None or int(m.group(1)) >= per_rank:
+        return None
+    expert = ep_rank * per_rank + int(m.group(1))
+    hf_mlp = f"{pre}mlp.experts.{expert}."
+    return _mlp_shard(name, hf_mlp, m.group(2), spec.moe_ffn_hidden_size, h, t, r)
+
+
 def _layer_shard(
     spec: ModelSpec, name: str, pre: str, suffix: str, t: int, r: int
 ) -> ShardLayout | None:
     """The shard of transformer-layer parameter ``name`` (``suffix`` after the layer index;
-    ``pre`` the HF layer prefix) on TP rank ``r`` of ``t``, or None if it is not one."""
+    ``pre`` the HF layer prefix) on TP rank ``r`` of ``t``, or None if it is not one (nor a
+    dense MLP's: MoE layers are ``_expert_shard``'s)."""
     h, hn, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
     if suffix in (NORM_NAMES["local"][0], NORM_NAMES["te"][0]):
         return ShardLayout(name, (h,), 0, (Piece(pre + "input_layernorm.weight", 0, h),))
@@ -236,20 +315,8 @@ def _layer_shard(
         return ShardLayout(
             name, (h, cols), 1, (Piece(pre + "self_attn.o_proj.weight", r * cols, cols),)
         )
-    if suffix == "mlp.linear_fc1.weight":
-        rows = f // t
-        pieces = merge(
-            [
-                Piece(pre + "mlp.gate_proj.weight", r * rows, rows),
-                Piece(pre + "mlp.up_proj.weight", r * rows, rows),
-            ]
-        )
-        return ShardLayout(name, (2 * rows, h), 0, pieces)
-    if suffix == "mlp.linear_fc2.weight":
-        cols = f // t
-        return ShardLayout(
-            name, (h, cols), 1, (Piece(pre + "mlp.down_proj.weight", r * cols, cols),)
-        )
+    if suffix in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight") and not spec.is_moe:
+        return _mlp_shard(name, pre + "mlp.", suffix[len("mlp.") :], f, h, t, r)
     return None
 
 
@@ -260,13 +327,15 @@ def shard(
     pp_rank: int = 0,
     vp_stage: int = 0,
     tp_rank: int = 0,
+    ep_rank: int = 0,
 ) -> ShardLayout:
     """The shard of Megatron parameter ``name`` (local layer index; ``module.`` prefixes
-    allowed) held by (pp_rank, vp_stage, tp_rank), as HF pieces.
+    allowed) held by (pp_rank, vp_stage, tp_rank, ep_rank), as HF pieces.
 
     Shapes per TP rank (T = ml.tp): QKV ``((np+2ng)*hn/T, h)``, bias ``((np+2ng)*hn/T,)``,
     linear_proj ``(h, np*hn/T)``, fc1 ``(2F/T, h)``, fc2 ``(h, F/T)``, embedding/output
-    ``(Vm/T, h)``, norms ``(h,)``, q/k_layernorm ``(hn,)``.
+    ``(Vm/T, h)``, norms ``(h,)``, q/k_layernorm ``(hn,)``; MoE: router ``(E, h)``, each
+    local expert's fc1 ``(2Fm/T, h)`` and fc2 ``(h, Fm/T)``.
     Raises :class:`UnknownParameterError` naming the name when it is not a parameter of
     this model on this chunk.
     """
@@ -287,22 +356,33 @@ def shard(
     m = _LAYER_RE.match(local)
     if m and int(m.group(1)) < layers_per_chunk(spec, ml):
         layer = layer_offset(spec, ml, pp_rank, vp_stage) + int(m.group(1))
-        found = _layer_shard(spec, name, hf.layer_prefix(layer), m.group(2), t, r)
+        pre, suffix = hf.layer_prefix(layer), m.group(2)
+        found = _layer_shard(spec, name, pre, suffix, t, r)
+        if found is None and spec.is_moe:
+            found = _expert_shard(spec, name, pre, suffix, ml.ep, ep_rank, t, r)
         if found is not None:
             return found
     raise UnknownParameterError(
         f"unknown Megatron parameter {name!r} on pipeline stage {pp_rank}, virtual stage "
         f"{vp_stage} of a {spec.family} model with {layers_per_chunk(spec, ml)} layers per chunk "
-        f"(tied={spec.tie_word_embeddings}, qkv_bias={spec.qkv_bias}, qk_norm={spec.qk_norm}); "
+        f"(tied={spec.tie_word_embeddings}, qkv_bias={spec.qkv_bias}, qk_norm={spec.qk_norm}, "
+        f"experts={spec.num_experts}/ep {ml.ep}); "
         "megatron_grpo.layouts knows the GPT local/TE spec names only."
     )
 
 
 def chunk_shards(
-    spec: ModelSpec, ml: MegatronLayout, pp_rank: int, vp_stage: int, tp_rank: int
-) -> list[ShardLayout]:
-    """Every parameter shard of one model chunk on one TP rank."""
+    spec: ModelSpec, ml: MegatronLayout, pp_rank: int, vp_stage: int, tp_rank: int,
+    ep_rank: int = 0,
+) -> list[ShardLayout]:  # fmt: skip
+    """Every parameter shard of one model chunk on one (TP, EP) rank."""
     return [
-        shard(spec, ml, n, pp_rank, vp_stage, tp_rank)
+        shard(spec, ml, n, pp_rank, vp_stage, tp_rank, ep_rank)
         for n in chunk_names(spec, ml, pp_rank, vp_stage)
     ]
+
+
+def is_expert(name: str) -> bool:
+    """Whether Megatron parameter ``name`` belongs to one EP rank's experts (not replicated
+    over the EP ranks, as everything else is)."""
+    return ".mlp.experts.local_experts." in strip_wrappers(name)

@@ -1,8 +1,10 @@
-"""A normalized description of a dense decoder model, read from a Hugging Face config.json.
+"""A normalized description of a decoder model, read from a Hugging Face config.json.
 
 ``ModelSpec`` is what every other part reads (model builder, layouts, bridge, plan); none
 of them look at HF config keys directly. Supported families: Llama, Qwen2 (QKV bias),
-Qwen3 (QK-norm), each with GQA and tied or untied embeddings.
+Qwen3 (QK-norm), each with GQA and tied or untied embeddings, and their mixture-of-experts
+siblings Qwen3-MoE and Qwen2-MoE (every MLP a mixture of experts; Qwen2-MoE adds a gated
+shared expert; docs/moe.md).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 
 
 class UnsupportedModelError(ValueError):
@@ -45,6 +50,21 @@ class ModelSpec:
     """Qwen2: q/k/v projections carry a bias."""
     qk_norm: bool
     """Qwen3: RMSNorm over each head's q and k (``q_norm``/``k_norm``)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense model (every MLP then ``ffn_hidden_size``)."""
+    moe_topk: int = 0
+    """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+    moe_ffn_hidden_size: int = 0
+    """One expert's FFN width (HF ``moe_intermediate_size``)."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k routing probabilities to sum to 1 (HF ``norm_topk_prob``)."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Qwen2-MoE: width of the shared expert every token also goes through, scaled by a
+    sigmoid gate (HF ``shared_expert_intermediate_size``); 0 for none."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def heads_per_group(self) -> int:
@@ -58,7 +78,12 @@ class ModelSpec:
         if self.qkv_bias:
             qkv += (self.num_heads + 2 * self.num_kv_heads) * hn
         attn = qkv + self.num_heads * hn * h + (2 * hn if self.qk_norm else 0)
-        layer = attn + 3 * f * h + 2 * h
+        mlp = (
+            self.num_experts * (3 * self.moe_ffn_hidden_size * h + h) if self.is_moe else 3 * f * h
+        )
+        if self.shared_expert_ffn_hidden_size:
+            mlp += 3 * self.shared_expert_ffn_hidden_size * h + h
+        layer = attn + mlp + 2 * h
         emb = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + h
 
@@ -95,7 +120,7 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"architecture {arch!r} is not supported: megatron-grpo builds "
-            f"{sorted(SUPPORTED_ARCHITECTURES)} (dense Llama/Qwen2/Qwen3)."
+            f"{sorted(SUPPORTED_ARCHITECTURES)} (dense Llama/Qwen2/Qwen3, Qwen2-MoE/Qwen3-MoE)."
         )
     family = SUPPORTED_ARCHITECTURES[arch]
     if cfg.get("rope_scaling"):
@@ -122,6 +147,7 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
             f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}."
         )
     return ModelSpec(
+        **_moe_fields(cfg, arch),
         family=family,
         architecture=arch,
         hidden_size=hidden,
@@ -135,8 +161,35 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
         rope_theta=rope_theta,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        qkv_bias=family == "qwen2",
-        qk_norm=family == "qwen3",
+        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and cfg.get("qkv_bias", True)),
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+    )
+
+
+def _moe_fields(cfg: dict, arch: str) -> dict:
+    """The MoE fields of a Qwen3-MoE or Qwen2-MoE config (none for a dense one); refuses the
+    layouts that megatron's uniform MoE stack cannot build (dense layers in between)."""
+    if SUPPORTED_ARCHITECTURES[arch] not in MOE_FAMILIES:
+        return {}
+    step, dense_layers = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
+    if step != 1 or dense_layers:
+        raise UnsupportedModelError(
+            f"{arch} with decoder_sparse_step={step}, mlp_only_layers={dense_layers} is not "
+            "supported: only models whose every layer is MoE (step 1, no mlp_only_layers) are."
+        )
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    topk = cfg["num_experts_per_tok"]
+    if not experts or topk > experts:
+        raise UnsupportedModelError(
+            f"{arch} with num_experts={experts}, num_experts_per_tok={topk}: need "
+            "1 <= num_experts_per_tok <= num_experts."
+        )
+    return dict(
+        num_experts=int(experts),
+        moe_topk=int(topk),
+        moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_ffn_hidden_size=int(cfg.get("shared_expert_intermediate_size") or 0),
     )
 
 

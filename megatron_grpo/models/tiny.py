@@ -43,11 +43,20 @@ def shape_config(shape: tuple, architecture: str = "Qwen2ForCausalLM", **more) -
 
 
 # Named shapes (hidden, layers, heads, KV heads, head_dim, ffn, tied embeddings), all
-# Qwen2ForCausalLM. ``tiny`` is the demo/test model (its vocabulary is the character
-# tokenizer's); the others are real Qwen2.5 shapes (random weights) for benchmarks, with their
-# HF vocabulary sizes and RoPE base.
+# Qwen2ForCausalLM but ``tiny-moe``. ``tiny`` is the demo/test model (its vocabulary is the
+# character tokenizer's); ``tiny-moe`` is its Qwen3-MoE sibling (4 experts of width 64, top-2,
+# renormalised: docs/moe.md); the others are real Qwen2.5 shapes (random weights) for
+# benchmarks, with their HF vocabulary sizes and RoPE base.
 PRESETS: dict[str, dict] = {
     "tiny": shape_config((128, 2, 4, 2, 32, 256, True)),
+    "tiny-moe": shape_config(
+        (128, 2, 4, 2, 32, 256, True),
+        "Qwen3MoeForCausalLM",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+    ),  # fmt: skip
     "Qwen2.5-0.5B": shape_config(
         (896, 24, 14, 2, 64, 4864, True), vocab_size=151936, rope_theta=1e6
     ),
@@ -95,6 +104,8 @@ def hf_config_dict(preset: str | dict, vocab_size: int | None = None, **override
     model_type = {
         "Qwen2ForCausalLM": "qwen2",
         "Qwen3ForCausalLM": "qwen3",
+        "Qwen3MoeForCausalLM": "qwen3_moe",
+        "Qwen2MoeForCausalLM": "qwen2_moe",
         "LlamaForCausalLM": "llama",
     }[arch]
     cfg = dict(
@@ -111,7 +122,9 @@ def hf_config_dict(preset: str | dict, vocab_size: int | None = None, **override
     )
     if model_type == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        cfg.update(decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         cfg.update(
             use_sliding_window=False,
             sliding_window=None,

@@ -75,6 +75,25 @@ PATCHES: tuple[Patch, ...] = (
         since=CURRENT_STREAM_SINCE,
     ),
     Patch(
+        "torch.cuda.Stream",
+        "transformer/moe/token_dispatcher.py MoEAlltoAllTokenDispatcher: `__init__` creates "
+        "`torch.cuda.Stream()` for its device-to-host copies of the split sizes (fails "
+        "'CUDA driver version is insufficient' on CPU), and `_maybe_dtoh_and_synchronize` "
+        "records an event on it and later `synchronize()`s it, on every MoE layer's dispatch "
+        "(MoE models only). Answered by a torch.cpu stream whose `record_event` returns a "
+        "`torch.cpu.Event` (no-ops: CPU ops are synchronous). `torch.cuda.stream(...)` around "
+        "the copies needs no patch: its context is a no-op without a CUDA device index.",
+    ),
+    Patch(
+        "token_dispatcher.maybe_move_tensor_to_cpu",
+        "transformer/moe/token_dispatcher.py MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize "
+        "(from transformer/moe/moe_utils.py): turns the alltoall's split sizes into numpy arrays "
+        "only when they are CUDA tensors; on CPU they stay tensors, which "
+        "ProcessGroup.all_to_all_single (tensor_parallel/mappings.py _AllToAll) refuses "
+        "('incompatible function arguments'). The replacement copies a CPU tensor to numpy "
+        "as the GPU path does (MoE models with expert parallelism only).",
+    ),
+    Patch(
         "torch.cuda.get_rng_state / set_rng_state / manual_seed",
         "tensor_parallel/random.py CudaRNGStatesTracker.add and model_parallel_cuda_manual_seed: "
         "the CUDA generator is the CPU default generator.",
@@ -178,6 +197,24 @@ def _cpu_current_stream(device: Any = None) -> torch.cpu.Stream:
     return torch.cpu.current_stream()
 
 
+class _CpuStream(torch.cpu.Stream):
+    """``torch.cuda.Stream(...)`` on CPU: takes CUDA's arguments; its events are CPU events."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
+        super().__init__(priority)
+
+    def record_event(self, event: Any = None) -> torch.cpu.Event:
+        return event if event is not None else torch.cpu.Event()
+
+
+def _cpu_maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False):
+    # Replaces megatron/core/transformer/moe/moe_utils.py::maybe_move_tensor_to_cpu in the
+    # token dispatcher: the GPU path's device-to-host copy (and numpy view) of a CPU tensor.
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.detach().clone().numpy()
+    return tensor
+
+
 def _cuda_rng_get(device: Any = "cuda") -> torch.Tensor:
     return torch.get_rng_state()
 
@@ -233,11 +270,13 @@ def apply_cpu_platform() -> bool:
     installed = Version(check_megatron_core())  # a local suffix (+cpu) compares as the release
 
     import megatron.core.tensor_parallel.random as tp_random
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = lambda device=None: None
     if installed >= Version(CURRENT_STREAM_SINCE):
         torch.cuda.current_stream = _cpu_current_stream
+    torch.cuda.Stream = _CpuStream
     torch.cuda.get_rng_state = _cuda_rng_get
     torch.cuda.set_rng_state = _cuda_rng_set
     torch.cuda.manual_seed = _cuda_manual_seed
@@ -245,6 +284,7 @@ def apply_cpu_platform() -> bool:
     torch.cuda.random.set_rng_state = _cuda_rng_set
     tp_random._get_cuda_rng_state = _cpu_get_cuda_rng_state
     tp_random._set_cuda_rng_state = _cpu_set_cuda_rng_state
+    token_dispatcher.maybe_move_tensor_to_cpu = _cpu_maybe_move_tensor_to_cpu
     torch.Tensor.cuda = _tensor_cuda
     torch.nn.Module.cuda = _module_cuda
 

@@ -244,3 +244,22 @@ def split_batch(
             "grpo.pack_sequences=false."
         )
     return packed_micro_batches(batch, token_budget, multiple)
+
+
+def check_expert_ranks_agree(num_micro_batches: int, ep_group, ep: int) -> None:
+    """ValueError (one line) when the expert-parallel ranks would run different numbers of
+    micro-batches: every MoE layer's forward is an alltoall over the EP group, so a rank
+    with one micro-batch more would wait for peers that never come. Padded micro-batches of
+    equal per-rank batches always agree; packed ones (a token budget) need not."""
+    if ep == 1:
+        return
+    import torch.distributed as dist
+
+    counts = torch.tensor([num_micro_batches, -num_micro_batches])
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=ep_group)
+    if counts[0] != -counts[1]:
+        raise ValueError(
+            f"the {ep} expert-parallel ranks split their batches into {-int(counts[1])} to "
+            f"{int(counts[0])} micro-batches, and MoE layers need the same number on each: "
+            "set grpo.pack_sequences=false (padded micro-batches) for parallel.ep > 1."
+        )

@@ -6,6 +6,8 @@ this rank's TP shard of its layers. The mapping from the HF families:
 - Llama: RMSNorm, SwiGLU (``gated_linear_unit`` + silu), RoPE, no biases, GQA.
 - Qwen2: as Llama plus a bias on the fused QKV (``add_qkv_bias``).
 - Qwen3: as Llama plus RMSNorm over each head's q and k (``qk_layernorm``).
+- Qwen3-MoE: as Qwen3 with every MLP a megatron ``MoELayer`` (``moe_args``; docs/moe.md);
+  Qwen2-MoE: as Qwen2 with MoE layers and a gated shared expert.
 - tied embeddings -> ``share_embeddings_and_output_weights``.
 
 The vocabulary is padded to ``megatron_padded_vocab(spec.vocab_size, tp, divisible_by)``;
@@ -112,6 +114,7 @@ def transformer_config(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelCo
         pipeline_model_parallel_size=ctx.pp,
         virtual_pipeline_model_parallel_size=ctx.vpp,
         context_parallel_size=ctx.cp,
+        expert_model_parallel_size=ctx.ep,
         sequence_parallel=ctx.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -126,6 +129,39 @@ def transformer_config(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelCo
         use_cpu_initialization=on_cpu,
         **FUSIONS_OFF,
         **recompute_args(model_cfg),
+        **moe_args(spec, model_cfg),
+    )
+
+
+def moe_args(spec: ModelSpec, model_cfg: ModelConfig) -> dict:
+    """TransformerConfig's MoE fields for a Qwen3-MoE / Qwen2-MoE ``spec`` (none if dense).
+
+    HF's Qwen3-MoE router (transformers models/qwen3_moe ``Qwen3MoeTopKRouter``): softmax over
+    all experts in fp32, top-k, then renormalise when ``norm_topk_prob``. megatron's
+    ``topk_routing_with_score_function`` (transformer/moe/moe_utils.py) with
+    ``moe_router_pre_softmax=False`` takes the top-k logits and softmaxes them, which equals
+    the renormalised top-k of the full softmax; ``pre_softmax=True`` is the top-k of the full
+    softmax unnormalised (``norm_topk_prob=False``). Dropless (no capacity factor), no
+    grouped GEMM (SequentialMLP experts, exact in fp32 on CPU); the alltoall dispatcher is
+    already set for dense models (``transformer_config``). Aux loss: ``model.moe_aux_loss_coeff``
+    (0, off, by default: HF computes none without ``output_router_logits``)."""
+    if not spec.is_moe:
+        return {}
+    coeff = model_cfg.moe_aux_loss_coeff
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
+        moe_aux_loss_coeff=coeff,
+        moe_grouped_gemm=False,
+        # Qwen2-MoE's shared expert: sigmoid(x @ gate) * MLP(x), added to the routed output
+        # (transformer/moe/shared_experts.py SharedExpertMLP with gate=True).
+        moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=bool(spec.shared_expert_ffn_hidden_size),
     )
 
 
@@ -167,9 +203,15 @@ def layer_spec(spec: ModelSpec, impl: str, local_attention: str = "sdpa"):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    experts = spec.num_experts or None
     if impl == "transformer_engine":
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    layers = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_norm
+        )
+    layers = get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_norm,
+        normalization="RMSNorm",
+    )  # fmt: skip
     if local_attention == "sdpa":
         # the spec is built fresh by each call: replacing its submodule touches nothing shared
         layers.submodules.self_attention.submodules.core_attention = SDPAttention

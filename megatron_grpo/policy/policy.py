@@ -61,7 +61,7 @@ import torch.distributed as dist
 from megatron_grpo.config.schema import ConfigError, ModelConfig, OptimConfig
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec
-from megatron_grpo.policy.batching import PackedRows, split_batch
+from megatron_grpo.policy.batching import PackedRows, check_expert_ranks_agree, split_batch
 from megatron_grpo.policy.checkpoint_state import load_sharded_state, sharded_state
 from megatron_grpo.policy.logprob import token_logprobs
 from megatron_grpo.policy.lr_schedule import LRSchedule
@@ -178,6 +178,7 @@ class Policy:
 
     def _run_schedule(self, mbs: list, step_fn: Callable, forward_only: bool) -> list:
         num_mb = len(mbs)
+        check_expert_ranks_agree(num_mb, self.ctx.ep_group, self.ctx.ep)
         if self.ctx.vpp and num_mb % self.ctx.pp:
             raise ValueError(
                 f"{num_mb} micro-batches with parallel.vpp={self.ctx.vpp}: megatron's "

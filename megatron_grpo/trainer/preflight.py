@@ -15,8 +15,10 @@ from pathlib import Path
 from megatron_grpo.config import Config, ConfigError
 from megatron_grpo.data import build_prompt_source
 from megatron_grpo.distributed.placement import validate_world
+from megatron_grpo.distributed.setup import check_experts
 from megatron_grpo.models.prepare import check_model_path
-from megatron_grpo.models.spec import check_heads, load_spec
+from megatron_grpo.models.shapes import resolve_spec
+from megatron_grpo.models.spec import ModelSpec, check_heads, load_spec
 from megatron_grpo.rewards import check_reward
 
 
@@ -30,6 +32,7 @@ def check_run(cfg: Config, world_size: int) -> int:
             check_heads(load_spec(hf), cfg.parallel.tp, cfg.rollout.tp)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    check_moe(resolve_spec(cfg.model.hf_path)[0], cfg)
     data = cfg.data
     if data.template == "chat":  # needs the model's tokenizer: checked when it is loaded
         data = dataclasses.replace(data, template="{prompt}")
@@ -46,3 +49,15 @@ def check_run(cfg: Config, world_size: int) -> int:
     except (ValueError, KeyError) as e:
         raise ConfigError(str(e).strip().splitlines()[0] if str(e).strip() else repr(e)) from e
     return engines
+
+
+def check_moe(spec: ModelSpec, cfg: Config) -> None:
+    """The expert split (``parallel.ep``), then the part of MoE training not built yet: the
+    policy trains a Qwen3-MoE model (docs/moe.md), but vLLM cannot receive its experts."""
+    check_experts(spec, cfg.parallel.ep, cfg.parallel.tp)
+    if spec.is_moe:
+        raise ConfigError(
+            f"model.hf_path={cfg.model.hf_path!r} is a mixture-of-experts model "
+            f"({spec.architecture}): the Megatron policy trains it, but the weight sync to "
+            "vLLM does not carry experts yet (issue 32, docs/moe.md): train a dense model."
+        )
