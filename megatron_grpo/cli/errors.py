@@ -23,6 +23,7 @@ PEER_WAIT_S = 60.0
 # What a launcher sends to stop a rank: torchrun SIGTERM (its --signals-to-handle passes
 # SIGINT / SIGHUP on), srun --kill-on-bad-exit SIGTERM.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_previous: dict = {}  # the stop handlers exit_2_when_stopped replaced
 
 
 @contextlib.contextmanager
@@ -34,17 +35,16 @@ def exit_on_user_error(alike_on_every_rank: bool = False):
     be missing on one node only), unless ``alike_on_every_rank``: the checks inside reach
     the same verdict on every rank (``train``'s preflight), and rank 0 alone prints.
     A rank other than 0 with such an error does not exit first (its launcher would stop
-    rank 0 before it printed): it waits to be stopped, and any rank of a multi-rank job
-    that is stopped while the checks inside run exits 2 too, so the ranks' codes agree."""
+    rank 0 before it printed): it waits to be stopped, and then exits 2 (the handlers of
+    :func:`exit_2_when_stopped`)."""
     from megatron_grpo.models.spec import UnsupportedModelError
 
-    previous = _exit_2_when_stopped() if alike_on_every_rank else {}
     try:
         yield
     except (ConfigError, UnsupportedModelError, FileNotFoundError) as e:
         if (alike_on_every_rank or isinstance(e, ConfigError)) and _rank() != 0:
             _report(e, to_console=False)
-            _wait_to_be_stopped(e)
+            _wait_to_be_stopped()
         _report(e, to_console=True)
         sys.exit(2)
     except Exception as e:
@@ -54,10 +54,27 @@ def exit_on_user_error(alike_on_every_rank: bool = False):
             raise
         _report(e, to_console=True)
         sys.exit(1)
-    finally:
-        for sig, handler in previous.items():
-            if handler is not None:  # None: set outside Python, cannot be put back
-                signal.signal(sig, handler)
+
+
+def exit_2_when_stopped() -> None:
+    """In a rank of a multi-rank job (WORLD_SIZE > 1), from now until :func:`stop_as_usual`,
+    a stop signal ends the rank with exit 2, the code of a refusal, instead of -15: when
+    rank 0 refuses, torchrun stops the others, wherever their checks are. ``megatron-grpo``
+    calls it first thing; elsewhere (one process) it does nothing."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or _previous:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    _previous.update({sig: signal.signal(sig, _stopped) for sig in STOP_SIGNALS})
+
+
+def stop_as_usual() -> None:
+    """Put back the stop handlers :func:`exit_2_when_stopped` replaced: the checks passed
+    (the trainer installs its own, trainer/checkpointer.py)."""
+    for sig, handler in _previous.items():
+        if handler is not None:  # None: set outside Python, cannot be put back
+            signal.signal(sig, handler)
+    _previous.clear()
 
 
 @contextlib.contextmanager
@@ -81,18 +98,7 @@ def _stopped(signum, frame) -> None:
     os._exit(2)  # the refusal's code; no teardown: nothing has been started yet
 
 
-def _exit_2_when_stopped() -> dict:
-    """In a rank of a multi-rank job: make a stop signal end it with exit 2 (a refusal),
-    not -15, and return the handlers it replaced; {} elsewhere (one process: no launcher
-    stops it for another rank's refusal)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        return {}
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {sig: signal.signal(sig, _stopped) for sig in STOP_SIGNALS}
-
-
-def _wait_to_be_stopped(e: BaseException) -> None:
+def _wait_to_be_stopped() -> None:
     """A rank other than 0 refused: wait for the launcher to stop it (exit 2, silently),
     which it does once rank 0, refusing too, has printed the line and exited; past
     ``PEER_WAIT_S`` return, and the caller prints the line from this rank."""
