@@ -95,7 +95,9 @@ def _rank() -> int:
 def _stopped(signum, frame) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(2)  # the refusal's code; no teardown: nothing has been started yet
+    # The refusal's code. No teardown: in the checks nothing has started; after them (a
+    # refusal while building) vLLM and gloo threads may hold the interpreter at exit.
+    os._exit(2)
 
 
 def _wait_to_be_stopped() -> None:
