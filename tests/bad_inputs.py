@@ -23,6 +23,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "errors.md"
+LAUNCHED_HEADING = "## Launched as a user launches them"
+# The test-only hook that holds back a chosen rank's checks (its sitecustomize.py).
+DELAY_SITE = ROOT / "tests" / "rank_delay_site"
+DELAY_VAR = "MEGATRON_GRPO_TEST_RANK_DELAY"
+# Under torchrun the cases run with rank 0's checks held back this long: rank 1 refuses
+# first, the order in which torchrun used to stop rank 0 before it printed (issue 34).
+RANK0_LATE = {0: 1.0, 1: 0.0}
 
 FILES = {
     "bad.yaml": "grpo:\n  group_size: 4\n  oops: [1, 2\nsteps: 3\n",
@@ -269,14 +276,35 @@ def snapshot(tmp: Path) -> dict[str, tuple[int, int] | None]:
     return out
 
 
+def delay_env(env: dict[str, str], delays: dict[int, float]) -> dict[str, str]:
+    """``env`` with the test-only hook tests/rank_delay_site on PYTHONPATH, delaying global
+    rank r's checks by ``delays[r]`` seconds (its docstring says how)."""
+    path = [str(DELAY_SITE), str(ROOT), env.get("PYTHONPATH")]
+    spec = ",".join(f"{r}:{s}" for r, s in delays.items())
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, path)), DELAY_VAR: spec}
+
+
+def exit_codes(report: list[str]) -> tuple[dict[int, int], int | None]:
+    """From torchrun's failure report: {global rank: exit code} of every rank it lists, and
+    the rank of its root cause (the first failure it saw; None without a report)."""
+    text = "\n".join(report)
+    found = re.findall(r"rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+)", text)
+    codes = {int(r): int(c) for r, c in found}
+    root = re.search(r"Root Cause.*\n(?:.*\n)*?\s*rank\s*:\s*(\d+)", text)
+    return codes, int(root.group(1)) if root else None
+
+
 def run_launched(
-    launcher: str, argv: list[str], tmp: Path, timeout: int = 240
+    launcher: str, argv: list[str], tmp: Path, timeout: int = 240, delays: dict | None = None
 ) -> tuple[int, list[str], list[str]]:
     """(exit code of the launcher, the lines the ranks print, torchrun's lines after them)
-    of ``argv`` launched by ``launcher`` in a subprocess, in ``tmp`` ($TMP)."""
+    of ``argv`` launched by ``launcher`` in a subprocess, in ``tmp`` ($TMP); ``delays``:
+    seconds each global rank's checks are held back (:func:`delay_env`)."""
     argv = [a.replace("$TMP", str(tmp)) for a in argv]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    if delays:
+        env = delay_env(env, delays)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # a launch from a shell, not from inside another job
     # Output to a file, not a pipe: a process left holding a pipe would block the reader.
@@ -299,20 +327,29 @@ def run_launched(
 def run_all_launched(tmp: Path) -> list[tuple[str, str, list[str], int, list[str], list[str]]]:
     """Each ``LAUNCHED`` case: (what, launcher, argv, exit, ranks' lines, torchrun's lines).
     Needs ``make_files(tmp)`` and ``$TMP/ro`` made read-only (``read_only_dir``)."""
-    return [(w, how, argv, *run_launched(how, argv, tmp)) for w, how, argv in LAUNCHED]
+    return [
+        (
+            w,
+            how,
+            argv,
+            *run_launched(how, argv, tmp, delays=RANK0_LATE if how == "torchrun" else None),
+        )
+        for w, how, argv in LAUNCHED
+    ]
 
 
 def launched_table(results: list[tuple[str, str, list[str], int, list[str], list[str]]]) -> str:
     rows = [
-        "## Launched as a user launches them",
+        LAUNCHED_HEADING,
         "",
         "The same, in a subprocess the way a run is started: under torchrun with two ranks",
         "(`torchrun --standalone --nproc-per-node=2 -m megatron_grpo.cli.main ...`), each rank",
         "its own process, or `train` as one process, which starts torchrun itself once its",
-        "checks pass. Every rank makes every check and exits 2 on its own; rank 0 prints the",
-        "line. Under torchrun, torchrun's failure report follows it (not shown) and torchrun",
-        "exits 1; no rank prints a traceback, and nothing under `$TMP` is created or changed.",
-        "`$TMP/ro` is a read-only directory.",
+        "checks pass. Under torchrun rank 0's checks are held back a second (rank 1 refuses",
+        "first); every rank makes every check, rank 0 prints the line, every rank exits 2",
+        "(above), torchrun's failure report follows (not shown) and torchrun exits 1; no rank",
+        "prints a traceback, and nothing under `$TMP` is created or changed. `$TMP/ro` is a",
+        "read-only directory.",
         "",
         "| # | input | launch | command | exit | what the ranks print |",
         "|---|---|---|---|---|---|",
@@ -325,8 +362,12 @@ def launched_table(results: list[tuple[str, str, list[str], int, list[str], list
 
 
 def document(results: list, launched: list) -> str:
-    """docs/errors.md: the in-process table, then the launched one."""
-    return table(results) + "\n" + launched_table(launched)
+    """docs/errors.md: the in-process table, the hand-written sections between the two
+    tables (kept as docs/errors.md has them), then the launched table."""
+    old = DOC.read_text() if DOC.is_file() else ""
+    start, end = old.find("\n## "), old.find("\n" + LAUNCHED_HEADING)
+    notes = old[start + 1 : end + 1] if 0 <= start < end else ""
+    return table(results) + "\n" + notes + launched_table(launched)
 
 
 if __name__ == "__main__":

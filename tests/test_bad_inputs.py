@@ -4,18 +4,24 @@ engine starts; docs/errors.md is the table those runs produce."""
 from __future__ import annotations
 
 import contextlib
-import re
+import os
+import random
 import subprocess
+import sys
 
 import pytest
 
 from tests.bad_inputs import (
     DOC,
+    RANK0_LATE,
+    ROOT,
+    exit_codes,
     launched_table,
     make_files,
     read_only_dir,
     run_all,
     run_all_launched,
+    run_launched,
     snapshot,
     table,
 )
@@ -55,9 +61,41 @@ def test_launched_bad_inputs_are_one_line_on_every_rank_and_touch_nothing(tmp_pa
         if how == "one process":
             assert rc == 2 and not report, case
         else:  # torchrun exits 1 when a rank fails; each rank's own status is in its report
-            codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", "\n".join(report))]
-            assert rc == 1 and codes, case
-            assert all(c == 2 or c < 0 for c in codes), case  # < 0: stopped by torchrun
+            assert rc == 1 and exit_codes(report) == ({0: 2, 1: 2}, 0), case
     assert DOC.read_text().endswith("\n" + launched_table(results)), (
         "docs/errors.md is stale: python -m tests.bad_inputs"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_torchrun_refusal_prints_one_line_whichever_rank_refuses_first(tmp_path):
+    """README's launch with a value every rank rejects, 20 times, each rank's checks held
+    back a random 0-1 s (tests/rank_delay_site; the first launch holds rank 0 back, the
+    order that lost the line in issue 34): every time the one line, printed once, and
+    every rank's exit code in torchrun's report is 2, rank 0 the first failure."""
+    rng = random.Random(34)
+    plans = [RANK0_LATE] + [{r: round(rng.uniform(0, 1), 2) for r in (0, 1)} for _ in range(19)]
+    argv = ["train", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "grpo.group_size=-4"]
+    for delays in plans:
+        rc, lines, report = run_launched("torchrun", argv, tmp_path, timeout=120, delays=delays)
+        case = (delays, rc, lines, report[-30:])
+        assert lines == ["error: grpo.group_size=-4 must be > 0."], case
+        assert rc == 1 and exit_codes(report) == ({0: 2, 1: 2}, 0), case
+    assert not any(tmp_path.iterdir()), "a refused launch wrote into its working directory"
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_left_waiting_prints_the_line_itself(tmp_path):
+    """A rank other than 0 that refuses and is never stopped (rank 0 reached another
+    verdict, e.g. a file missing on its node only) prints the line itself once its wait
+    (PEER_WAIT_S, 0.5 s here) is over, and exits 2: a refusal is never silent."""
+    code = (
+        "import sys; from megatron_grpo.cli import errors, main; errors.PEER_WAIT_S = 0.5; "
+        "sys.exit(main.main(sys.argv[1:]))"
+    )
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-c", code, "train", "grpo.group_size=-4"]
+    out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50)
+    assert out.returncode == 2, out
+    assert out.stdout + out.stderr == "error: grpo.group_size=-4 must be > 0.\n", out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from tests.bad_inputs import RANK0_LATE, delay_env, exit_codes
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_SLURM = REPO / "tests" / "fake_slurm"
@@ -233,6 +236,42 @@ def test_disaggregated_template_splits_nodes(slurm_env, tmp_path: Path) -> None:
     assert rc == 0, log[-4000:]
     assert _steps(Path(env["RUN_DIR"])) == [1, 2, 3]
     assert _requeued(env) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("template", list(LAYOUTS))
+def test_refused_job_prints_one_line_whichever_rank_refuses_first(
+    template: str, slurm_env, tmp_path: Path
+) -> None:
+    """A bad input that reaches the ranks of a job, 5 times per template, each rank's checks
+    held back at random (tests/rank_delay_site): the job log holds the one line once, the
+    job exits 1 (srun's status: torchrun's), and every rank torchrun reports exited 2,
+    rank 0 first. The first job is the one a user gets: RUN_DIR is a file, which the
+    preflight plan (it reads no paths) lets through, with rank 0 held back; the others skip
+    the plan (PREFLIGHT=0) so a config value is refused by the ranks, cheaply."""
+    env, jobs = slurm_env
+    nodes, gpus = LAYOUTS[template]
+    (tmp_path / "afile").write_text("x")
+    env["GPUS_PER_NODE"] = str(gpus)
+    rng = random.Random(34)
+    runs = [(RANK0_LATE, str(tmp_path / "afile"), "1", [], "error: run_dir=")]
+    for _ in range(4):
+        delays = {r: round(rng.uniform(0, 1), 2) for r in range(nodes * gpus)}
+        runs.append((delays, env["RUN_DIR"], "0", ["grpo.group_size=-4"], "error: grpo.group_"))
+    for i, (delays, run_dir, preflight, args, line) in enumerate(runs):
+        job_env = {**delay_env(env, delays), "RUN_DIR": run_dir, "PREFLIGHT": preflight}
+        job = Job([f"--nodes={nodes}", template, *args], job_env, tmp_path / f"job{i}.log")
+        jobs.append(job)
+        rc = job.wait(300)
+        log = job.text()
+        case = (delays, preflight, rc, log[-3000:])
+        assert sum(line in x for x in log.splitlines()) == 1, case
+        assert rc == 1 and "srun step exited with status 1" in log, case
+        assert "megatron_grpo/cli" not in log, case  # no rank printed a traceback
+        codes, root = exit_codes(log.splitlines())
+        assert root == 0 and codes and set(codes.values()) == {2}, case
+    assert not Path(env["RUN_DIR"]).exists()
 
 
 def test_template_outside_slurm_fails_clearly(tmp_path: Path) -> None:

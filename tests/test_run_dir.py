@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -65,12 +66,23 @@ def _enter_read_only(stack, path):
         pytest.skip(f"cannot make a read-only directory here (root without mount rights): {e}")
 
 
+# Rank 1 as a test runs it: ``megatron-grpo`` with a file made once rank 1 waits to be
+# stopped (cli/errors.py), so the test, playing torchrun, stops it then.
+WAITING = (
+    "import sys; from megatron_grpo.cli import errors, main; wait = errors._wait_to_be_stopped; "
+    "mark = sys.argv.pop(1); errors._wait_to_be_stopped = lambda: (open(mark, 'w').close(), "
+    "wait()); sys.exit(main.main(sys.argv[1:]))"
+)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("run_dir", ["afile", "ro/run"])
 def test_every_rank_refuses_a_bad_run_dir_by_itself(tmp_path, run_dir):
     """Both ranks as torchrun starts them (each its own process, RANK, WORLD_SIZE and
-    MASTER_* set), each run to its own end, no agent stopping the slower one: each exits 2,
-    rank 0 alone prints the one line, no traceback, nothing is created or changed."""
+    MASTER_* set), the test playing torchrun: rank 0 refuses and exits 2 by itself with the
+    one line; rank 1 refuses too, prints nothing and waits until it is stopped (SIGTERM,
+    as torchrun stops the other ranks when one exits), then exits 2; no traceback, nothing
+    is created or changed."""
     (tmp_path / "afile").write_text("x")
     why = {
         "afile": "is a file, not a directory: pass --run-dir a directory path (it is created "
@@ -81,8 +93,12 @@ def test_every_rank_refuses_a_bad_run_dir_by_itself(tmp_path, run_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WORLD_SIZE": "2",
            "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "megatron_grpo.cli.main", "train", "--run-dir",
-           str(tmp_path / run_dir)]  # fmt: skip
+    args = ["train", "--run-dir", str(tmp_path / run_dir)]
+    waiting = tmp_path.parent / f"{tmp_path.name}.rank1.waiting"
+    cmds = [
+        [sys.executable, "-m", "megatron_grpo.cli.main", *args],
+        [sys.executable, "-c", WAITING, str(waiting), *args],
+    ]
     logs = [tmp_path.parent / f"{tmp_path.name}.rank{r}.log" for r in range(2)]
     with contextlib.ExitStack() as stack:
         if run_dir.startswith("ro/"):
@@ -92,10 +108,14 @@ def test_every_rank_refuses_a_bad_run_dir_by_itself(tmp_path, run_dir):
         for r, log in enumerate(logs):
             with open(log, "w") as fh:
                 rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
-                procs.append(subprocess.Popen(cmd, env=rank_env, stdout=fh,
+                procs.append(subprocess.Popen(cmds[r], env=rank_env, stdout=fh,
                                               stderr=subprocess.STDOUT))  # fmt: skip
         try:
-            codes = [p.wait(timeout=240) for p in procs]
+            codes = [procs[0].wait(timeout=240)]
+            while not waiting.exists() and procs[1].poll() is None:
+                time.sleep(0.1)
+            procs[1].terminate()  # what torchrun does once rank 0 has exited
+            codes.append(procs[1].wait(timeout=60))
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -103,7 +123,7 @@ def test_every_rank_refuses_a_bad_run_dir_by_itself(tmp_path, run_dir):
                     p.wait()
         after = snapshot(tmp_path)
     out = [log.read_text() for log in logs]
-    assert codes == [2, 2], out
+    assert codes == [2, 2] and waiting.exists(), out
     assert out == [f"error: run_dir={str(tmp_path / run_dir)!r} {why}\n", ""]
     assert after == before
 

@@ -1,12 +1,29 @@
-"""User errors end the command with one clear line and a non-zero exit, no traceback."""
+"""User errors end the command with one clear line and a non-zero exit, no traceback.
+
+Under torchrun each rank makes the same checks; how the ranks of a refused launch print
+one line and agree on their exit code is explained in docs/errors.md ("Under torchrun").
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
+import time
 
 from megatron_grpo.config import ConfigError
+
+# A rank other than 0 that refuses waits this long for its launcher to stop it; rank 0
+# refuses too and exits at once, and torchrun stops the other ranks within its monitor
+# interval (0.1 s). A rank still waiting after it prints the line itself: rank 0 did not
+# refuse (a file missing on this node only), and the message must not be lost.
+PEER_WAIT_S = 60.0
+# What a launcher sends to stop a rank: torchrun SIGTERM (its --signals-to-handle passes
+# SIGINT / SIGHUP on), srun --kill-on-bad-exit SIGTERM.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_previous: dict = {}  # the stop handlers exit_2_when_stopped replaced
 
 
 @contextlib.contextmanager
@@ -16,19 +33,48 @@ def exit_on_user_error(alike_on_every_rank: bool = False):
     The same config on every rank gives the same ConfigError: the console shows rank 0's.
     A missing file or an unsupported model is shown by every rank that meets it (it may
     be missing on one node only), unless ``alike_on_every_rank``: the checks inside reach
-    the same verdict on every rank (``train``'s preflight), and rank 0 alone prints."""
+    the same verdict on every rank (``train``'s preflight), and rank 0 alone prints.
+    A rank other than 0 with such an error does not exit first (its launcher would stop
+    rank 0 before it printed): it waits to be stopped, and then exits 2 (the handlers of
+    :func:`exit_2_when_stopped`)."""
     from megatron_grpo.models.spec import UnsupportedModelError
-    from megatron_grpo.rollout.interface import RolloutFailure
 
     try:
         yield
     except (ConfigError, UnsupportedModelError, FileNotFoundError) as e:
-        alike = alike_on_every_rank or isinstance(e, ConfigError)
-        _report(e, to_console=not alike or _rank() == 0)
+        if (alike_on_every_rank or isinstance(e, ConfigError)) and _rank() != 0:
+            _report(e, to_console=False)
+            _wait_to_be_stopped()
+        _report(e, to_console=True)
         sys.exit(2)
-    except RolloutFailure as e:
+    except Exception as e:
+        from megatron_grpo.rollout.interface import RolloutFailure  # imports torch: only here
+
+        if not isinstance(e, RolloutFailure):
+            raise
         _report(e, to_console=True)
         sys.exit(1)
+
+
+def exit_2_when_stopped() -> None:
+    """In a rank of a multi-rank job (WORLD_SIZE > 1), from now until :func:`stop_as_usual`,
+    a stop signal ends the rank with exit 2, the code of a refusal, instead of -15: when
+    rank 0 refuses, torchrun stops the others, wherever their checks are. ``megatron-grpo``
+    calls it first thing; elsewhere (one process) it does nothing."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or _previous:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    _previous.update({sig: signal.signal(sig, _stopped) for sig in STOP_SIGNALS})
+
+
+def stop_as_usual() -> None:
+    """Put back the stop handlers :func:`exit_2_when_stopped` replaced: the checks passed
+    (the trainer installs its own, trainer/checkpointer.py)."""
+    for sig, handler in _previous.items():
+        if handler is not None:  # None: set outside Python, cannot be put back
+            signal.signal(sig, handler)
+    _previous.clear()
 
 
 @contextlib.contextmanager
@@ -46,11 +92,32 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def _stopped(signum, frame) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The refusal's code. No teardown: in the checks nothing has started; after them (a
+    # refusal while building) vLLM and gloo threads may hold the interpreter at exit.
+    os._exit(2)
+
+
+def _wait_to_be_stopped() -> None:
+    """A rank other than 0 refused: wait for the launcher to stop it (exit 2, silently),
+    which it does once rank 0, refusing too, has printed the line and exited; past
+    ``PEER_WAIT_S`` return, and the caller prints the line from this rank."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _stopped)
+    time.sleep(PEER_WAIT_S)
+
+
 def _report(e: BaseException, to_console: bool) -> None:
     """``error: <message>`` on the console, and in train.log when output is captured."""
-    from megatron_grpo.metrics.console import console_err, log_path
-
-    if log_path() is not None:
+    # Output is captured only by metrics.console (capture()); a refusal before anything
+    # loaded it must not load it now: it imports torch, seconds of a refused launch.
+    console = sys.modules.get("megatron_grpo.metrics.console")
+    if console is not None and console.log_path() is not None:
         print(f"error: {e}", file=sys.stderr, flush=True)
     if to_console:
-        print(f"error: {e}", file=console_err(), flush=True)
+        err = console.console_err() if console is not None else sys.stderr
+        print(f"error: {e}", file=err, flush=True)

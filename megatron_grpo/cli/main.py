@@ -11,6 +11,8 @@ import importlib
 import sys
 import warnings
 
+from megatron_grpo.cli.errors import exit_2_when_stopped, stop_as_usual
+
 # module path -> subcommand name; modules are imported lazily so `--help` stays fast.
 SUBCOMMANDS = {
     "megatron_grpo.cli.train_cmd": "train",
@@ -40,9 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # First thing: a rank torchrun stops while its checks run exits 2 (cli/errors.py).
+    exit_2_when_stopped()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command != "train":  # train sends library output to train.log (console.py)
+        stop_as_usual()  # and is the one command whose ranks make checks under torchrun
         # megatron-core warns at import that it falls back from Transformer Engine / Apex to
         # its local implementation: expected on CPU, noise next to a command's one line.
         warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")

@@ -53,13 +53,14 @@ def run(args: argparse.Namespace) -> int:
     Off-policy GRPO: rollouts from vLLM serving a policy that is refreshed every v steps,
     Megatron-core training. Settings come from the config file, then key=value overrides
     (dotted keys, e.g. grpo.group_size=16)."""
-    from megatron_grpo.cli.errors import exit_on_user_error
+    from megatron_grpo.cli.errors import exit_on_user_error, stop_as_usual
     from megatron_grpo.config import load_config
 
     rank = int(os.environ.get("RANK", "0"))
     # Every rank makes every check and reaches the same verdict (trainer/run_dir.py) before
-    # any rank writes: a refused run exits 2 on each rank, rank 0 prints the one line, and
-    # the run directory is left as it was.
+    # any rank writes: a refused run exits 2 on each rank, rank 0 prints the one line (the
+    # others wait for torchrun to stop them: docs/errors.md), and the run directory is left
+    # as it was.
     with exit_on_user_error(alike_on_every_rank=True):
         cfg = load_config(args.config, overrides_from_args(args))
         from megatron_grpo.distributed.spawn import ranks_needed, run_under_torchrun
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         nproc = ranks_needed(cfg) if spawn else int(os.environ.get("WORLD_SIZE", "1"))
         if cfg.rollout.placement == "colocated":
             check_run(cfg, nproc)  # every check that can fail, before any rank or model
+    stop_as_usual()  # checked: a stop from now on is not a refusal (cli/errors.py)
     with exit_on_user_error():
         if rank == 0:
             clear_run_dir(stale)  # --overwrite, once everything else has been checked
