@@ -16,14 +16,13 @@ Batch contract (every rank of a DP replica passes the same batch; DP ranks pass 
 Outputs are position-aligned with ``input_ids``: ``logp[b, t] = log p(input_ids[b, t] |
 input_ids[b, <t])`` for t >= 1 and 0 at t = 0, so a token's log-prob sits at the token's
 own index, like ``loss_mask``. ``entropy[b, t]`` is the entropy of that same predictive
-distribution. Both are computed from the TP-sharded logits without gathering the vocabulary
-(``megatron_grpo.policy.logprob``) and exclude megatron's vocabulary padding.
+distribution. Both come from ``policy.scoring`` (``model.logprob_impl``) on the last stage,
+over the real vocabulary (megatron's padding excluded), never gathering it over TP.
 
 Temperature: a policy built with ``temperature=T`` scores ``softmax(logits / T)``, the
 distribution vLLM samples from at ``rollout.temperature = T`` (before top-k/top-p, which the
-config refuses for training), as TRL's and verl's trainers do. The vocab-parallel log-prob
-function divides each fp32 chunk of this rank's logits shard by T (``policy.logprob``), so
-no divided copy of the [tokens, vocab/tp] logits is made; T=1 divides nothing.
+config refuses for training), as TRL's and verl's trainers do. Scoring divides each fp32
+chunk of logits by T, so no divided copy of them is made; T=1 divides nothing.
 
 Loss contract
 -------------
@@ -63,7 +62,6 @@ from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.policy.batching import PackedRows, split_batch
 from megatron_grpo.policy.checkpoint_state import load_sharded_state, sharded_state
-from megatron_grpo.policy.logprob import token_logprobs
 from megatron_grpo.policy.lr_schedule import LRSchedule
 from megatron_grpo.policy.model_builder import (
     build_model,
@@ -75,6 +73,7 @@ from megatron_grpo.policy.optimizer import (
     finalize_grads_without_token_scaling,
     setup_training,
 )
+from megatron_grpo.policy.scoring import Scoring
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -115,6 +114,13 @@ class Policy:
         self.config.finalize_model_grads_func = finalize_grads_without_token_scaling
         self.vocab_size = spec.vocab_size
         self.vocab_per_rank = padded_vocab_size(spec, ctx, model_cfg) // ctx.tp
+        # hidden states -> logp, entropy on the last stage (model.logprob_impl; policy.scoring)
+        self.scoring = Scoring(
+            model_cfg.logprob_impl,
+            vocab_start=ctx.tp_rank * self.vocab_per_rank,
+            vocab_size=self.vocab_size,
+            tp_group=ctx.tp_group,
+        )
         self.trainable = optim_cfg is not None
         self._forward_backward = get_forward_backward_func()
         self.nan_steps_in_row = 0
@@ -189,21 +195,21 @@ class Policy:
         )
 
     def _schedule_step(self, score: LossFn) -> Callable:
-        """megatron's ``forward_step_func`` for one micro-batch: the model's logits, and a
-        reduction that scores them (``logp``, ``entropy`` [n, L] of the padded rows) and
-        hands them with the micro-batch's tensors, moved to the logits' device, to
-        ``score(logp, entropy, mb) -> (loss, reduced)``."""
+        """megatron's ``forward_step_func`` for one micro-batch: the model's output (logits or
+        hidden states, ``self.scoring``), and a reduction that scores it (``logp``,
+        ``entropy`` [n, L] of the padded rows) and hands them with the micro-batch's tensors,
+        moved to the output's device, to ``score(logp, entropy, mb) -> (loss, reduced)``."""
 
         def step(data_iterator, model):
             mb, pack = next(data_iterator)
             out = self._model_forward(model, mb, pack)
 
-            def reduce(logits):
+            def reduce(out):
                 dev_mb = {
-                    k: (v.to(logits.device) if isinstance(v, torch.Tensor) else v)
+                    k: (v.to(out.device) if isinstance(v, torch.Tensor) else v)
                     for k, v in mb.items()
                 }
-                logp, ent = self._row_logp_entropy(logits, dev_mb, pack)
+                logp, ent = self._row_logp_entropy(out, dev_mb, pack)
                 loss, reduced = score(logp, ent, dev_mb)
                 return loss, torch.tensor(1, dtype=torch.int), reduced
 
@@ -211,38 +217,34 @@ class Policy:
 
         return step
 
-    def _logp_entropy(self, logits: torch.Tensor, input_ids: torch.Tensor):
+    def _logp_entropy(self, out, input_ids: torch.Tensor):
         # the temperature divides each fp32 chunk inside: no divided copy of the logits
-        return token_logprobs(
-            logits,
-            input_ids,
-            vocab_start=self.ctx.tp_rank * self.vocab_per_rank,
-            vocab_size=self.vocab_size,
-            group=self.ctx.tp_group,
-            temperature=self.temperature,
-        )
+        return self.scoring.token_logprobs(out, input_ids, self.temperature)
 
     def _model_forward(self, model, mb: Batch, pack: PackedRows | None) -> torch.Tensor:
-        """Logits [n, L, V/tp] of the padded rows, or [1, T, V/tp] of the pack."""
+        """The last stage's output (``self.scoring``: logits [n, L, V/tp] or hidden states) of
+        the padded rows, or of the pack ([1, T, ...])."""
         if pack is not None:
             ids = pack.input_ids.to(self.ctx.device)
             # position_ids feed only learned absolute embeddings; RoPE takes each document's
             # positions from cu_seqlens (megatron/core/transformer/attention.py).
             positions = torch.zeros_like(ids)
             params = pack.packed_seq_params(self.ctx.device)
-            return model(ids, positions, None, packed_seq_params=params)
+            return model(
+                ids, positions, None, packed_seq_params=params, **self.scoring.forward_kwargs
+            )
         ids = mb["input_ids"].to(self.ctx.device)
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         # attention_mask=None: the local/TE core attention applies its causal mask
         # (AttnMaskType.causal in the GPT layer spec).
-        return model(ids, positions, None)
+        return model(ids, positions, None, **self.scoring.forward_kwargs)
 
-    def _row_logp_entropy(self, logits: torch.Tensor, mb: Batch, pack: PackedRows | None):
+    def _row_logp_entropy(self, out, mb: Batch, pack: PackedRows | None):
         """``logp``, ``entropy`` [n, L] of the micro-batch's rows, position-aligned."""
-        ids = mb["input_ids"].to(logits.device)
+        ids = mb["input_ids"].to(out.device)
         if pack is None:
-            return self._logp_entropy(logits, ids)
-        logp, ent = self._logp_entropy(logits, pack.input_ids.to(logits.device))
+            return self._logp_entropy(out, ids)
+        logp, ent = self._logp_entropy(out, pack.input_ids.to(out.device))
         return pack.unpack(logp, ids.shape), pack.unpack(ent, ids.shape)
 
     def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
