@@ -16,8 +16,9 @@ The two sides (docs/benchmarks.md, "bench train"):
 Both start from the same weights: the project's initial weights are converted to HF names
 by ``layouts.io.gather_hf_state_dict`` and loaded into the HF model, so the log-prob pass of
 the two sides must agree (``logprob_parity`` in the result; fp32 on CPU agrees to ~1e-6).
-Both compute log-probs and entropies with the same function (``policy.logprob.token_logprobs``)
-and the same GRPO loss (``algorithms.aggregation.make_loss_fn``: clipped surrogate, k3 KL,
+Both compute log-probs and entropies chunked over the vocabulary (the project through
+``policy.scoring``, fused by default; the HF side from its logits with
+``policy.logprob.token_logprobs``) and the same GRPO loss (``algorithms.aggregation.make_loss_fn``: clipped surrogate, k3 KL,
 token-mean), so the comparison isolates the model, its attention, and the optimizer.
 
 The batch (``make_batch``): ``rows`` sequences, prompts of ~``prompt_len`` tokens (uniform in
