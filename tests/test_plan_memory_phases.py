@@ -83,7 +83,7 @@ def test_no_sleep_does_not_fit_and_is_refused(config, preset, capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--config", str(REPO / "configs" / config), "--preset", preset,
               "--nodes", "1", "--gpus-per-node", "8", "rollout.sleep_between_rollouts=false",
-              # the logits path: with the fused scoring the 1.5B plan fits (77.2 of 80 GiB)
+              # the logits path: with the fused scoring the 1.5B plan fits (76.5 of 80 GiB)
               "model.logprob_impl=logits"])  # fmt: skip
     assert e.value.code == 2
     err = capsys.readouterr().err

@@ -117,7 +117,8 @@ def test_fused_equals_logits_path_over_a_tp_group():
 
 
 class OpCount(TorchDispatchMode):
-    """aten ops run inside the mode, and how many of their outputs are [>= rows, >= cols]."""
+    """aten ops run inside the mode, and how many of their outputs are [..., cols] with at
+    least ``rows`` rows (a [tokens, vocab] tensor when ``cols`` is the vocabulary)."""
 
     def __init__(self, rows: int, cols: int) -> None:
         super().__init__()
@@ -128,8 +129,8 @@ class OpCount(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.ops[func.__name__] += 1
         outs = out if isinstance(out, (tuple, list)) else [out]
-        self.wide += sum(isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] >= self.rows
-                         and t.shape[1] >= self.cols for t in outs)  # fmt: skip
+        self.wide += sum(isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.cols
+                         and t.numel() >= self.rows * self.cols for t in outs)  # fmt: skip
         return out
 
 
