@@ -228,6 +228,10 @@ def hf_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("variant", ["tied", "untied"])
 def test_fused_policy_equals_logits_policy(hf_dirs, tp, pp, variant):
     from megatron_grpo.models.spec import load_spec
+    from megatron_grpo.policy.scoring import gpt_model_hands_over_hidden
+
+    if not gpt_model_hands_over_hidden():
+        pytest.skip("this megatron-core has no GPTModel.forward(output_processor): no fused path")
 
     torch.set_num_threads(1)
     batch = _batch(load_spec(hf_dirs[variant]).vocab_size)
@@ -244,3 +248,18 @@ def test_fused_policy_equals_logits_policy(hf_dirs, tp, pp, variant):
             for name, g in grads.items():
                 assert _max_diff([g], [logits["grad_" + how][name]]) <= TOL, (how, name)
             assert any(float(g.abs().max()) > 0 for g in grads.values())
+
+
+def test_auto_falls_back_to_logits_without_the_hook(monkeypatch):
+    """megatron-core without GPTModel.forward(output_processor) (0.16.1): auto scores logits,
+    an explicit fused is refused with the fix."""
+    from megatron_grpo.config.schema import ConfigError
+    from megatron_grpo.policy import scoring
+
+    monkeypatch.setattr(scoring, "gpt_model_hands_over_hidden", lambda: True)
+    assert scoring.resolve_logprob_impl("auto") == "fused"
+    monkeypatch.setattr(scoring, "gpt_model_hands_over_hidden", lambda: False)
+    assert scoring.resolve_logprob_impl("auto") == "logits"
+    assert scoring.resolve_logprob_impl("logits") == "logits"
+    with pytest.raises(ConfigError, match="set model.logprob_impl=logits"):
+        scoring.resolve_logprob_impl("fused")
