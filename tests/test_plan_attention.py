@@ -19,9 +19,11 @@ from megatron_grpo.models.tiny import hf_config_dict
 SPEC = spec_from_hf_config(hf_config_dict("Qwen2.5-0.5B"))
 
 
-def _cfg(seq: int, *, attention="sdpa", rows=1, pack=False, budget=0, impl="local") -> Config:
+def _cfg(
+    seq: int, *, attention="sdpa", rows=1, pack=False, budget=0, impl="local", logprob="auto"
+) -> Config:
     return Config(
-        model=ModelConfig(local_attention=attention, transformer_impl=impl),
+        model=ModelConfig(local_attention=attention, transformer_impl=impl, logprob_impl=logprob),
         grpo=GRPOConfig(
             micro_batch_size=rows, pack_sequences=pack, micro_batch_tokens=budget,
             prompts_per_step=1, group_size=2,
@@ -53,7 +55,13 @@ def test_unfused_attention_counts_its_scores_quadratically():
 
 def test_peaks_agree_with_the_h100_figures():
     assert _train_peak(_cfg(8192, attention="unfused")) > 80  # did not fit in 80 GB
-    assert _train_peak(_cfg(16384)) == pytest.approx(39.7, rel=0.15)
+    # measured with the logits path (model.logprob_impl=logits), before the fused scoring
+    assert _train_peak(_cfg(16384, logprob="logits")) == pytest.approx(39.7, rel=0.15)
+    # the fused scoring (the default) holds no bf16 [16384, 151936] logits (3 copies, 13.9 GiB)
+    # and 4 fp32 chunk temporaries instead of 6 (-1.2 GiB), but the output weight's gradient
+    # (fp32 sum and two bf16 copies, 1.0 GiB) and the hidden states' copies (0.05 GiB)
+    drop = _train_peak(_cfg(16384, logprob="logits")) - _train_peak(_cfg(16384))
+    assert drop == pytest.approx(13.9 + 1.16 - 1.01 - 0.05, abs=0.02), drop
 
 
 def test_packed_micro_batches_count_the_token_budget():

@@ -199,7 +199,9 @@ def _dp_worker(rank, world_size, hf_dir):
             params = [p.requires_grad_(True) for _, p in ref.named_shards()]
             model = ref.models[0]
             pos = torch.arange(8).expand(4, 8)
-            logp, ent = ref._logp_entropy(model(full["input_ids"], pos, None), full["input_ids"])
+            logp, ent = ref._logp_entropy(
+                model(full["input_ids"], pos, None, **ref.scoring.forward_kwargs), full["input_ids"]
+            )
             loss, _ = loss_fn(logp, ent, full)
             grads = torch.autograd.grad(loss, params)
             names = [n for n, _ in ref.named_shards()]

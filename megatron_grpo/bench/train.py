@@ -22,8 +22,9 @@ The sides (docs/benchmarks.md, "bench train"; ``--sides`` picks them):
 All start from the same weights: the project's initial weights are converted to HF names
 by ``layouts.io.gather_hf_state_dict`` and loaded into the HF models, so the log-prob passes
 must agree (``logprob_parity`` in the result; fp32 on CPU agrees to ~1e-6).
-Both compute log-probs and entropies with the same function (``policy.logprob.token_logprobs``)
-and the same GRPO loss (``algorithms.aggregation.make_loss_fn``: clipped surrogate, k3 KL,
+All compute log-probs and entropies chunked over the vocabulary (the project through
+``policy.scoring``, fused by default; the HF sides from their logits with
+``policy.logprob.token_logprobs``) and the same GRPO loss (``algorithms.aggregation.make_loss_fn``: clipped surrogate, k3 KL,
 token-mean), so the comparison isolates the model, its attention, and the optimizer.
 
 The batch (``make_batch``): ``rows`` sequences, prompts of ~``prompt_len`` tokens (uniform in

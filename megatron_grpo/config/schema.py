@@ -69,6 +69,14 @@ class ModelConfig:
     group), keeping ~``2*tokens*hidden`` bytes per layer instead of the layer's whole
     activations: about 1/3 more compute for the longest sequences (``megatron-grpo plan``
     counts either; its ``--recompute`` flag asks the same question of a config)."""
+    logprob_impl: Literal["auto", "fused", "logits"] = "auto"
+    """How the last pipeline stage turns hidden states into per-token log-probs and entropies
+    (``policy/scoring.py``). ``fused``: the output layer's matmul, log-softmax and entropy in
+    one chunked autograd Function that never holds the [tokens, vocab/tp] logits (backward
+    recomputes each chunk's logits; needs megatron-core's ``GPTModel.forward(output_processor)``,
+    0.19.2); ``logits``: the output layer's logits, then the chunked vocab-parallel log-prob
+    (~3 copies of the logits per micro-batch); ``auto``: fused where megatron-core has the
+    hook, else logits. Both agree to fp32 rounding (docs/scoring.md)."""
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this times the tensor-parallel size."""
     warm_start_steps: int = 15
@@ -89,6 +97,7 @@ class ModelConfig:
         )
         _check_choice("model.local_attention", self.local_attention, ("sdpa", "unfused"))
         _check_choice("model.recompute", self.recompute, ("none", "full"))
+        _check_choice("model.logprob_impl", self.logprob_impl, ("auto", "fused", "logits"))
         _positive("model", self, "make_vocab_size_divisible_by")
         _non_negative("model", self, "warm_start_steps")
         _positive("model", self, "warm_start_lr", "warm_start_batch_size")

@@ -21,10 +21,14 @@ Trainer (per rank, the largest (pipeline stage, TP rank) shard set, read from
   least one full sequence, which never splits), else ``s*b`` padded tokens (``s =
   data.max_prompt_tokens + rollout.max_new_tokens``, ``b = grpo.micro_batch_size``). Layers
   of one stage, times the micro-batches in flight on the first stage of a 1F1B pipeline
-  (min(pp, micro-batches)), plus the vocab-parallel output: the logits (kept for the
-  log-prob recompute), their gradient and its transpose in the training dtype
-  (``3*elem*n*V/t``), and the chunked log-prob's fp32 temporaries
-  (``policy.logprob.logprob_peak_bytes``: a bound that does not grow with n). The formula
+  (min(pp, micro-batches)), plus the scoring of one micro-batch on the last stage
+  (``policy.scoring.scoring_bytes`` of ``model.logprob_impl``): with ``logits``, the logits
+  (kept for the log-prob recompute), their gradient and its transpose in the training dtype
+  (``3*elem*n*V/t``) and the chunked log-prob's fp32 temporaries
+  (``policy.logprob.logprob_peak_bytes``); with ``fused`` (``auto`` is counted as fused, what
+  megatron-core 0.19.2 resolves it to), no logits: the chunk's fp32 temporaries, the hidden
+  states' copy and gradient (``2*elem*n*h``) and the output weight's gradient
+  (``policy.fused_logprob.fused_peak_bytes``). The formula
   is for GPT's 4h MLP: SwiGLU models with a wider MLP use somewhat more.
   ``model.local_attention=unfused`` on the local spec adds megatron's ``DotProductAttention``
   scores (``attention_score_bytes``): per layer the fp32 softmax output and, in 16-bit
@@ -71,7 +75,7 @@ from megatron_grpo.layouts import megatron as mg
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.models.spec import ModelSpec, megatron_padded_vocab
 from megatron_grpo.policy.batching import micro_batch_token_budget
-from megatron_grpo.policy.logprob import logprob_peak_bytes
+from megatron_grpo.policy.scoring import scoring_bytes
 
 GIB = 1 << 30
 RUNTIME_OVERHEAD_BYTES = int(1.5 * GIB)
@@ -160,8 +164,8 @@ def activation_bytes(spec: ModelSpec, cfg: Config, dp: int, recompute: bool) -> 
     micro_batches = max(1, batch * s // max(dp, 1) // n)
     in_flight = min(p.pp, micro_batches)
     padded = megatron_padded_vocab(spec.vocab_size, t, cfg.model.make_vocab_size_divisible_by)
-    logits = 3 * elem * n * padded // t + logprob_peak_bytes(n, padded // t)
-    return int(per_micro * in_flight + logits)
+    scoring = scoring_bytes(cfg.model.logprob_impl, n, padded // t, h, elem)
+    return int(per_micro * in_flight + scoring)
 
 
 def kv_bytes_per_token(spec: ModelSpec, rollout_tp: int, elem: int) -> int:

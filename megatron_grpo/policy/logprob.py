@@ -1,46 +1,12 @@
-"""Per-token log-probabilities and entropies from logits sharded over the TP vocabulary.
+"""Per-token log-probabilities and entropies from logits sharded over the TP vocabulary: the
+``model.logprob_impl=logits`` path of ``policy.scoring`` (and ``bench train``'s HF side).
 
-The output layer of megatron's GPTModel (``parallel_output=True``) leaves each TP rank with
-logits for its own slice ``[r*Vm/T, (r+1)*Vm/T)`` of the padded vocabulary. The full vocab
-is never gathered: each token costs one MAX all-reduce (the softmax shift) and one SUM
-all-reduce of three numbers per token (sum of exp, sum of exp*logit, target logit) over the
-TP group. Columns at or past the real vocabulary size (megatron's padding rows) are
-excluded from the softmax, so the result equals ``log_softmax`` over the HF vocabulary.
-
-Why not megatron's ``tensor_parallel.vocab_parallel_cross_entropy``: it gives only the
-log-prob, so entropy would need a second pass with its own all-reduces; it reads the TP
-group from megatron's globals instead of an explicit group; and for fp32 logits it
-subtracts the max *in place* on the caller's tensor (tensor_parallel/cross_entropy.py
-``calculate_predicted_logits``), which would corrupt logits another consumer still needs.
-The math here is the same (max shift, sum-exp, target-logit pick).
-
-What the policy path still materializes (issue 22), per micro-batch of n tokens on the last
-pipeline stage, in the training dtype (``elem`` bytes), Vl = padded vocab / tp:
-
-- forward: the output layer's logits [s, b, Vl] (megatron ``ColumnParallelLinear``), then
-  GPTModel's ``logits.transpose(0, 1).contiguous()`` copy [b, s, Vl]
-  (megatron/core/models/gpt/gpt_model.py ``_postprocess``); the first is freed once copied
-  (the linear saves its input and weight, not its output), the copy is saved here for the
-  backward recompute. The sampling temperature divides inside the chunks (no third copy).
-- backward: the logits' gradient [n, Vl] (``grad_out`` below) and the output layer's
-  ``grad_output.contiguous()`` of its transposed view; the chunks' fp32 temporaries stay
-  bounded by ``logprob_peak_bytes``.
-
-``plan`` counts ``3 * elem * n * Vl`` for these plus the chunk bound (dry_run/memory.py
-``activation_bytes``): 13.9 GiB at n = 16,384 tokens of Qwen's 151,936-column vocabulary in
-bf16, tp = 1. A fused linear + log-softmax would remove them (only [chunk, Vl] fp32 at a
-time, recomputing the chunk's logits from the hidden states in backward: four output-layer
-matmuls instead of three). It is not built: megatron-core 0.16.1's ``GPTModel`` always runs
-its output layer on a post-process stage (``_postprocess`` has no switch to return the final
-hidden states), so it needs the output layer replaced by a pass-through that applies
-``ColumnParallelLinear``'s input region (``copy_to_tensor_model_parallel_region``, or the
-sequence-parallel all-gather) and hands its weight (the output weight, or the shared
-embedding weight with tied embeddings) to a chunked linear + log-prob/entropy autograd
-Function, with its weight gradient reaching megatron DDP's ``main_grad`` hooks (and the
-tied-embedding all-reduce across pipeline stages). Liger-Kernel's fused linear
-cross-entropy (Triton) does not fit as is: it folds the backward into the forward, which
-needs the loss weights at forward time, while ``loss_fn`` here is any function of the
-log-probs and entropies.
+Each TP rank holds the logits of its slice of the padded vocabulary (megatron's
+``parallel_output=True``); the vocabulary is never gathered: one MAX and one SUM all-reduce
+of three numbers per token. Columns past the real vocabulary are excluded from the softmax.
+Not megatron's ``vocab_parallel_cross_entropy``: it gives no entropy, reads the TP group
+from globals and shifts fp32 logits in place. What this path holds per micro-batch and why
+the fused path does not: docs/scoring.md.
 """
 
 from __future__ import annotations

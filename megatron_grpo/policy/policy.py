@@ -16,14 +16,13 @@ Batch contract (every rank of a DP replica passes the same batch; DP ranks pass 
 Outputs are position-aligned with ``input_ids``: ``logp[b, t] = log p(input_ids[b, t] |
 input_ids[b, <t])`` for t >= 1 and 0 at t = 0, so a token's log-prob sits at the token's
 own index, like ``loss_mask``. ``entropy[b, t]`` is the entropy of that same predictive
-distribution. Both are computed from the TP-sharded logits without gathering the vocabulary
-(``megatron_grpo.policy.logprob``) and exclude megatron's vocabulary padding.
+distribution. Both come from ``policy.scoring`` (``model.logprob_impl``) on the last stage,
+over the real vocabulary (megatron's padding excluded), never gathering it over TP.
 
 Temperature: a policy built with ``temperature=T`` scores ``softmax(logits / T)``, the
 distribution vLLM samples from at ``rollout.temperature = T`` (before top-k/top-p, which the
-config refuses for training), as TRL's and verl's trainers do. The vocab-parallel log-prob
-function divides each fp32 chunk of this rank's logits shard by T (``policy.logprob``), so
-no divided copy of the [tokens, vocab/tp] logits is made; T=1 divides nothing.
+config refuses for training), as TRL's and verl's trainers do. Scoring divides each fp32
+chunk of logits by T, so no divided copy of them is made; T=1 divides nothing.
 
 Loss contract
 -------------
@@ -63,7 +62,6 @@ from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.policy.batching import PackedRows, check_expert_ranks_agree, split_batch
 from megatron_grpo.policy.checkpoint_state import load_sharded_state, sharded_state
-from megatron_grpo.policy.logprob import token_logprobs
 from megatron_grpo.policy.lr_schedule import LRSchedule
 from megatron_grpo.policy.model_builder import (
     build_model,
@@ -76,6 +74,7 @@ from megatron_grpo.policy.optimizer import (
     setup_training,
 )
 from megatron_grpo.policy.rope import PackedRope
+from megatron_grpo.policy.scoring import Scoring
 from megatron_grpo.policy.transfer import to_device
 
 Batch = dict[str, torch.Tensor]
@@ -117,6 +116,13 @@ class Policy:
         self.config.finalize_model_grads_func = finalize_grads_without_token_scaling
         self.vocab_size = spec.vocab_size
         self.vocab_per_rank = padded_vocab_size(spec, ctx, model_cfg) // ctx.tp
+        # hidden states -> logp, entropy on the last stage (model.logprob_impl; policy.scoring)
+        self.scoring = Scoring(
+            model_cfg.logprob_impl,
+            vocab_start=ctx.tp_rank * self.vocab_per_rank,
+            vocab_size=self.vocab_size,
+            tp_group=ctx.tp_group,
+        )
         self.trainable = optim_cfg is not None
         self._forward_backward = get_forward_backward_func()
         self.nan_steps_in_row = 0
@@ -200,19 +206,20 @@ class Policy:
 
     def _schedule_step(self, score: LossFn) -> Callable:
         """megatron's ``forward_step_func`` for one micro-batch: its tensors moved to the
-        device in one copy, the model's logits, and a reduction that scores them (``logp``,
-        ``entropy`` [n, L] of the padded rows) and hands them with the micro-batch's tensors
-        to ``score(logp, entropy, mb) -> (loss, reduced)``."""
+        device in one copy, the model's output (logits or hidden states, ``self.scoring``),
+        and a reduction that scores it (``logp``, ``entropy`` [n, L] of the padded rows) and
+        hands them with the micro-batch's tensors to ``score(logp, entropy, mb) -> (loss,
+        reduced)``."""
 
         def step(data_iterator, model):
             mb, pack = self._to_device(*next(data_iterator))
             out = self._model_forward(model, mb, pack)
 
-            def reduce(logits):
-                logp, ent = self._row_logp_entropy(logits, mb, pack)
+            def reduce(out):
+                logp, ent = self._row_logp_entropy(out, mb, pack)
                 loss, reduced = score(logp, ent, mb)
                 # num_tokens is unused (calculate_per_token_loss, see the module docstring)
-                return loss, logits.new_ones((), dtype=torch.int), reduced
+                return loss, torch.ones((), dtype=torch.int, device=self.ctx.device), reduced
 
             return out, reduce
 
@@ -230,20 +237,13 @@ class Policy:
             pack = pack.on({k: moved[f"pack.{k}"] for k in pack.TENSORS})
         return mb, pack
 
-    def _logp_entropy(self, logits: torch.Tensor, input_ids: torch.Tensor):
+    def _logp_entropy(self, out, input_ids: torch.Tensor):
         # the temperature divides each fp32 chunk inside: no divided copy of the logits
-        return token_logprobs(
-            logits,
-            input_ids,
-            vocab_start=self.ctx.tp_rank * self.vocab_per_rank,
-            vocab_size=self.vocab_size,
-            group=self.ctx.tp_group,
-            temperature=self.temperature,
-        )
+        return self.scoring.token_logprobs(out, input_ids, self.temperature)
 
     def _model_forward(self, model, mb: Batch, pack: PackedRows | None) -> torch.Tensor:
-        """Logits [n, L, V/tp] of the padded rows, or [1, T, V/tp] of the pack (tensors on
-        the device)."""
+        """The last stage's output (``self.scoring``: logits [n, L, V/tp] or hidden states) of
+        the padded rows, or of the pack ([1, T, ...]); tensors on the device."""
         if pack is not None:
             # RoPE of a pack: cos/sin of each token's position in its document, once per
             # micro-batch, applied by the core attention (policy.rope); without it (TE's
@@ -253,21 +253,23 @@ class Policy:
             if self._packed_rope is not None:
                 rope = self._packed_rope.cos_sin(pack.positions, self.config.params_dtype)
             params = pack.packed_seq_params(rope)
+            positions = pack.positions.unsqueeze(0)
             return model(
-                pack.input_ids, pack.positions.unsqueeze(0), None, packed_seq_params=params
-            )
+                pack.input_ids, positions, None, packed_seq_params=params,
+                **self.scoring.forward_kwargs,
+            )  # fmt: skip
         ids = mb["input_ids"]
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         # attention_mask=None: the local/TE core attention applies its causal mask
         # (AttnMaskType.causal in the GPT layer spec).
-        return model(ids, positions, None)
+        return model(ids, positions, None, **self.scoring.forward_kwargs)
 
-    def _row_logp_entropy(self, logits: torch.Tensor, mb: Batch, pack: PackedRows | None):
+    def _row_logp_entropy(self, out, mb: Batch, pack: PackedRows | None):
         """``logp``, ``entropy`` [n, L] of the micro-batch's rows, position-aligned."""
         ids = mb["input_ids"]
         if pack is None:
-            return self._logp_entropy(logits, ids)
-        logp, ent = self._logp_entropy(logits, pack.input_ids)
+            return self._logp_entropy(out, ids)
+        logp, ent = self._logp_entropy(out, pack.input_ids)
         return pack.unpack(logp, ids.shape), pack.unpack(ent, ids.shape)
 
     def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:

@@ -322,7 +322,7 @@ def test_chunked_logprob_peak_vs_plan(device, figures):
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     measured = torch.cuda.max_memory_allocated() - base + logits.numel() * 2
-    plan_bytes = 3 * 2 * n * v + logprob_peak_bytes(n, v)  # dry_run.memory.activation_bytes
+    plan_bytes = 3 * 2 * n * v + logprob_peak_bytes(n, v)  # scoring_bytes("logits", ...)
     figures["logprob_tokens"] = n
     figures["logprob_peak_gib"] = measured / GIB
     figures["logprob_plan_gib"] = plan_bytes / GIB
@@ -347,3 +347,29 @@ def test_bench_ops_on_cuda(ctx, figures):
         figures[f"ops_{phase}_kernel_launches"] = c["cuda"]["kernel_launches"]
         figures[f"ops_{phase}_host_syncs"] = c["cuda"]["host_syncs"]
         assert c["cuda"]["host_syncs"] <= 2 * mbs + 8, (phase, c["cuda"], c["syncs"])
+
+
+def test_fused_logprob_peak_vs_plan(device, figures):
+    """The fused output layer + log-prob + entropy of the same micro-batch (hidden 896: the
+    0.5B shape) stays within ``plan``'s ``fused_peak_bytes`` and holds no logits."""
+    needs_cuda()
+    from megatron_grpo.policy.fused_logprob import fused_logprob_entropy, fused_peak_bytes
+
+    n, v, h = 4 * 4096, 151936, 896
+    hidden = torch.randn(n, h, device=device, dtype=torch.bfloat16).requires_grad_(True)
+    weight = (0.02 * torch.randn(v, h, device=device)).to(torch.bfloat16).requires_grad_(True)
+    target = torch.randint(0, v, (n,), device=device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    logp, ent = fused_logprob_entropy(hidden, weight, target, vocab_start=0, vocab_size=v)
+    (logp.sum() + ent.sum()).backward()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    measured = torch.cuda.max_memory_allocated() - base
+    plan_bytes = fused_peak_bytes(n, v, h, 2)
+    figures["fused_logprob_peak_gib"] = measured / GIB
+    figures["fused_logprob_plan_gib"] = plan_bytes / GIB
+    figures["fused_logprob_fwd_bwd_s"] = seconds
+    assert measured <= plan_bytes, (measured / GIB, plan_bytes / GIB)
