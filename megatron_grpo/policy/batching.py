@@ -1,5 +1,5 @@
 """How a batch becomes micro-batches: ``micro_batch_size`` padded rows, or rows packed end to
-end under a token budget (``PackedRows``; the batch contract is in ``policy.policy``).
+end under a token budget (``PackedRows``; the batch contract: docs/architecture-policy.md).
 
 - ``micro_batch_size`` rows, each micro-batch right-padded to its own longest row (the
   default, and what megatron's unfused attention supports);

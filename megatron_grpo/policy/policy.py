@@ -1,50 +1,10 @@
 """The trainer's policy: megatron-core model chunks, per-token log-probs, and one train step.
 
-Batch contract (every rank of a DP replica passes the same batch; DP ranks pass their own)
------------------------------------------------------------------------------------------
-- ``input_ids``: LongTensor [B, L], prompt + response, RIGHT-padded. Attention is causal,
-  so right padding needs no attention mask: a token never sees the padding after it.
-- ``loss_mask``: float [B, L], 1 on response-token positions (train_step only; loss_fn
-  decides how to use it).
-- ``attention_mask`` (optional): [B, L], 1 on real tokens. Used only to trim each
-  micro-batch to its longest sequence (variable lengths: every micro-batch is padded to
-  its own max); positions where it is 0 get logp = entropy = 0.
-- any other tensor with leading dim B (``advantages`` [B], ``old_logp`` [B, L], ...) is
-  sliced per micro-batch (and trimmed like input_ids when it has an L dim) and passed to
-  ``loss_fn`` unchanged.
-
-Outputs are position-aligned with ``input_ids``: ``logp[b, t] = log p(input_ids[b, t] |
-input_ids[b, <t])`` for t >= 1 and 0 at t = 0, so a token's log-prob sits at the token's
-own index, like ``loss_mask``. ``entropy[b, t]`` is the entropy of that same predictive
-distribution. Both come from ``policy.scoring`` (``model.logprob_impl``) on the last stage,
-over the real vocabulary (megatron's padding excluded), never gathering it over TP.
-
-Temperature: a policy built with ``temperature=T`` scores ``softmax(logits / T)``, the
-distribution vLLM samples from at ``rollout.temperature = T`` (before top-k/top-p, which the
-config refuses for training), as TRL's and verl's trainers do. Scoring divides each fp32
-chunk of logits by T, so no divided copy of them is made; T=1 divides nothing.
-
-Loss contract
--------------
-``loss_fn(logp [mb, L], entropy [mb, L], mb: dict[str, Tensor]) -> (loss, metrics)``:
-``loss`` is this micro-batch's contribution to the GLOBAL objective (the caller already
-divides by global normalizers, e.g. the number of response tokens in the whole batch over
-all DP ranks), and ``metrics`` a dict of scalar tensors. The gradient applied is
-exactly ``grad sum_{DP ranks} sum_{micro-batches} loss``. Megatron would otherwise rescale
-it twice, and both are undone here:
-
-- ``pipeline_parallel/schedules.py::forward_step_calc_loss`` divides a 2-tuple loss by
-  ``num_microbatches`` (and multiplies by the CP size); with
-  ``config.calculate_per_token_loss = True`` and a 3-tuple ``(loss, num_tokens, reduced)``
-  it does neither.
-- ``distributed/distributed_data_parallel.py`` pre-scales gradients by ``1/dp_cp_size``
-  before the sum all-reduce unless ``calculate_per_token_loss`` is set, in which case the
-  scaling factor is 1.0 (plain sum over DP).
-- ``distributed/finalize_model_grads.py::finalize_model_grads`` would then divide by the
-  all-reduced ``num_tokens``; our ``finalize_model_grads_func`` passes ``num_tokens=None``.
-
-Micro-batches (``policy.batching``): ``micro_batch_size`` padded rows, or rows packed end to
-end under a token budget; ``loss_fn`` sees padded [n, L] rows either way.
+The batch and loss contracts (right-padded rows, position-aligned log-probs, the
+temperature, and why megatron's own gradient rescaling is undone here) are in
+docs/architecture-policy.md, "The policy's contracts". Micro-batches (``policy.batching``):
+``micro_batch_size`` padded rows, or rows packed end to end under a token budget;
+``loss_fn`` sees padded [n, L] rows either way.
 """
 
 from __future__ import annotations
@@ -111,7 +71,7 @@ class Policy:
         self.ctx, self.spec, self.model_cfg, self.optim_cfg = ctx, spec, model_cfg, optim_cfg
         self.models = list(models)  # unwrapped GPTModel per virtual stage
         self.config = self.models[0].config
-        # See the module docstring: no division by num_microbatches, plain DP sum.
+        # docs/architecture-policy.md, "Loss contract": no division by num_microbatches, plain DP sum.
         self.config.calculate_per_token_loss = True
         self.config.finalize_model_grads_func = finalize_grads_without_token_scaling
         self.vocab_size = spec.vocab_size
@@ -218,7 +178,7 @@ class Policy:
             def reduce(out):
                 logp, ent = self._row_logp_entropy(out, mb, pack)
                 loss, reduced = score(logp, ent, mb)
-                # num_tokens is unused (calculate_per_token_loss, see the module docstring)
+                # num_tokens is unused (calculate_per_token_loss, docs/architecture-policy.md)
                 return loss, torch.ones((), dtype=torch.int, device=self.ctx.device), reduced
 
             return out, reduce
