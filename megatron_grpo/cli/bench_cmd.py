@@ -111,6 +111,7 @@ def run_ops(args: argparse.Namespace) -> int:
 
     with exit_on(ValueError, 2):  # ConfigError is a ValueError
         a = from_args(BenchOpsArgs, args)
+    _quiet_libraries()
     res = run_bench_ops(a)
     print(format_table(res))
     if args.json_out:
@@ -178,6 +179,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     with exit_on(ValueError, 2):  # ConfigError is a ValueError
         a = from_args(BenchTrainArgs, args)
+    _quiet_libraries()
     res = run_bench_train(a)
     print(format_table(res))
     if args.json_out:
@@ -372,6 +374,17 @@ def run_sync(args: argparse.Namespace) -> int:
     if args.json_out:
         _write_json(res, args.json_out)
     return 0 if res["verified"] else 1
+
+
+def _quiet_libraries() -> None:
+    """The in-process benches print their table, not megatron-core's or transformers'
+    warnings (GPTModel's deprecation notice at every build, experimental-API notices)."""
+    import logging
+    import warnings
+
+    warnings.simplefilter("ignore")
+    for name in ("megatron", "megatron.core", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _write_json(res: dict, path: str) -> None:
