@@ -95,7 +95,7 @@ def _trainer(cfg: Config, memory: ColocatedMemory, calls: list, monkeypatch) -> 
     )  # fmt: skip
     t.reference_logprobs = rec("logprobs", ({}, None))
     t.group_advantages = lambda *a: None
-    t.train_on = rec("train", ([], None))
+    t.train_on = rec("train", ([], None, None))  # (metrics, drift, ratio parts)
     t.finish = lambda: {"preempted": False}
     monkeypatch.setattr(loop, "collate", lambda samples, pad: {})
     monkeypatch.setattr(loop, "step_row", lambda step, *a, **k: step)
