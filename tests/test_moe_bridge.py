@@ -1,0 +1,135 @@
+"""MoE weights through the resharding bridge (issue 32): vLLM's fused-expert layout as
+expert slots, and the plan that sends each expert shard from the EP rank that owns it.
+
+vLLM semantics checked here, written from vLLM 0.32's loaders (models/qwen3_moe.py
+``load_weights``/``expert_params_mapping``, layers/fused_moe/layer.py ``weight_loader``), not
+from megatron_grpo.layouts: TP rank r of T holds every expert e; ``w13_weight[e]`` is
+``[gate_e rows r*I/T..; up_e rows r*I/T..]``, ``w2_weight[e]`` the columns ``r*I/T..`` of
+``down_e``; the router ``mlp.gate.weight`` is whole on every rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from megatron_grpo.bridge.plan import build_plan, plan_report, rank_lookup, src_name
+from megatron_grpo.layouts import megatron as mg
+from megatron_grpo.layouts import vllm as vl
+from megatron_grpo.layouts.pieces import assemble, reader_from_dict
+from tests.test_moe import arange_hf, moe_spec
+from tests.test_plan import execute
+
+F64 = torch.float64
+
+
+def moe_trainer_state(spec, trainer: mg.MegatronLayout) -> dict[tuple[int, str], torch.Tensor]:
+    """(global rank, src_name) -> shard as each trainer rank holds it: DP rank d is EP rank
+    d % ep and holds only that EP rank's experts (megatron's order tp-cp-ep-dp-pp)."""
+    read = reader_from_dict(arange_hf(spec))
+    global_rank = rank_lookup(trainer)
+    out = {}
+    for dp, pp, vp, tp in itertools.product(
+        range(trainer.dp), range(trainer.pp), range(trainer.vpp), range(trainer.tp)
+    ):
+        for lay in mg.chunk_shards(spec, trainer, pp, vp, tp, ep_rank=dp % trainer.ep):
+            key = (global_rank(dp, pp, tp), src_name(trainer, vp, lay.name))
+            out[key] = assemble(lay, read, F64)
+    return out
+
+
+def vllm_reference(spec, w: dict[str, torch.Tensor], tp: int, r: int) -> dict[str, torch.Tensor]:
+    """The MoE tensors of vLLM TP rank r, as fused parameters (E, ...)."""
+    out = {}
+    cols = spec.moe_ffn_hidden_size // tp
+    for layer in range(spec.num_layers):
+        p = f"model.layers.{layer}.mlp."
+        out[p + "gate.weight"] = w[p + "gate.weight"]
+        w13, w2 = [], []
+        for e in range(spec.num_experts):
+            x = f"{p}experts.{e}."
+            gate, up = w[x + "gate_proj.weight"], w[x + "up_proj.weight"]
+            w13.append(torch.cat([gate[r * cols : (r + 1) * cols], up[r * cols : (r + 1) * cols]]))
+            w2.append(w[x + "down_proj.weight"][:, r * cols : (r + 1) * cols])
+        out[p + "experts.routed_experts.w13_weight"] = torch.stack(w13)
+        out[p + "experts.routed_experts.w2_weight"] = torch.stack(w2)
+    return out
+
+
+def fused(shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Expert slots put back into their fused parameters; other names as they are."""
+    slots: dict[str, dict[int, torch.Tensor]] = {}
+    out = {}
+    for name, t in shards.items():
+        slot = vl.expert_slot(name)
+        if slot is None:
+            out[name] = t
+        else:
+            slots.setdefault(slot[0], {})[slot[1]] = t
+    for name, by_e in slots.items():
+        out[name] = torch.stack([by_e[e] for e in range(len(by_e))])
+    return out
+
+
+def test_vllm_expert_slots_match_vllms_fused_layout():
+    spec = moe_spec(experts=4, moe_ffn=8)
+    w = arange_hf(spec)
+    read = reader_from_dict(w)
+    names = vl.param_names(spec)
+    assert "model.layers.1.mlp.gate.weight" in names
+    assert "model.layers.1.mlp.experts.routed_experts.w2_weight.3" in names
+    assert not any(".experts.0.gate_proj" in n or "gate_up_proj" in n for n in names)
+    assert vl.expert_slot("model.layers.1.mlp.experts.routed_experts.w13_weight.3") == (
+        "model.layers.1.mlp.experts.routed_experts.w13_weight",
+        3,
+    )
+    assert vl.expert_slot("model.layers.1.mlp.gate.weight") is None
+    for tp in (1, 2, 4):
+        for r in range(tp):
+            got = fused({lay.name: assemble(lay, read, F64) for lay in vl.rank_shards(spec, tp, r)})
+            for name, ref in vllm_reference(spec, w, tp, r).items():
+                assert torch.equal(got[name], ref), (tp, r, name)
+
+
+def test_vllm_moe_refusals():
+    with pytest.raises(ValueError, match="moe_intermediate_size=6 not divisible by rollout tp=4"):
+        vl.validate(moe_spec(moe_ffn=6, experts=4), 4)
+    with pytest.raises(ValueError, match="shared expert"):
+        vl.validate(moe_spec(shared=8), 1)
+
+
+@pytest.mark.parametrize("tp,pp,ep,dp", [(1, 1, 2, 2), (2, 1, 2, 2), (1, 2, 2, 2), (1, 1, 2, 4)])
+@pytest.mark.parametrize("vtp", [1, 2])
+@pytest.mark.parametrize("placement", ["colocated", "separate"])
+def test_moe_plan_sends_each_expert_from_its_ep_rank(tp, pp, ep, dp, vtp, placement):
+    spec = moe_spec(experts=4, moe_ffn=8)
+    trainer = mg.MegatronLayout(tp=tp, pp=pp, dp=dp, ep=ep)
+    world = tp * pp * dp
+    if placement == "colocated":
+        engines = [list(range(e * vtp, (e + 1) * vtp)) for e in range(world // vtp)]
+    else:
+        engines = [list(range(world + e * vtp, world + (e + 1) * vtp)) for e in range(2)]
+    plan = build_plan(spec, trainer, vtp, engines, element_size=4)
+    # each trainer rank holds only its EP rank's experts under the shared local names, so a
+    # copy read from the wrong EP rank would put another expert's values here
+    got = execute(plan, moe_trainer_state(spec, trainer))
+    read = reader_from_dict(arange_hf(spec))
+    expected_bytes = 0
+    for ranks in engines:
+        for r, rank in enumerate(ranks):
+            for lay in vl.rank_shards(spec, vtp, r):
+                assert torch.equal(got[(rank, lay.name)], assemble(lay, read, F64)), (
+                    rank,
+                    lay.name,
+                )
+                expected_bytes += (
+                    lay.numel * 4 - lay.zero_length * (lay.numel // lay.shape[lay.dim]) * 4
+                )
+    assert plan.minimal_bytes == expected_bytes == plan_report(plan).bytes_per_sync
+    per_ep = spec.num_experts // ep
+    for c in plan.copies:  # an expert leaves only from its EP rank (dp_rank % ep)
+        if mg.is_expert(c.src_name):
+            dp_rank = (c.src_rank // tp) % dp
+            assert dp_rank % ep == int(c.dst_name.rsplit(".", 1)[1]) // per_ep, c
