@@ -11,6 +11,7 @@ from megatron_grpo.layouts: TP rank r of T holds every expert e; ``w13_weight[e]
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +20,11 @@ from megatron_grpo.bridge.plan import build_plan, plan_report, rank_lookup, src_
 from megatron_grpo.layouts import megatron as mg
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.layouts.pieces import assemble, reader_from_dict
+from tests.dist_utils import run_distributed
+from tests.nccl_rules import ENV as NCCL_RULES_ENV
 from tests.test_moe import arange_hf, moe_spec
 from tests.test_plan import execute
+from tests.test_transport_e2e import ENGINE_KW
 
 F64 = torch.float64
 
@@ -133,3 +137,98 @@ def test_moe_plan_sends_each_expert_from_its_ep_rank(tp, pp, ep, dp, vtp, placem
         if mg.is_expert(c.src_name):
             dp_rank = (c.src_rank // tp) % dp
             assert dp_rank % ep == int(c.dst_name.rsplit(".", 1)[1]) // per_ep, c
+
+
+# --- end to end: real policies, real vLLM engines -----------------------------------------
+
+E2E_LAYOUTS = [(1, 1, 2), (1, 1, 1), (2, 1, 1), (1, 2, 1)]  # trainer (tp, pp, ep), world 2
+E2E_ROLLOUT_TPS = [1, 2]
+E2E_SEQS = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25], [3, 40, 41, 9, 2]]
+
+
+def _moe_models(root: Path) -> tuple[Path, Path]:
+    from megatron_grpo.models.tiny import build_hf_model
+
+    a, b = root / "moe_a", root / "moe_b"
+    if not (b / "config.json").exists():
+        build_hf_model(a, preset="tiny-moe", seed=1, extra_vocab=7)
+        build_hf_model(b, preset="tiny-moe", seed=2, extra_vocab=7)
+    return a, b
+
+
+def _moe_e2e(rank: int, world: int, root: str) -> dict:
+    from functools import partial
+
+    import torch.distributed as dist
+
+    from megatron_grpo.bridge.weight_sync import colocated_sender
+    from megatron_grpo.config.schema import ModelConfig, ParallelConfig, SyncConfig
+    from megatron_grpo.distributed import init_distributed
+    from megatron_grpo.distributed.placement import colocated_engines
+    from megatron_grpo.layouts.io import load_hf_into_megatron
+    from megatron_grpo.models.spec import load_spec
+    from megatron_grpo.policy.policy import build_policy
+    from megatron_grpo.rollout import RolloutEngine
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if rank == 0:
+        _moe_models(Path(root))
+    dist.barrier()
+    a, b = _moe_models(Path(root))
+    spec = load_spec(b)
+    out: dict = {}
+    for rtp in E2E_ROLLOUT_TPS:
+        # the reference: an engine that loaded checkpoint B itself at start
+        eng = RolloutEngine(b, tp=rtp, keep_weight_copies=True, **ENGINE_KW)
+        fresh = eng.prompt_logprobs(E2E_SEQS)
+        eng.reload_from_hf(b)  # vLLM's own loaders, read back
+        ref = eng.export_shards()[0]
+        for tp, pp, ep in E2E_LAYOUTS:
+            case = f"train tp{tp} pp{pp} ep{ep} -> rollout tp{rtp}"
+            ctx = init_distributed(ParallelConfig(tp=tp, pp=pp, ep=ep, backend="gloo"), spec)
+            policy = build_policy(
+                spec, ctx, ModelConfig(hf_path=str(b), dtype="float32", transformer_impl="local"),
+                None, init_weights=partial(load_hf_into_megatron, hf_dir=b, spec=spec, ctx=ctx),
+            )  # fmt: skip
+            sync = SyncConfig(bucket_mb=0.05, timeout_s=60)
+            ws = colocated_sender(b, spec, ctx, policy, eng, sync, colocated_engines(world, rtp))
+            eng.reload_from_hf(a)  # the engine must really receive B from the bridge
+            before = eng.export_shards()[0]
+            report = ws.sync(policy)
+            got = eng.export_shards()[0]
+            out[case] = {
+                "changed": sorted(n for n, t in ref.items() if not torch.equal(before[n], t)),
+                "mismatched": sorted(n for n, t in ref.items() if not torch.equal(got[n], t)),
+                "names": sorted(got) == sorted(ref),
+                "experts": sum(vl.expert_slot(n) is not None for n in got),
+                "logprobs_equal": eng.prompt_logprobs(E2E_SEQS) == fresh,
+                "bytes": report.bytes,
+                "minimal": ws.plan.minimal_bytes,
+                "links": report.bytes_per_link,
+                "plan_links": {f"{s}->{d}": n for (s, d), n in ws.plan.bytes_per_link().items()},
+            }
+            del policy, ws
+        eng.shutdown()
+    dist.barrier()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_moe_bridge_sync_equals_direct_hf_load(tmp_path: Path, monkeypatch) -> None:
+    """After a sync from a trainer at (TP, PP, EP), every vLLM rank (rollout TP 1 or 2)
+    holds bit-exactly what vLLM's own loader puts there, scores exactly as an engine started
+    from the checkpoint, and the wire carries exactly the plan's minimal bytes; under NCCL's
+    point-to-point rules (tests/nccl_rules.py)."""
+    monkeypatch.setenv(NCCL_RULES_ENV, "1")
+    results = run_distributed(_moe_e2e, 2, str(tmp_path), timeout=850.0)
+    assert len(results[0]) == len(E2E_LAYOUTS) * len(E2E_ROLLOUT_TPS)
+    for rank, res in enumerate(results):
+        for case, r in res.items():
+            where = f"rank {rank}, {case}"
+            assert r["names"] and r["experts"] == 2 * 4 * 2, where  # layers x experts x w13/w2
+            assert any(".routed_experts." in n for n in r["changed"]), where
+            assert r["mismatched"] == [], f"{where}: {r['mismatched'][:5]}"
+            assert r["logprobs_equal"], where
+            assert r["bytes"] == r["minimal"], where
+            assert r["links"] == r["plan_links"], where
