@@ -232,3 +232,31 @@ def test_moe_bridge_sync_equals_direct_hf_load(tmp_path: Path, monkeypatch) -> N
             assert r["logprobs_equal"], where
             assert r["bytes"] == r["minimal"], where
             assert r["links"] == r["plan_links"], where
+
+
+def test_warm_start_writes_experts_in_checkpoint_names(tmp_path: Path) -> None:
+    """transformers holds a Qwen3-MoE's experts fused in memory; what the warm start writes
+    back must be the per-expert checkpoint tensors that ``save_pretrained`` writes."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from megatron_grpo.models.prepare import unfuse_experts
+    from megatron_grpo.models.tiny import build_hf_model
+
+    out = build_hf_model(tmp_path / "m", preset="tiny-moe", seed=3)
+    saved = load_file(str(out / "model.safetensors"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    state = unfuse_experts(dict(model.state_dict()))
+    state.pop("lm_head.weight", None)  # tied
+    assert any(".mlp.experts.gate_up_proj" in n for n in model.state_dict())
+    assert sorted(state) == sorted(saved)
+    assert all(torch.equal(state[n], saved[n]) for n in saved)
+
+
+def test_preflight_lets_qwen3_moe_train_and_refuses_a_shared_expert():
+    from megatron_grpo.config import Config, ConfigError
+    from megatron_grpo.trainer.preflight import check_moe
+
+    check_moe(moe_spec(), Config())  # Qwen3-MoE: the sync carries its experts
+    with pytest.raises(ConfigError, match="does not carry the shared expert"):
+        check_moe(moe_spec(shared=8), Config())
