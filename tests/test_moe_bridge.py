@@ -260,3 +260,18 @@ def test_preflight_lets_qwen3_moe_train_and_refuses_a_shared_expert():
     check_moe(moe_spec(), Config())  # Qwen3-MoE: the sync carries its experts
     with pytest.raises(ConfigError, match="does not carry the shared expert"):
         check_moe(moe_spec(shared=8), Config())
+
+
+def test_plan_counts_experts_by_ep():
+    """``megatron-grpo plan``: an EP rank holds num_experts/ep experts of every layer, and the
+    sync plan sends the experts a colocated engine lacks from the other EP rank."""
+    from megatron_grpo.config.loader import load_config
+    from megatron_grpo.dry_run.memory import trainer_params_per_rank
+
+    spec = moe_spec(experts=4, moe_ffn=8)
+    per_expert = 3 * spec.moe_ffn_hidden_size * spec.hidden_size
+    counts = {}
+    for ep in (1, 2):
+        cfg = load_config(None, [f"parallel.ep={ep}", "parallel.dp=2", "rollout.tp=1"])
+        counts[ep] = trainer_params_per_rank(spec, cfg)
+    assert counts[1] - counts[2] == spec.num_layers * 2 * per_expert
