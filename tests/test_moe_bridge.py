@@ -22,7 +22,7 @@ from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.layouts.pieces import assemble, reader_from_dict
 from tests.dist_utils import run_distributed
 from tests.nccl_rules import ENV as NCCL_RULES_ENV
-from tests.test_moe import arange_hf, moe_spec
+from tests.test_moe import MOE_VARIANTS, arange_hf, moe_spec
 from tests.test_plan import execute
 from tests.test_transport_e2e import ENGINE_KW
 
@@ -59,6 +59,15 @@ def vllm_reference(spec, w: dict[str, torch.Tensor], tp: int, r: int) -> dict[st
             w2.append(w[x + "down_proj.weight"][:, r * cols : (r + 1) * cols])
         out[p + "experts.routed_experts.w13_weight"] = torch.stack(w13)
         out[p + "experts.routed_experts.w2_weight"] = torch.stack(w2)
+        if spec.shared_expert_ffn_hidden_size:  # a Qwen2MoeMLP split over TP, and its gate
+            s = spec.shared_expert_ffn_hidden_size // tp
+            x = p + "shared_expert."
+            gate, up = w[x + "gate_proj.weight"], w[x + "up_proj.weight"]
+            out[x + "gate_up_proj.weight"] = torch.cat(
+                [gate[r * s : (r + 1) * s], up[r * s : (r + 1) * s]]
+            )
+            out[x + "down_proj.weight"] = w[x + "down_proj.weight"][:, r * s : (r + 1) * s]
+            out[p + "shared_expert_gate.weight"] = w[p + "shared_expert_gate.weight"]
     return out
 
 
@@ -77,14 +86,15 @@ def fused(shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_vllm_expert_slots_match_vllms_fused_layout():
-    spec = moe_spec(experts=4, moe_ffn=8)
+@pytest.mark.parametrize("shared", [0, 8], ids=["qwen3_moe", "qwen2_moe"])
+def test_vllm_expert_slots_match_vllms_fused_layout(shared):
+    spec = moe_spec(experts=4, moe_ffn=8, shared=shared)
     w = arange_hf(spec)
     read = reader_from_dict(w)
     names = vl.param_names(spec)
     assert "model.layers.1.mlp.gate.weight" in names
     assert "model.layers.1.mlp.experts.routed_experts.w2_weight.3" in names
-    assert not any(".experts.0.gate_proj" in n or "gate_up_proj" in n for n in names)
+    assert not any(".experts.0.gate_proj" in n or ".mlp.gate_up_proj" in n for n in names)
     assert vl.expert_slot("model.layers.1.mlp.experts.routed_experts.w13_weight.3") == (
         "model.layers.1.mlp.experts.routed_experts.w13_weight",
         3,
@@ -93,22 +103,25 @@ def test_vllm_expert_slots_match_vllms_fused_layout():
     for tp in (1, 2, 4):
         for r in range(tp):
             got = fused({lay.name: assemble(lay, read, F64) for lay in vl.rank_shards(spec, tp, r)})
-            for name, ref in vllm_reference(spec, w, tp, r).items():
-                assert torch.equal(got[name], ref), (tp, r, name)
+            ref = vllm_reference(spec, w, tp, r)
+            for name, t in ref.items():
+                assert torch.equal(got[name], t), (tp, r, name)
+            assert all(".mlp." not in n or n in ref for n in got), sorted(set(got) - set(ref))
 
 
 def test_vllm_moe_refusals():
     with pytest.raises(ValueError, match="moe_intermediate_size=6 not divisible by rollout tp=4"):
         vl.validate(moe_spec(moe_ffn=6, experts=4), 4)
-    with pytest.raises(ValueError, match="shared expert"):
-        vl.validate(moe_spec(shared=8), 1)
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size=6 not divisible"):
+        vl.validate(moe_spec(shared=6), 4)
 
 
 @pytest.mark.parametrize("tp,pp,ep,dp", [(1, 1, 2, 2), (2, 1, 2, 2), (1, 2, 2, 2), (1, 1, 2, 4)])
 @pytest.mark.parametrize("vtp", [1, 2])
 @pytest.mark.parametrize("placement", ["colocated", "separate"])
-def test_moe_plan_sends_each_expert_from_its_ep_rank(tp, pp, ep, dp, vtp, placement):
-    spec = moe_spec(experts=4, moe_ffn=8)
+@pytest.mark.parametrize("shared", [0, 8], ids=["qwen3_moe", "qwen2_moe"])
+def test_moe_plan_sends_each_expert_from_its_ep_rank(tp, pp, ep, dp, vtp, placement, shared):
+    spec = moe_spec(experts=4, moe_ffn=8, shared=shared)
     trainer = mg.MegatronLayout(tp=tp, pp=pp, dp=dp, ep=ep)
     world = tp * pp * dp
     if placement == "colocated":
@@ -146,13 +159,14 @@ E2E_ROLLOUT_TPS = [1, 2]
 E2E_SEQS = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25], [3, 40, 41, 9, 2]]
 
 
-def _moe_models(root: Path) -> tuple[Path, Path]:
+def _moe_models(root: Path, variant: str = "qwen3_moe") -> tuple[Path, Path]:
     from megatron_grpo.models.tiny import build_hf_model
 
-    a, b = root / "moe_a", root / "moe_b"
+    a, b = root / f"{variant}_a", root / f"{variant}_b"
     if not (b / "config.json").exists():
-        build_hf_model(a, preset="tiny-moe", seed=1, extra_vocab=7)
-        build_hf_model(b, preset="tiny-moe", seed=2, extra_vocab=7)
+        kw = MOE_VARIANTS[variant]
+        build_hf_model(a, preset="tiny-moe", seed=1, extra_vocab=7, **kw)
+        build_hf_model(b, preset="tiny-moe", seed=2, extra_vocab=7, **kw)
     return a, b
 
 
@@ -172,19 +186,20 @@ def _moe_e2e(rank: int, world: int, root: str) -> dict:
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if rank == 0:
-        _moe_models(Path(root))
+        for v in MOE_VARIANTS:
+            _moe_models(Path(root), v)
     dist.barrier()
-    a, b = _moe_models(Path(root))
-    spec = load_spec(b)
     out: dict = {}
-    for rtp in E2E_ROLLOUT_TPS:
+    for variant, rtp in itertools.product(MOE_VARIANTS, E2E_ROLLOUT_TPS):
+        a, b = _moe_models(Path(root), variant)
+        spec = load_spec(b)
         # the reference: an engine that loaded checkpoint B itself at start
         eng = RolloutEngine(b, tp=rtp, keep_weight_copies=True, **ENGINE_KW)
         fresh = eng.prompt_logprobs(E2E_SEQS)
         eng.reload_from_hf(b)  # vLLM's own loaders, read back
         ref = eng.export_shards()[0]
         for tp, pp, ep in E2E_LAYOUTS:
-            case = f"train tp{tp} pp{pp} ep{ep} -> rollout tp{rtp}"
+            case = f"{variant} train tp{tp} pp{pp} ep{ep} -> rollout tp{rtp}"
             ctx = init_distributed(ParallelConfig(tp=tp, pp=pp, ep=ep, backend="gloo"), spec)
             policy = build_policy(
                 spec, ctx, ModelConfig(hf_path=str(b), dtype="float32", transformer_impl="local"),
@@ -222,7 +237,7 @@ def test_moe_bridge_sync_equals_direct_hf_load(tmp_path: Path, monkeypatch) -> N
     point-to-point rules (tests/nccl_rules.py)."""
     monkeypatch.setenv(NCCL_RULES_ENV, "1")
     results = run_distributed(_moe_e2e, 2, str(tmp_path), timeout=850.0)
-    assert len(results[0]) == len(E2E_LAYOUTS) * len(E2E_ROLLOUT_TPS)
+    assert len(results[0]) == len(MOE_VARIANTS) * len(E2E_LAYOUTS) * len(E2E_ROLLOUT_TPS)
     for rank, res in enumerate(results):
         for case, r in res.items():
             where = f"rank {rank}, {case}"
@@ -253,13 +268,12 @@ def test_warm_start_writes_experts_in_checkpoint_names(tmp_path: Path) -> None:
     assert all(torch.equal(state[n], saved[n]) for n in saved)
 
 
-def test_preflight_lets_qwen3_moe_train_and_refuses_a_shared_expert():
-    from megatron_grpo.config import Config, ConfigError
+def test_preflight_lets_moe_models_train():
+    from megatron_grpo.config import Config
     from megatron_grpo.trainer.preflight import check_moe
 
     check_moe(moe_spec(), Config())  # Qwen3-MoE: the sync carries its experts
-    with pytest.raises(ConfigError, match="does not carry the shared expert"):
-        check_moe(moe_spec(shared=8), Config())
+    check_moe(moe_spec(shared=8), Config())  # Qwen2-MoE: and the shared expert
 
 
 def test_plan_counts_experts_by_ep():

@@ -30,6 +30,9 @@ Verified against vLLM 0.32 (paths under vllm/model_executor/):
   tensor, the *expert slot* ``<fused name>.<e>`` (``expert_slot``): w13 slot (2I/T, h) along
   dim 0, w2 slot (h, I/T) along dim 1, exactly the dense ``gate_up_proj`` / ``down_proj``;
   the receiver writes slot e into row e of the fused parameter.
+- Qwen2-MoE (models/qwen2_moe.py): as Qwen3-MoE, plus the shared expert, a dense MLP
+  ``mlp.shared_expert.gate_up_proj`` / ``down_proj`` split like ``gate_up_proj`` /
+  ``down_proj``, and its gate ``mlp.shared_expert_gate.weight`` (1, h), replicated.
 """
 
 from __future__ import annotations
@@ -67,10 +70,10 @@ def validate(spec: ModelSpec, tp: int) -> None:
         raise ValueError(
             f"moe_intermediate_size={spec.moe_ffn_hidden_size} not divisible by rollout tp={tp}"
         )
-    if spec.shared_expert_ffn_hidden_size:
+    if spec.shared_expert_ffn_hidden_size % tp:
         raise ValueError(
-            "the weight sync does not carry a Qwen2-MoE shared expert yet (docs/moe.md): "
-            "use a Qwen3-MoE model for training."
+            f"shared_expert_intermediate_size={spec.shared_expert_ffn_hidden_size} not "
+            f"divisible by rollout tp={tp}"
         )
     if spec.family == "qwen2" and spec.head_dim * spec.num_heads != spec.hidden_size:
         # vllm/model_executor/models/qwen2.py: head_dim = hidden_size // total_num_heads.
@@ -197,10 +200,24 @@ def shard(spec: ModelSpec, tp: int, tp_rank: int, name: str) -> ShardLayout:
 def _moe_shard(
     spec: ModelSpec, tp: int, r: int, name: str, pre: str, suffix: str
 ) -> ShardLayout | None:
-    """The router or one expert slot of a Qwen3-MoE layer; None for other names."""
+    """The router, Qwen2-MoE's shared expert and its gate, or one expert slot of an MoE
+    layer; None for other names."""
     h, e_count = spec.hidden_size, spec.num_experts
     if suffix == "mlp.gate.weight":
         return ShardLayout(name, (e_count, h), 0, (Piece(name, 0, e_count),))
+    if spec.shared_expert_ffn_hidden_size:  # models/qwen2_moe.py: a Qwen2MoeMLP and a gate
+        cols = spec.shared_expert_ffn_hidden_size // tp
+        hf_mlp = pre + "mlp.shared_expert."
+        if suffix == "mlp.shared_expert_gate.weight":
+            return ShardLayout(name, (1, h), 0, (Piece(name, 0, 1),))
+        if suffix == "mlp.shared_expert.gate_up_proj.weight":
+            pieces = (
+                Piece(hf_mlp + "gate_proj.weight", r * cols, cols),
+                Piece(hf_mlp + "up_proj.weight", r * cols, cols),
+            )
+            return ShardLayout(name, (2 * cols, h), 0, pieces)
+        if suffix == "mlp.shared_expert.down_proj.weight":
+            return ShardLayout(name, (h, cols), 1, (Piece(name, r * cols, cols),))
     slot = expert_slot(name)
     if slot is None or slot[1] >= e_count:
         return None

@@ -52,12 +52,5 @@ def check_run(cfg: Config, world_size: int) -> int:
 
 
 def check_moe(spec: ModelSpec, cfg: Config) -> None:
-    """The expert split (``parallel.ep``), and the MoE family the vLLM sync carries: a
-    Qwen3-MoE model trains and syncs (docs/moe.md); a Qwen2-MoE shared expert is not synced."""
+    """The expert split (``parallel.ep``) of an MoE model (docs/moe.md)."""
     check_experts(spec, cfg.parallel.ep, cfg.parallel.tp)
-    if spec.shared_expert_ffn_hidden_size:
-        raise ConfigError(
-            f"model.hf_path={cfg.model.hf_path!r} is a Qwen2-MoE model with a shared expert: "
-            "the Megatron policy trains it, but the weight sync to vLLM does not carry the "
-            "shared expert yet (docs/moe.md): train a Qwen3-MoE model."
-        )
