@@ -29,8 +29,11 @@ def test_bench_sync_rejects_bad_arguments(capsys) -> None:
         # the transfer-only case again, every rank under NCCL's rules emulated over gloo
         # (tests/nccl_rules.py, installed at start-up by tests/nccl_rules_site)
         ["--train-tp", "2", "--rollout-tp", "1", "--sink", "null", "--bucket-mb", "0.1"],
+        # MoE (docs/moe.md): EP 2 trainer -> one TP 2 engine; each vLLM rank holds all
+        # experts, half of them from the other EP rank (the later --model wins)
+        ["--model", "tiny-moe", "--train-ep", "2", "--rollout-tp", "2", "--sink", "vllm"],
     ],
-    ids=["null-tp2", "vllm-tp1", "null-tp2-nccl-rules"],
+    ids=["null-tp2", "vllm-tp1", "null-tp2-nccl-rules", "vllm-moe-ep2"],
 )
 def test_bench_sync_cli_writes_verified_json(
     tmp_path: Path, argv: list[str], capsys, request, monkeypatch

@@ -15,6 +15,8 @@ class BenchSyncArgs:
     """HF model directory or a preset of ``models/tiny.py``."""
     train_tp: int = 1
     train_pp: int = 1
+    train_ep: int = 1
+    """Expert-parallel trainer ranks (MoE models): must divide the trainer's DP size."""
     rollout_tp: int = 1
     bucket_mb: list[float] = field(default_factory=lambda: [64.0])
     repeats: int = 3
@@ -29,7 +31,7 @@ class BenchSyncArgs:
     """torch threads per rank (2-core machines: 1)."""
 
     def __post_init__(self) -> None:
-        for k in ("train_tp", "train_pp", "rollout_tp", "repeats"):
+        for k in ("train_tp", "train_pp", "train_ep", "rollout_tp", "repeats"):
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')}={getattr(self, k)} must be >= 1.")
         if self.sink not in ("vllm", "null", "vllm-fresh"):

@@ -108,7 +108,11 @@ class RankBench:
         self.spec = spec = load_spec(hf_dir)
         self.ctx = ctx = init_distributed(
             ParallelConfig(
-                tp=a.train_tp, pp=a.train_pp, backend="gloo", timeout_s=max(600.0, a.timeout_s)
+                tp=a.train_tp,
+                pp=a.train_pp,
+                ep=a.train_ep,
+                backend="gloo",
+                timeout_s=max(600.0, a.timeout_s),
             ),
             spec,
         )

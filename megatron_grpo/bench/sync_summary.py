@@ -88,6 +88,7 @@ def summarize(a: BenchSyncArgs, per_rank: list[dict], hf_dir: Path) -> dict:
         "model_params": spec.num_parameters,
         "train_tp": a.train_tp,
         "train_pp": a.train_pp,
+        "train_ep": a.train_ep,
         "train_dp": a.world // (a.train_tp * a.train_pp),
         "rollout_tp": a.rollout_tp,
         "world": a.world,
@@ -151,7 +152,7 @@ def format_table(res: dict) -> str:
     """The console table of a ``bench sync`` result."""
     lines = [
         f"bench sync: {res['model']} ({res['model_params'] / 1e6:.1f}M params), trainer "
-        f"tp={res['train_tp']} pp={res['train_pp']} dp={res['train_dp']} -> vLLM tp="
+        f"tp={res['train_tp']} pp={res['train_pp']} dp={res['train_dp']} ep={res.get('train_ep', 1)} -> vLLM tp="
         f"{res['rollout_tp']} x{res['world'] // res['rollout_tp']} engines, sink={res['sink']}, "
         f"median of {res['repeats']}",
         f"minimal bytes: {res['minimal_bytes'] / MiB:.2f} MiB",

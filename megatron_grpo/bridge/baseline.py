@@ -68,7 +68,8 @@ class BaselineSync:
         # The gather's traffic, from the same schedule iter_hf_tensors follows.
         self.gather_links: dict[tuple[int, int], int] = {}
         for src in gather_schedule(spec, ml):
-            owner = rank_of(0, src.pp_rank, src.tp_rank)
+            # an expert comes from its EP rank: DP rank ep_rank (DP rank d is EP rank d % ep)
+            owner = rank_of(src.ep_rank, src.pp_rank, src.tp_rank)
             key = (owner, root)
             self.gather_links[key] = self.gather_links.get(key, 0) + _numel(src.layout.shape) * es
 

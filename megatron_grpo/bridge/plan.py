@@ -159,22 +159,39 @@ def _source_index(
     for pp_rank in range(trainer.pp):
         for vp in range(trainer.vpp):
             for tp_rank in range(trainer.tp):
-                for lay in mg.chunk_shards(spec, trainer, pp_rank, vp, tp_rank):
-                    name = src_name(trainer, vp, lay.name)
-                    for off, piece in lay.offsets():
-                        if piece.is_zero:
-                            continue
-                        key = (piece.src, piece.start, piece.length)
-                        seg = index.setdefault(key, _Segment(piece.start, piece.length))
-                        for dp_rank in range(trainer.dp):
-                            rank = rank_of(dp_rank, pp_rank, tp_rank)
-                            seg.holders.append((rank, name, off))
+                for ep_rank in range(trainer.ep):
+                    _index_chunk(spec, trainer, rank_of, index, pp_rank, vp, tp_rank, ep_rank)
     by_hf: dict[str, list[_Segment]] = {}
     for (hf_name, _, _), seg in index.items():
         by_hf.setdefault(hf_name, []).append(seg)
     for segs in by_hf.values():
         segs.sort(key=lambda s: (s.hf_start, s.length))
     return by_hf
+
+
+def _index_chunk(
+    spec: ModelSpec, trainer: MegatronLayout, rank_of: RankOf,
+    index: dict[tuple[str, int, int], _Segment], pp_rank: int, vp: int, tp_rank: int,
+    ep_rank: int,
+) -> None:  # fmt: skip
+    """Add one (pp, vp, tp, ep) chunk's shards to ``index``. An expert shard is held only by
+    the DP replicas of its EP rank: megatron carves EP out of DP, EP varying fastest
+    (rank order tp-cp-ep-dp-pp), so DP rank d is EP rank ``d % ep``; every other shard is
+    the same on all EP ranks and is indexed once (from EP rank 0) for every DP replica."""
+    for lay in mg.chunk_shards(spec, trainer, pp_rank, vp, tp_rank, ep_rank):
+        expert = mg.is_expert(lay.name)
+        if ep_rank and not expert:
+            continue
+        name = src_name(trainer, vp, lay.name)
+        for off, piece in lay.offsets():
+            if piece.is_zero:
+                continue
+            key = (piece.src, piece.start, piece.length)
+            seg = index.setdefault(key, _Segment(piece.start, piece.length))
+            for dp_rank in range(trainer.dp):
+                if expert and dp_rank % trainer.ep != ep_rank:
+                    continue
+                seg.holders.append((rank_of(dp_rank, pp_rank, tp_rank), name, off))
 
 
 def build_plan(

@@ -66,7 +66,9 @@ from megatron_grpo.bridge.sessions import (
     DirectModule,
     DirectSession,
     LayerwiseSession,
+    post_process,
 )
+from megatron_grpo.layouts import vllm as vl
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,12 @@ log = logging.getLogger(__name__)
 # vocab_parallel_embedding.py: UnquantizedEmbeddingMethod): on CPU a packed GEMM handle
 # (dispatch_cpu_unquantized_gemm), elsewhere nothing or a re-layout of the same values.
 # Re-running it on freshly written logical weights is exactly what a reload does.
-_DIRECT_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
+# vLLM's unquantized fused MoE (layers/fused_moe/unquantized_fused_moe_method.py) re-derives
+# its kernel layout from w13/w2 the same way (``sessions.post_process`` adds the CPU prepack
+# that vLLM skips on updates).
+_DIRECT_METHODS = frozenset(
+    {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod"}
+)
 
 
 class ShardReceiver:
@@ -98,7 +105,12 @@ class ShardReceiver:
         self._session: LayerwiseSession | DirectSession | None = None
         self.params: dict[str, tuple[torch.nn.Module, str, tuple[int, ...], torch.dtype]] = {}
         """``{vLLM name: (module, attribute, logical shape, dtype)}`` of every loadable
-        parameter (what the sessions load into)."""
+        tensor (what the sessions load into): a fused MoE expert parameter appears as its
+        expert slots ``<name>.<e>`` (``layouts.vllm.expert_slot``) of shape ``shape[1:]``."""
+        self.slots: dict[str, int] = {}
+        """``{expert slot name: expert index}``: the slot is row e of its fused parameter."""
+        self.slot_counts: dict[str, int] = {}
+        """``{fused expert parameter: number of slots}``."""
         self._tied: list[tuple[str, torch.nn.Module]] = []
         self.record_checksums = True
         """Record the checksum of every repacked parameter as it is processed (what
@@ -113,12 +125,21 @@ class ShardReceiver:
     def _build_index(self) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-        modules = dict(self.model.named_modules())
+        # remove_duplicate=False: vLLM's FusedMoE also registers the MoE block's router
+        # (``mlp.gate``) as ``mlp.experts.gate`` (models/qwen3_moe.py ``FusedMoEFactory(
+        # gate=self.gate)``), and ``named_parameters`` may report it under that name.
+        modules = dict(self.model.named_modules(remove_duplicate=False))
         for name, live in self.model.named_parameters():  # tied duplicates are dropped
             prefix, _, attr = name.rpartition(".")
             module = modules[prefix]
             meta = get_layerwise_info(module).restore_metadata[0].get(attr)
             ref = meta if meta is not None else live  # e.g. `bias` is never moved to meta
+            if vl.expert_slot(f"{name}.0") is not None:
+                self.slot_counts[name] = ref.shape[0]
+                for e in range(ref.shape[0]):
+                    self.params[f"{name}.{e}"] = (module, attr, tuple(ref.shape[1:]), ref.dtype)
+                    self.slots[f"{name}.{e}"] = e
+                continue
             self.params[name] = (module, attr, tuple(ref.shape), ref.dtype)
         # Modules that share a parameter with another module (tied lm_head): vLLM's reload
         # loads and processes only the owner (reload/__init__.py, "Limitations 2"), but on
@@ -147,7 +168,8 @@ class ShardReceiver:
 
         head = getattr(self.model, "lm_head", None)
         for name, (module, attr, shape, _) in self.params.items():
-            prefix = name.rpartition(".")[0]
+            fused = name.rpartition(".")[0] if name in self.slots else name
+            prefix = fused.rpartition(".")[0]
             qm = getattr(module, "quant_method", None)
             if qm is not None and type(qm).__name__ not in _DIRECT_METHODS:
                 self.direct = False
@@ -163,7 +185,10 @@ class ShardReceiver:
             if m is None:
                 m = self.by_prefix[prefix] = DirectModule(prefix, module, [], False, process)
             m.names.append(name)
-            m.repacked |= tuple(getattr(module, attr).shape) != shape
+            # Expert slots: vLLM's CPU MoE prepacks w13/w2 in place of the same shape
+            # (layers/fused_moe/experts/cpu_moe.py ``cpu_prepack_moe_weight``), so the live
+            # values are never the logical ones: rebuild and re-process them, as a repack.
+            m.repacked |= tuple(getattr(module, attr).shape) != shape or name in self.slots
             self.module_of[name] = (m, module, attr, name.endswith(VOCAB_PARAMS))
 
     def expected_shards(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -226,7 +251,7 @@ class ShardReceiver:
     def process(self, module: torch.nn.Module) -> None:
         """vLLM's post-load processing of one module, timed (``timings["post_s"]``)."""
         t0 = time.perf_counter()
-        module.quant_method.process_weights_after_loading(module)
+        post_process(module)
         self.timings["post_s"] = self.timings.get("post_s", 0.0) + time.perf_counter() - t0
 
     def load_hf_checkpoint(self, path: str | Path) -> int:
@@ -248,7 +273,7 @@ class ShardReceiver:
     def _logical(self, name: str) -> torch.Tensor | None:
         module, attr, shape, _ = self.params[name]
         live = getattr(module, attr)
-        if tuple(live.shape) == shape:
+        if tuple(live.shape) == shape and name not in self.slots:
             return live.data
         return self._captured.get(name)
 
@@ -263,7 +288,7 @@ class ShardReceiver:
         out: dict[str, Checksum] = {}
         for name, (module, attr, shape, _) in self.params.items():
             live = getattr(module, attr)
-            if tuple(live.shape) == shape:
+            if tuple(live.shape) == shape and name not in self.slots:
                 out[name] = checksum(live)
             elif name in self._captured_sums:
                 out[name] = self._captured_sums[name]
@@ -288,11 +313,16 @@ class ShardReceiver:
         copies when ``keep_copies``): what ``checksums()`` and ``export()`` read back."""
         for attr, p in layer._parameters.items():
             name = f"{prefix}.{attr}" if prefix else attr
-            if p is None or name not in self.params:
+            if p is None:
                 continue
-            if self.record_checksums:
-                self._captured_sums[name] = checksum(p)
-            else:  # a stale value must not pass for the new one
-                self._captured_sums.pop(name, None)
-            if self.keep_copies:
-                self._captured[name] = p.detach().clone()
+            count = self.slot_counts.get(name)
+            tensors = [(f"{name}.{e}", p[e]) for e in range(count)] if count else [(name, p)]
+            for key, t in tensors:
+                if key not in self.params:
+                    continue
+                if self.record_checksums:
+                    self._captured_sums[key] = checksum(t)
+                else:  # a stale value must not pass for the new one
+                    self._captured_sums.pop(key, None)
+                if self.keep_copies:
+                    self._captured[key] = t.detach().clone()

@@ -52,6 +52,33 @@ def _copy_shard(dst: torch.Tensor, t: torch.Tensor, name: str, vocab: bool) -> N
     dst.copy_(t)
 
 
+def post_process(module: torch.nn.Module) -> None:
+    """vLLM's post-load processing of one module after its logical weights were rewritten.
+
+    ``quant_method.process_weights_after_loading``, plus, for a fused MoE layer on CPU, the
+    experts kernel's own prepack: vLLM runs ``moe_kernel.fused_experts.
+    process_weights_after_loading`` only on the first load (unquantized_fused_moe_method.py
+    ``_setup_kernel``: "Setup moe kernel only on the first call"), and the CPU experts
+    (layers/fused_moe/experts/cpu_moe.py ``CPUUnquantizedExperts``) prepack w13/w2 there, so
+    an update would leave unpacked values in the prepacked layout (vLLM's own reload too:
+    log-probs off by 5e-2 on tiny-moe). On GPU that hook only sets up the kernel and is
+    left to vLLM."""
+    kernel_before = getattr(module.quant_method, "moe_kernel", None)
+    module.quant_method.process_weights_after_loading(module)
+    _reprepack_cpu_experts(module, kernel_before)
+
+
+def _reprepack_cpu_experts(module: torch.nn.Module, kernel_before: Any) -> None:
+    """The CPU experts' prepack that vLLM skips when a fused MoE layer already had a kernel
+    (``post_process``); nothing for other layers or on GPU."""
+    if kernel_before is None:
+        return
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        kernel_before.fused_experts.process_weights_after_loading(module)
+
+
 def _unknown_parameter(name: str, expected: Iterable[str]) -> KeyError:
     return KeyError(
         f"{name!r} is not a parameter of this vLLM model (tied lm_head? HF name?); "
@@ -81,6 +108,9 @@ class Receiver(Protocol):
     model: torch.nn.Module
     params: dict[str, tuple[torch.nn.Module, str, tuple[int, ...], torch.dtype]]
     """``{vLLM name: (module, attribute, logical shape, dtype)}``."""
+    slots: dict[str, int]
+    """``{expert slot name: its row of the fused parameter}`` (``layouts.vllm.expert_slot``)."""
+    slot_counts: dict[str, int]
     by_prefix: dict[str, DirectModule]
     module_of: dict[str, tuple[DirectModule, torch.nn.Module, str, bool]]
     timings: dict[str, float]
@@ -114,8 +144,11 @@ class LayerwiseSession:
                 self.processed.add(prefix)
                 rx.capture(prefix, layer)
                 t0 = time.perf_counter()
+                kernel_before = getattr(layer.quant_method, "moe_kernel", None)
                 try:
-                    return _orig(layer)
+                    out = _orig(layer)
+                    _reprepack_cpu_experts(layer, kernel_before)
+                    return out
                 finally:
                     rx.timings["post_s"] += time.perf_counter() - t0
 
@@ -125,6 +158,8 @@ class LayerwiseSession:
             return
         # Re-wrap every loadable tensor: vLLM's wrapper around a plain copy loader.
         for name, (module, attr, _, _) in rx.params.items():
+            if name in rx.slots:  # refused in ``load``
+                continue
             t = getattr(module, attr)
             previous = t.weight_loader
             t.weight_loader = _copy_presharded
@@ -139,6 +174,11 @@ class LayerwiseSession:
         entry = self.rx.params.get(name)
         if entry is None:
             raise _unknown_parameter(name, self.rx.params)
+        if name in self.rx.slots:
+            raise ValueError(
+                f"{name}: MoE expert slots load through the direct path only, and this model "
+                "has quantized layers: sync an unquantized MoE model (docs/moe.md)."
+            )
         module, attr, _, _ = entry
         param = getattr(module, attr)
         param.weight_loader(param, tensor)
@@ -176,6 +216,8 @@ class DirectSession:
         self.loaded: set[str] = set()
         self.processed: set[str] = set()
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._arrived: dict[str, int] = {}
+        """Per repacked module: how many of its names arrived this session."""
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         entry = self.rx.module_of.get(name)
@@ -185,6 +227,7 @@ class DirectSession:
         if name in self.loaded:
             raise RuntimeError(f"{name}: received twice in one weight update.")
         self.loaded.add(name)
+        slot = self.rx.slots.get(name)
         if not m.repacked:
             _copy_shard(getattr(module, attr).data, tensor, name, vocab)
             if m.process and all(n in self.loaded for n in m.names):
@@ -199,8 +242,17 @@ class DirectSession:
                 "ShardReceiver.expected_shards()."
             )
         pending = self._pending.setdefault(m.prefix, {})
-        pending[attr] = tensor.to(dtype).contiguous()
-        if len(pending) == len(m.names):
+        if slot is None:
+            pending[attr] = tensor.to(dtype).contiguous()
+        else:  # expert e of a fused MoE parameter: row e of the logical tensor
+            fused = pending.get(attr)
+            if fused is None:
+                count = self.rx.slot_counts[name.rpartition(".")[0]]
+                fused = pending[attr] = torch.empty((count, *shape), dtype=dtype)
+            fused[slot].copy_(tensor)
+        arrived = self._arrived[m.prefix] = self._arrived.get(m.prefix, 0) + 1
+        if arrived == len(m.names):
+            del self._arrived[m.prefix]
             self._repack(m, self._pending.pop(m.prefix))
 
     def _processed(self, m: DirectModule) -> None:
@@ -224,6 +276,7 @@ class DirectSession:
     def finish(self) -> None:
         partial = sorted(p for p in self._pending)
         self._pending.clear()
+        self._arrived.clear()
         if partial:
             raise RuntimeError(
                 f"weight update left repacked layers {partial[:4]} partly loaded: a repacked "

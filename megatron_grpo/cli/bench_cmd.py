@@ -58,6 +58,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--train-tp", type=int, default=1)
     s.add_argument("--train-pp", type=int, default=1)
+    s.add_argument(
+        "--train-ep", type=int, default=1, help="expert-parallel trainer ranks (MoE models)"
+    )
     s.add_argument("--rollout-tp", type=int, default=1)
     s.add_argument("--bucket-mb", type=_floats, default=[64.0], help="bucket size(s), e.g. 16,64")
     s.add_argument("--repeats", type=int, default=3, help="timed syncs per method (median)")

@@ -227,6 +227,7 @@ def build_launch_plan(
     layout = MegatronLayout(
         p.tp, p.pp, p.vpp or 1, dp,
         padded_vocab=megatron_padded_vocab(spec.vocab_size, p.tp, cfg.model.make_vocab_size_divisible_by),
+        ep=p.ep,
     )  # fmt: skip
     sync_plan = build_plan(spec, layout, r.tp, ranks.engines, element_size=DTYPE_BYTES[dtype])
     report = plan_report(sync_plan)

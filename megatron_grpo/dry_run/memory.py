@@ -95,11 +95,13 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def trainer_params_per_rank(spec: ModelSpec, cfg: Config) -> int:
-    """Parameters of the largest (pp stage, tp rank) shard set, vocabulary padding included."""
+    """Parameters of the largest (pp stage, tp rank) shard set, vocabulary padding included;
+    an MoE rank holds ``num_experts / parallel.ep`` experts of every layer (every EP rank the
+    same count, so EP rank 0 stands for all)."""
     p = cfg.parallel
     vpp = p.vpp or 1
     padded = megatron_padded_vocab(spec.vocab_size, p.tp, cfg.model.make_vocab_size_divisible_by)
-    ml = mg.MegatronLayout(p.tp, p.pp, vpp, padded_vocab=padded)
+    ml = mg.MegatronLayout(p.tp, p.pp, vpp, padded_vocab=padded, ep=p.ep)
     return max(
         sum(_numel(s.shape) for vp in range(vpp) for s in mg.chunk_shards(spec, ml, pp, vp, tp))
         for pp in range(p.pp)

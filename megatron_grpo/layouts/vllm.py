@@ -20,6 +20,19 @@ Verified against vLLM 0.32 (paths under vllm/model_executor/):
 - QK-norm (models/qwen3.py): ``self_attn.q_norm.weight`` / ``k_norm.weight`` (hn,),
   replicated.
 - Norms: ``input_layernorm``, ``post_attention_layernorm``, ``model.norm``, replicated.
+- Qwen3-MoE (models/qwen3_moe.py; layers/fused_moe/layer.py ``weight_loader``): the router
+  ``mlp.gate.weight`` (E, h) is replicated (``GateLinear``); every layer's experts are two
+  fused parameters ``mlp.experts.routed_experts.w13_weight`` (E, 2*I/T, h: per expert its
+  gate rows ``[r*I/T, ...)`` then its up rows) and ``...w2_weight`` (E, h, I/T: columns of
+  ``down_proj``). Without vLLM's expert parallelism (the only mode the bridge serves) each TP
+  rank holds every expert, local slot e = expert e. The piece algebra cuts along one
+  dimension, so the bridge addresses one expert's slice of a fused parameter as its own
+  tensor, the *expert slot* ``<fused name>.<e>`` (``expert_slot``): w13 slot (2I/T, h) along
+  dim 0, w2 slot (h, I/T) along dim 1, exactly the dense ``gate_up_proj`` / ``down_proj``;
+  the receiver writes slot e into row e of the fused parameter.
+- Qwen2-MoE (models/qwen2_moe.py): as Qwen3-MoE, plus the shared expert, a dense MLP
+  ``mlp.shared_expert.gate_up_proj`` / ``down_proj`` split like ``gate_up_proj`` /
+  ``down_proj``, and its gate ``mlp.shared_expert_gate.weight`` (1, h), replicated.
 """
 
 from __future__ import annotations
@@ -53,6 +66,15 @@ def validate(spec: ModelSpec, tp: int) -> None:
             f"vLLM pads vocab {spec.vocab_size} to {vllm_padded_vocab(spec.vocab_size, tp)}, "
             f"not divisible by rollout tp={tp}."
         )
+    if spec.is_moe and spec.moe_ffn_hidden_size % tp:
+        raise ValueError(
+            f"moe_intermediate_size={spec.moe_ffn_hidden_size} not divisible by rollout tp={tp}"
+        )
+    if spec.shared_expert_ffn_hidden_size % tp:
+        raise ValueError(
+            f"shared_expert_intermediate_size={spec.shared_expert_ffn_hidden_size} not "
+            f"divisible by rollout tp={tp}"
+        )
     if spec.family == "qwen2" and spec.head_dim * spec.num_heads != spec.hidden_size:
         # vllm/model_executor/models/qwen2.py: head_dim = hidden_size // total_num_heads.
         raise ValueError(
@@ -71,14 +93,40 @@ _STACKED = (
 )
 
 
+EXPERTS = "mlp.experts.routed_experts."
+"""Prefix (after the layer's) of vLLM's fused expert parameters ``w13_weight``, ``w2_weight``."""
+_HF_EXPERT_RE = re.compile(
+    r"^(model\.layers\.\d+\.)mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$"
+)
+_SLOT_RE = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts\.routed_experts\.w(?:13|2)_weight)\.(\d+)$"
+)
+
+
+def expert_slot(name: str) -> tuple[str, int] | None:
+    """``(fused vLLM parameter, expert)`` of an expert slot name
+    (``model.layers.3.mlp.experts.routed_experts.w13_weight.5`` -> (``...w13_weight``, 5)),
+    None for every other name."""
+    m = _SLOT_RE.match(name)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def _bridge_name(name: str) -> str:
+    """The bridge's name of the vLLM tensor an HF tensor goes into (an expert slot for
+    per-expert HF tensors)."""
+    m = _HF_EXPERT_RE.match(name)
+    if m:
+        fused = "w2_weight" if m.group(3) == "down" else "w13_weight"
+        return f"{m.group(1)}{EXPERTS}{fused}.{m.group(2)}"
+    for hf_part, fused in _STACKED:
+        name = hf_part.sub(fused, name)
+    return name
+
+
 def param_names(spec: ModelSpec) -> list[str]:
-    """vLLM parameter names (global layer index, PP=1 on the rollout side), in HF order."""
-    names = []
-    for name in hf.hf_shapes(spec):
-        for hf_part, fused in _STACKED:
-            name = hf_part.sub(fused, name)
-        names.append(name)
-    return list(dict.fromkeys(names))
+    """vLLM parameter names (global layer index, PP=1 on the rollout side), in HF order;
+    MoE experts as expert slots (``expert_slot``)."""
+    return list(dict.fromkeys(_bridge_name(name) for name in hf.hf_shapes(spec)))
 
 
 def _qkv_rank(spec: ModelSpec, tp: int, r: int, pre: str, kind: str) -> tuple[Piece, ...]:
@@ -138,11 +186,51 @@ def shard(spec: ModelSpec, tp: int, tp_rank: int, name: str) -> ShardLayout:
         if suffix == "mlp.down_proj.weight":
             cols = f // tp
             return ShardLayout(name, (h, cols), 1, (Piece(name, r * cols, cols),))
+        if spec.is_moe:
+            found = _moe_shard(spec, tp, r, name, pre, suffix)
+            if found is not None:
+                return found
     raise UnknownParameterError(
         f"unknown vLLM parameter {name!r} for a {spec.family} model with {spec.num_layers} "
         f"layers (tied={spec.tie_word_embeddings}, qkv_bias={spec.qkv_bias}, "
         f"qk_norm={spec.qk_norm})."
     )
+
+
+def _moe_shard(
+    spec: ModelSpec, tp: int, r: int, name: str, pre: str, suffix: str
+) -> ShardLayout | None:
+    """The router, Qwen2-MoE's shared expert and its gate, or one expert slot of an MoE
+    layer; None for other names."""
+    h, e_count = spec.hidden_size, spec.num_experts
+    if suffix == "mlp.gate.weight":
+        return ShardLayout(name, (e_count, h), 0, (Piece(name, 0, e_count),))
+    if spec.shared_expert_ffn_hidden_size:  # models/qwen2_moe.py: a Qwen2MoeMLP and a gate
+        cols = spec.shared_expert_ffn_hidden_size // tp
+        hf_mlp = pre + "mlp.shared_expert."
+        if suffix == "mlp.shared_expert_gate.weight":
+            return ShardLayout(name, (1, h), 0, (Piece(name, 0, 1),))
+        if suffix == "mlp.shared_expert.gate_up_proj.weight":
+            pieces = (
+                Piece(hf_mlp + "gate_proj.weight", r * cols, cols),
+                Piece(hf_mlp + "up_proj.weight", r * cols, cols),
+            )
+            return ShardLayout(name, (2 * cols, h), 0, pieces)
+        if suffix == "mlp.shared_expert.down_proj.weight":
+            return ShardLayout(name, (h, cols), 1, (Piece(name, r * cols, cols),))
+    slot = expert_slot(name)
+    if slot is None or slot[1] >= e_count:
+        return None
+    fused, e = slot
+    cols = spec.moe_ffn_hidden_size // tp
+    hf_mlp = f"{pre}mlp.experts.{e}."
+    if fused.endswith("w13_weight"):
+        pieces = (
+            Piece(hf_mlp + "gate_proj.weight", r * cols, cols),
+            Piece(hf_mlp + "up_proj.weight", r * cols, cols),
+        )
+        return ShardLayout(name, (2 * cols, h), 0, pieces)
+    return ShardLayout(name, (h, cols), 1, (Piece(hf_mlp + "down_proj.weight", r * cols, cols),))
 
 
 def rank_shards(spec: ModelSpec, tp: int, tp_rank: int) -> list[ShardLayout]:

@@ -126,7 +126,7 @@ def warm_start(model_dir: Path, cfg: Config) -> dict:
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state = unfuse_experts({k: v.detach() for k, v in model.state_dict().items()})
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     for f in model_dir.glob("*.safetensors"):
@@ -136,3 +136,26 @@ def warm_start(model_dir: Path, cfg: Config) -> dict:
         index.unlink()
     save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     return {"first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def unfuse_experts(state: dict) -> dict:
+    """A transformers state dict in checkpoint names, contiguous: transformers (v5) holds a
+    Qwen3-MoE layer's experts fused in memory (models/qwen3_moe/modeling_qwen3_moe.py
+    ``Qwen3MoeExperts``: ``mlp.experts.gate_up_proj`` (E, 2I, h), gate rows first, and
+    ``mlp.experts.down_proj`` (E, h, I)), while checkpoints, the layouts and vLLM's loader
+    name one tensor per expert (``mlp.experts.{e}.gate_proj.weight``). Dense models pass
+    through unchanged."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            pre, inter = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{pre}{e}.gate_proj.weight"] = t[e, :inter].contiguous()
+                out[f"{pre}{e}.up_proj.weight"] = t[e, inter:].contiguous()
+        elif name.endswith(".mlp.experts.down_proj"):
+            pre = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{pre}{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t.contiguous()
+    return out

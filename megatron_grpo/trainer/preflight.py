@@ -52,12 +52,5 @@ def check_run(cfg: Config, world_size: int) -> int:
 
 
 def check_moe(spec: ModelSpec, cfg: Config) -> None:
-    """The expert split (``parallel.ep``), then the part of MoE training not built yet: the
-    policy trains a Qwen3-MoE model (docs/moe.md), but vLLM cannot receive its experts."""
+    """The expert split (``parallel.ep``) of an MoE model (docs/moe.md)."""
     check_experts(spec, cfg.parallel.ep, cfg.parallel.tp)
-    if spec.is_moe:
-        raise ConfigError(
-            f"model.hf_path={cfg.model.hf_path!r} is a mixture-of-experts model "
-            f"({spec.architecture}): the Megatron policy trains it, but the weight sync to "
-            "vLLM does not carry experts yet (issue 32, docs/moe.md): train a dense model."
-        )
