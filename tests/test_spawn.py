@@ -70,3 +70,27 @@ def test_the_parent_reads_a_result_file_as_data_only(tmp_path):
     assert _load_result(path, 0, (Sample,)) == [Sample([1], [2], [-0.5], "stop")]
     with pytest.raises(RankFailed, match="GLOBAL megatron_grpo.rollout.engine.Sample"):
         _load_result(path, 0, ())
+
+
+def _port_taken_once(rank: int, world: int, marker: str, message: str) -> int:
+    """Fails like a rank whose rendezvous port was taken, the first time it runs."""
+    path = Path(marker) / f"rank{rank}"
+    if not path.exists():
+        path.write_text("tried")
+        raise RuntimeError(message)
+    return rank
+
+
+@pytest.mark.timeout(180)
+def test_a_taken_rendezvous_port_is_retried_and_nothing_else_is(tmp_path):
+    """free_port's port can be taken before rank 0 listens on it (seen in the suite: a
+    ``DistNetworkError ... EADDRINUSE``); the ranks failed at their rendezvous, so the spawn
+    is tried again on a fresh port. Any other failure is reported at once."""
+    taken = "The server socket has failed to listen ... code: -98, name: EADDRINUSE"
+    first = tmp_path / "taken"
+    first.mkdir()
+    assert spawn_ranks(_port_taken_once, 2, str(first), taken, timeout_s=150) == [0, 1]
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(RankFailed, match="some other failure"):
+        spawn_ranks(_port_taken_once, 2, str(other), "some other failure", timeout_s=150)

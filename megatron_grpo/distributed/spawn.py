@@ -137,6 +137,23 @@ def spawn_ranks(
     env = dict(env or {})
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _spawn_once(fn, world, args, timeout_s, env, threads, setup, result_types)
+        except RankFailed as e:
+            # free_port's port was taken between its check and rank 0's TCPStore bind (a
+            # race with any other process on the machine): the ranks failed at their
+            # rendezvous, before fn's work, so a fresh port is a clean retry.
+            if "EADDRINUSE" not in str(e) or attempt == PORT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+PORT_ATTEMPTS = 3
+"""Spawns tried when rank 0's rendezvous port was taken before it could listen."""
+
+
+def _spawn_once(fn, world, args, timeout_s, env, threads, setup, result_types) -> list[Any]:
     name = getattr(fn, "__name__", repr(fn))
     ctx = mp.get_context("spawn")
     port = free_port()
