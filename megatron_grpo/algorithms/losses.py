@@ -426,25 +426,35 @@ def build_policy_loss(grpo_cfg) -> PolicyLossFn:
     core = _surrogate_fn(c, exact, with_tis=tis_fn is not None)
     reg_fn = _regularizer_fn(c)
 
-    def policy_loss(
-        logp_BT: Tensor,
-        adv: Tensor,
-        mask_BT: Tensor,
-        rollout_logp_BT: Tensor,
-        old_logp_BT: Tensor | None,
-    ) -> tuple[Tensor, Metrics]:
+    combined = compose_policy_loss(core, tis_fn, reg_fn, exact)
+
+    def policy_loss(logp_BT, adv, mask_BT, rollout_logp_BT, old_logp_BT):
+        # alpha is vLLM's rollout log-prob; TIS weighs pi_k against it
+        return combined(logp_BT, adv, mask_BT, rollout_logp_BT, old_logp_BT, old_logp_BT,
+                        rollout_logp_BT)  # fmt: skip
+
+    return policy_loss
+
+
+def compose_policy_loss(core, tis_fn, reg_fn, exact: bool):
+    """The surrogate ``core`` (ratios against ``alpha_BT``), times the TIS weight of
+    ``tis_logp_BT`` against ``rollout_logp_BT`` when ``tis_fn`` is set, plus the regularizer
+    toward pi_old (``old_logp_BT`` under ``ratio_mode=exact``, else alpha): the one
+    composition behind ``build_policy_loss`` and ``staleness.build_split_policy_loss``."""
+
+    def combined(logp_BT, adv, mask_BT, alpha_BT, old_logp_BT, tis_logp_BT, rollout_logp_BT):
         if exact and old_logp_BT is None:
             raise ValueError(
                 "grpo.ratio_mode=exact needs the trainer's pi_k log-probs (mb['old_logp']); "
                 "compute them before the SGD pass or set grpo.ratio_mode=one."
             )
-        loss, metrics = core(logp_BT, adv, mask_BT, rollout_logp_BT, old_logp_BT)
+        loss, metrics = core(logp_BT, adv, mask_BT, alpha_BT, old_logp_BT)
         if tis_fn is not None:
-            w, tis_metrics = tis_fn(old_logp_BT, rollout_logp_BT, mask_BT)
+            w, tis_metrics = tis_fn(tis_logp_BT, rollout_logp_BT, mask_BT)
             loss = loss * w
             metrics.update(tis_metrics)
         if reg_fn is not None:
-            loss = loss + reg_fn(logp_BT, old_logp_BT if exact else rollout_logp_BT)
+            loss = loss + reg_fn(logp_BT, old_logp_BT if exact else alpha_BT)
         return loss, metrics
 
-    return policy_loss
+    return combined

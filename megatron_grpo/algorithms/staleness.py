@@ -30,6 +30,7 @@ from megatron_grpo.algorithms.losses import (
     _regularizer_fn,
     _surrogate_fn,
     _tis_weight_fn,
+    compose_policy_loss,
     seq_is_ratio,
     token_is_ratio,
 )
@@ -141,19 +142,11 @@ def build_split_policy_loss(grpo_cfg) -> SplitPolicyLossFn:
     core = _surrogate_fn(c, exact, with_tis=False)
     reg_fn = _regularizer_fn(c)
 
+    combined = compose_policy_loss(core, tis_fn, reg_fn, exact)
+
     def split_policy_loss(logp_BT, adv, mask_BT, rollout_logp_BT, old_logp_BT, alpha_logp_BT):
-        if exact and old_logp_BT is None:
-            raise ValueError(
-                "grpo.ratio_mode=exact needs the trainer's pi_k log-probs (mb['old_logp']); "
-                "compute them before the SGD pass or set grpo.ratio_mode=one."
-            )
-        loss, metrics = core(logp_BT, adv, mask_BT, alpha_logp_BT, old_logp_BT)
-        if tis_fn is not None:
-            w, tis_metrics = tis_fn(alpha_logp_BT, rollout_logp_BT, mask_BT)
-            loss = loss * w
-            metrics.update(tis_metrics)
-        if reg_fn is not None:
-            loss = loss + reg_fn(logp_BT, old_logp_BT if exact else alpha_logp_BT)
-        return loss, metrics
+        # the ratios against alpha_trainer; TIS weighs alpha_trainer against alpha_vLLM
+        return combined(logp_BT, adv, mask_BT, alpha_logp_BT, old_logp_BT, alpha_logp_BT,
+                        rollout_logp_BT)  # fmt: skip
 
     return split_policy_loss
