@@ -50,6 +50,8 @@ Imports: torch, transformers, megatron-core and the project's own modules, none 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megatron_grpo.bench.common import machine_info, package_versions
@@ -164,7 +166,8 @@ def measure_sides(
 def hf_packed_budget(args: BenchTrainArgs) -> int:
     """The ``hf-packed`` side's token budget: the project's (its default when the project
     runs padded rows)."""
-    return ProjectSide.budget_of(args) or args.micro_batch_size * (args.prompt_len + args.max_len)
+    default = ProjectSide.budget_of(dataclasses.replace(args, micro_batch_tokens=None))
+    return ProjectSide.budget_of(args) or default
 
 
 def ratios(sides: dict[str, dict]) -> dict[str, dict[str, float | None]]:
