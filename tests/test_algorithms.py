@@ -15,6 +15,7 @@ from megatron_grpo.algorithms import advantages as adv_mod
 from megatron_grpo.algorithms import aggregation as agg
 from megatron_grpo.algorithms import kl as kl_mod
 from megatron_grpo.algorithms import losses as L
+from megatron_grpo.algorithms.policy_loss import build_policy_loss
 from megatron_grpo.algorithms.shaping import overlong_filter_keep, overlong_penalty
 from megatron_grpo.config.schema import GRPOConfig
 
@@ -192,7 +193,7 @@ def test_rec_tis_is_the_papers_clamp():
     # Built from the config: rec_weight=tis reads rec_ring_eps_low/high (eps'), A = 1, mask none
     # -> loss = -w * logp; logp = ln .3, old = 0 -> rho = .3 -> w = .4 -> loss = -.4 ln .3.
     cfg = GRPOConfig(policy_loss="rec", rec_clip="none", rec_weight="tis")
-    fn = L.build_policy_loss(cfg)
+    fn = build_policy_loss(cfg)
     loss, _ = fn(t([[ln(0.3)]]), t([1.0]), t([[1.0]]), t([[0.0]]), None)
     close(loss, [[-0.4 * ln(0.3)]])
 
@@ -256,7 +257,7 @@ def test_tis_in_policy_loss():
     # exact + token_truncate: loss = min(pi_k/alpha, 2) * PPO(pi/pi_k).
     # pi = pi_k (r = 1, unclipped), A = 1 -> PPO loss -1; pi_k/alpha = 3 -> w = 2 -> loss -2.
     cfg = GRPOConfig(ratio_mode="exact", tis="token_truncate", tis_cap=2.0)
-    fn = L.build_policy_loss(cfg)
+    fn = build_policy_loss(cfg)
     logp = t([[-1.0]])
     loss, m = fn(logp, t([1.0]), t([[1.0]]), t([[-1.0 - ln(3.0)]]), t([[-1.0]]))
     close(loss, [[-2.0]])
@@ -271,7 +272,7 @@ def test_regularizers_and_entropy():
     close(L.entropy_bonus(t([2.0]), 0.01), [-0.02])
     # Through the builder: rec NoIS no clip, A = 0 -> only the regularizer remains.
     cfg = GRPOConfig(policy_loss="rec", rec_clip="none", regularizer="opmd", regularizer_coef=0.5)
-    loss, _ = L.build_policy_loss(cfg)(t([[-1.0]]), t([0.0]), t([[1.0]]), t([[-1.5]]), None)
+    loss, _ = build_policy_loss(cfg)(t([[-1.0]]), t([0.0]), t([[1.0]]), t([[-1.5]]), None)
     close(loss, [[0.125]])
 
 

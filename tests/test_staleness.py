@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_grpo.algorithms import aggregation as agg
-from megatron_grpo.algorithms import losses as L
 from megatron_grpo.algorithms import staleness as S
+from megatron_grpo.algorithms.policy_loss import build_policy_loss
 from megatron_grpo.bench.report import _score_alpha_lines
 from megatron_grpo.bench.throughput import analyze_run
 from megatron_grpo.config.schema import ConfigError, GRPOConfig
@@ -103,7 +103,7 @@ def test_split_loss_with_alpha_trainer_in_alphas_place_is_todays_loss(kw):
     logp = -torch.rand(4, 6, generator=g) - 0.5
     alpha, old = logp - 0.1 * torch.randn(4, 6, generator=g), logp - 0.05
     adv, mask = torch.randn(4, generator=g), (torch.rand(4, 6, generator=g) > 0.2).float()
-    today = L.build_policy_loss(GRPOConfig(**kw))
+    today = build_policy_loss(GRPOConfig(**kw))
     split = S.build_split_policy_loss(GRPOConfig(score_alpha=True, **kw))
     old_arg = old if kw.get("ratio_mode") == "exact" else None
     want, _ = today(logp, adv, mask, alpha, old_arg)
@@ -125,7 +125,7 @@ def test_tis_truncates_the_numerics_ratio_only():
     logp, old, adv, mask = t([[-1.0]]), t([[-1.0]]), t([1.0]), t([[1.0]])
     alpha = t([[-1.0 - ln(3.0)]])
     roll = alpha - ln(1.5)
-    loss, m = L.build_policy_loss(GRPOConfig(**cfg))(logp, adv, mask, roll, old)
+    loss, m = build_policy_loss(GRPOConfig(**cfg))(logp, adv, mask, roll, old)
     close(loss, [[-2.0]])
     close(m["tis_frac_capped"], 1.0)
     split = S.build_split_policy_loss(GRPOConfig(score_alpha=True, **cfg))

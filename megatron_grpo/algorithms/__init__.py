@@ -10,7 +10,7 @@
 from megatron_grpo.algorithms.advantages import Advantages, build_advantage_fn
 from megatron_grpo.algorithms.aggregation import compute_global_normalizers, make_loss_fn
 from megatron_grpo.algorithms.kl import get_kl_estimator, kl_penalized_rewards
-from megatron_grpo.algorithms.losses import build_policy_loss
+from megatron_grpo.algorithms.policy_loss import build_policy_loss
 
 __all__ = [
     "Advantages",

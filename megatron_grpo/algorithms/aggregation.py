@@ -62,7 +62,8 @@ import torch
 from torch import Tensor
 
 from megatron_grpo.algorithms.kl import get_kl_estimator
-from megatron_grpo.algorithms.losses import build_policy_loss, entropy_bonus, masked_mean
+from megatron_grpo.algorithms.losses import entropy_bonus, masked_mean
+from megatron_grpo.algorithms.policy_loss import build_policy_loss
 from megatron_grpo.algorithms.staleness import build_split_policy_loss
 
 LossFn = Callable[[Tensor, Tensor, Mapping[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]

@@ -24,15 +24,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from megatron_grpo.algorithms.losses import (
-    LOG_RATIO_CLAMP,
-    Metrics,
-    _regularizer_fn,
-    _surrogate_fn,
-    _tis_weight_fn,
+from megatron_grpo.algorithms.losses import LOG_RATIO_CLAMP, Metrics, seq_is_ratio, token_is_ratio
+from megatron_grpo.algorithms.policy_loss import (
     compose_policy_loss,
-    seq_is_ratio,
-    token_is_ratio,
+    regularizer_fn,
+    surrogate_fn,
+    tis_weight_fn,
 )
 
 # (logp, adv, mask, rollout_logp, old_logp or None, alpha_logp) -> (loss_BT, metrics)
@@ -129,7 +126,7 @@ def decomposition_metrics(sums: Tensor, maxima: Tensor, with_tis: bool) -> dict[
 
 
 def build_split_policy_loss(grpo_cfg) -> SplitPolicyLossFn:
-    """The policy loss of ``grpo.score_alpha``: :func:`losses.build_policy_loss`'s
+    """The policy loss of ``grpo.score_alpha``: :func:`policy_loss.build_policy_loss`'s
     composition with alpha_trainer (``alpha_logp``) where it reads alpha, so every ratio of
     the surrogate is the staleness ratio (``off_policy_clip``: r = pi/alpha_trainer, r' =
     pi_k/alpha_trainer under ratio_mode=exact, else 1; ``rec``/``gspo``/OPMD: pi_old = pi_k
@@ -138,9 +135,9 @@ def build_split_policy_loss(grpo_cfg) -> SplitPolicyLossFn:
     TIS form around pi_k: the staleness ratio is the off-policy clip's to handle."""
     c = grpo_cfg
     exact = c.ratio_mode == "exact"
-    tis_fn = _tis_weight_fn(c, exact=True)  # alpha_trainer is there whatever ratio_mode says
-    core = _surrogate_fn(c, exact, with_tis=False)
-    reg_fn = _regularizer_fn(c)
+    tis_fn = tis_weight_fn(c, exact=True)  # alpha_trainer is there whatever ratio_mode says
+    core = surrogate_fn(c, exact, with_tis=False)
+    reg_fn = regularizer_fn(c)
 
     combined = compose_policy_loss(core, tis_fn, reg_fn, exact)
 
