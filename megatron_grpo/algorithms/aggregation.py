@@ -1,57 +1,11 @@
 """Loss aggregation with GLOBAL normalizers, and the trainer-facing ``loss_fn``.
 
-Contract with the trainer (the Megatron policy)
------------------------------------------------
-Per micro-batch the policy calls::
-
-    loss, metrics = loss_fn(logp, entropy, mb)
-
-with ``logp`` ``[mb, T]`` the current policy's log-prob of each input token (position-aligned
-with ``input_ids``: ``logp[b, t]`` is the log-prob of token ``t``; differentiable),
-``entropy`` ``[mb, T]`` the policy's entropy at the same positions (may be detached when
-``grpo.entropy_coef == 0``) and ``mb`` a dict of tensors. The policy then applies the
-gradient of the **sum** of the returned losses over all micro-batches of the mini-batch and
-all data-parallel ranks (it must undo Megatron's own division by the number of micro-batches
-and its DP averaging, or scale them back). Hence every per-micro-batch loss is pre-divided by
-normalizers that span the whole mini-batch on every DP rank; the trainer computes them once
-per mini-batch with :func:`compute_global_normalizers` and puts them into every ``mb``.
-
-Keys ``loss_fn`` reads from ``mb``:
-
-- ``loss_mask`` ``[mb, T]``: 1 on response tokens that get gradient, 0 on prompt, padding and
-  on samples the advantage step did not keep (``Advantages.keep``: RED-Drop, zero-variance).
-- ``advantages`` ``[mb]`` float: one per sequence, broadcast over its tokens.
-- ``rollout_logp`` ``[mb, T]``: alpha's log-probs from vLLM, same alignment, 0 off the mask.
-- ``old_logp`` ``[mb, T]``: pi_k's log-probs recomputed on the trainer before the SGD pass;
-  read only when ``grpo.ratio_mode == "exact"``.
-- ``alpha_logp`` ``[mb, T]``: alpha's log-probs scored by the trainer (alpha's weights on
-  the trainer's numerics); read only when ``grpo.score_alpha`` (algorithms/staleness.py).
-- ``ref_logp`` ``[mb, T]``: pi_ref's log-probs; read only when ``kl_coef > 0`` and not
-  ``kl_in_reward``.
-- ``global_num_tokens`` (0-dim): loss tokens in the mini-batch over all micro-batches and DP
-  ranks; read by ``loss_agg=token_mean``.
-- ``global_num_seqs`` (0-dim): sequences with at least one loss token, same span; read by the
-  ``seq_mean_*`` modes.
-- ``global_num_rows`` (0-dim): sequences in the mini-batch over all DP ranks, masked or not
-  (the mini-batch size); read by ``loss_agg=constant``, so its normalizer is a constant.
-
-Which tokens the counts run over is ``grpo.loss_normalizer`` (:func:`normalizer_mask`):
-``kept`` counts the loss mask after the zero-variance mask and RED-Drop (the loss is a mean
-over the kept samples, renormalised per batch, as DAPO's token-level loss and verl/TRL's
-defaults do); ``all`` counts every response token of the mini-batch (``response_mask``), so
-masked groups still weigh in the denominator: the paper's ``E_x[mask(x) * L(x)]``, an
-expectation over ALL prompts (Mroueh et al. eq. 8; TRL's original GRPO loss also averaged
-over every completion of the batch, zero-advantage ones included).
-
-Modes (the normalizer of mode ``seq_mean_token_mean`` is per sequence, so a sequence must
-not be split across micro-batches, which the trainer never does; context parallelism would
-need the per-sequence token counts passed in as well):
-
-- ``token_mean``: ``sum_{i,t} l_it / N_tokens`` (DAPO's token-level loss);
-- ``seq_mean_token_mean``: ``sum_i (sum_t l_it / |y_i|) / N_seqs`` (original GRPO, GSPO);
-- ``seq_mean_token_sum``: ``sum_{i,t} l_it / N_seqs``;
-- ``constant``: ``sum_{i,t} l_it / (N_rows * C)`` (Dr.GRPO; C = ``loss_agg_constant`` or the
-  maximum response length; ``N_rows`` the mini-batch size, whatever the masks).
+``make_loss_fn`` returns ``loss_fn(logp, entropy, mb) -> (loss, metrics)``; the policy applies
+the gradient of the SUM of its losses over the mini-batch's micro-batches and DP ranks, so
+every loss is pre-divided by normalizers spanning the whole mini-batch
+(:func:`compute_global_normalizers`, once per mini-batch). The keys read from ``mb``, the
+``grpo.loss_agg`` modes and ``grpo.loss_normalizer``: docs/algorithms.md, "Loss and
+aggregation: the trainer contract".
 """
 
 from __future__ import annotations
@@ -95,6 +49,40 @@ def agg_constant(
     return (loss_BT * mask_BT.to(loss_BT.dtype)).sum() / (num_rows * constant)
 
 
+AGGREGATORS: dict[str, tuple[Callable[..., Tensor], str]] = {
+    "token_mean": (agg_token_mean, "global_num_tokens"),
+    "seq_mean_token_mean": (agg_seq_mean_token_mean, "global_num_seqs"),
+    "seq_mean_token_sum": (agg_seq_mean_token_sum, "global_num_seqs"),
+    "constant": (agg_constant, "global_num_rows"),
+}
+"""``grpo.loss_agg`` -> (the aggregator, the ``mb`` normalizer it divides by)."""
+
+
+def _aggregator(c, max_response_len: int | None) -> Callable[[Tensor, Tensor, Mapping], Tensor]:
+    """``(loss_BT, mask_BT, mb) -> loss`` for ``grpo.loss_agg``, its normalizer read from ``mb``."""
+    if c.loss_agg not in AGGREGATORS:
+        raise ValueError(
+            f"grpo.loss_agg={c.loss_agg!r}: use token_mean, seq_mean_token_mean, "
+            "seq_mean_token_sum or constant."
+        )
+    agg, key = AGGREGATORS[c.loss_agg]
+    extra: tuple = ()
+    if c.loss_agg == "constant":
+        constant = c.loss_agg_constant or max_response_len
+        if not constant:
+            raise ValueError(
+                "grpo.loss_agg=constant with grpo.loss_agg_constant=0 needs the maximum response "
+                "length: pass make_loss_fn(grpo_cfg, max_response_len=rollout.max_new_tokens) "
+                "or set grpo.loss_agg_constant."
+            )
+        extra = (constant,)
+
+    def aggregate(loss: Tensor, mask: Tensor, mb: Mapping[str, Tensor]) -> Tensor:
+        return agg(loss, mask, _need(mb, key, f"grpo.loss_agg={c.loss_agg}"), *extra)
+
+    return aggregate
+
+
 # ------------------------------------------------------------------------ global normalizers
 def local_loss_counts(loss_masks: Tensor | Sequence[Tensor]) -> Tensor:
     """This rank's raw ``[num_tokens, num_seqs, num_rows]`` (float64) over its micro-batches'
@@ -123,7 +111,7 @@ def normalizers_from_counts(counts: Tensor) -> dict[str, Tensor]:
 def normalizer_mask(mb: Mapping[str, Tensor], loss_normalizer: str) -> Tensor:
     """The mask the global normalizers count for ``grpo.loss_normalizer``: ``kept`` ->
     ``mb["loss_mask"]`` (after the advantage step's keep mask); ``all`` ->
-    ``mb["response_mask"]`` (every response token, before it). See the module docstring."""
+    ``mb["response_mask"]`` (every response token, before it). See docs/algorithms.md."""
     if loss_normalizer == "kept":
         return mb["loss_mask"]
     if loss_normalizer == "all":
@@ -142,7 +130,7 @@ def compute_global_normalizers(
             micro-batches' masks (their ``T`` may differ).
         group: the data-parallel process group to all-reduce over; None for one rank.
     Returns:
-        ``{"global_num_tokens", "global_num_seqs"}`` float 0-dim tensors; put both into every
+        ``{"global_num_tokens", "global_num_seqs", "global_num_rows"}`` float 0-dim tensors; put both into every
         micro-batch ``mb`` of this mini-batch. Every DP rank must call this (a collective).
     """
     counts = local_loss_counts(loss_masks)
@@ -180,35 +168,7 @@ def make_loss_fn(grpo_cfg, max_response_len: int | None = None) -> LossFn:
     kl_est = get_kl_estimator(c.kl_estimator)
     beta, ent_coef = c.kl_coef, c.entropy_coef
 
-    aggregate: Callable[[Tensor, Tensor, Mapping[str, Tensor]], Tensor]
-    if c.loss_agg == "token_mean":
-
-        def aggregate(loss, mask, mb):
-            return agg_token_mean(loss, mask, _need(mb, "global_num_tokens", "token_mean"))
-    elif c.loss_agg == "seq_mean_token_mean":
-
-        def aggregate(loss, mask, mb):
-            return agg_seq_mean_token_mean(loss, mask, _need(mb, "global_num_seqs", "seq mean"))
-    elif c.loss_agg == "seq_mean_token_sum":
-
-        def aggregate(loss, mask, mb):
-            return agg_seq_mean_token_sum(loss, mask, _need(mb, "global_num_seqs", "seq mean"))
-    elif c.loss_agg == "constant":
-        constant = c.loss_agg_constant or max_response_len
-        if not constant:
-            raise ValueError(
-                "grpo.loss_agg=constant with grpo.loss_agg_constant=0 needs the maximum response "
-                "length: pass make_loss_fn(grpo_cfg, max_response_len=rollout.max_new_tokens) "
-                "or set grpo.loss_agg_constant."
-            )
-
-        def aggregate(loss, mask, mb):
-            return agg_constant(loss, mask, _need(mb, "global_num_rows", "constant"), constant)
-    else:
-        raise ValueError(
-            f"grpo.loss_agg={c.loss_agg!r}: use token_mean, seq_mean_token_mean, "
-            "seq_mean_token_sum or constant."
-        )
+    aggregate = _aggregator(c, max_response_len)
 
     def loss_fn(
         logp: Tensor, entropy: Tensor, mb: Mapping[str, Tensor]

@@ -75,10 +75,6 @@ class ParallelContext:
         return self.pp_rank == self.pp - 1
 
     @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
     def last_stage_rank(self) -> int:
         """Global rank of the last pipeline stage in this rank's pipeline (same tp, dp, cp)."""
         return dist.get_process_group_ranks(self.pp_group)[-1] if self.pp > 1 else self.rank

@@ -1,7 +1,7 @@
 """When the loop saves, what a save holds, how a run resumes, and Slurm's pre-emption signal.
 
 The loop asks one question after logging each step: ``Checkpointer.after_step(step,
-version)`` saves when the step is due (``checkpoint.interval``, the last step with
+state)`` (the ``LoopState``) saves when the step is due (``checkpoint.interval``, the last step with
 ``checkpoint.save_at_end``) and, when a pre-emption signal reached any rank (SIGTERM,
 SIGUSR1: Slurm's warning), saves unless it just did and answers True: the run then exits 0
 and ``--resume`` continues it.

@@ -1,6 +1,6 @@
 """Every check of a training run that can fail, run before anything expensive.
 
-Called by each rank first thing (``GRPOTrainer``), and by ``megatron-grpo train`` run as one
+Called by each rank first thing (``trainer.build.build_trainer``), and by ``megatron-grpo train`` run as one
 process before it starts the ranks: layout against the world size, the reward (a user
 function is imported), and the data (read and validated without a tokenizer; the prompt
 length check, which needs the tokenizer, comes later). Each failure is one ConfigError line.

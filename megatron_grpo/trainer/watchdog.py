@@ -22,10 +22,6 @@ from megatron_grpo.metrics.console import console_err, log_path
 EXIT_TIMEOUT = 3
 
 
-class PhaseTimeout(RuntimeError):
-    """Raised in tests instead of exiting (``on_timeout``)."""
-
-
 def _exit(message: str) -> None:
     if log_path() is not None:
         print(message, file=sys.stderr, flush=True)
