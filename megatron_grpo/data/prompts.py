@@ -271,40 +271,8 @@ def build_prompt_source(data_cfg, tokenizer=None) -> PromptSource:
     and skips the length check. Templates other than ``chat`` are tokenized with the
     tokenizer's special tokens (e.g. BOS); the chat template already contains them.
     """
-    render = make_renderer(data_cfg.template, tokenizer)
     report = LoadReport(source=data_cfg.source)
-    if data_cfg.source.startswith("synthetic:"):
-        task = data_cfg.source.split(":", 1)[1]
-        get_task(task)  # unknown task -> error naming the choices
-        rows: Iterable[Any] = (
-            {"prompt": p, "answer": a}
-            for p, a in (
-                synthetic_example(task, data_cfg.synthetic_difficulty, i, data_cfg.split)
-                for i in range(data_cfg.synthetic_size)
-            )
-        )
-        prompt_key, answer_key = "prompt", "answer"
-    else:
-        rows = _read_rows(data_cfg)
-        prompt_key, answer_key = data_cfg.prompt_key, data_cfg.answer_key
-
-    def fail(reason: str, row_no: int, detail: str) -> None:
-        raise ValueError(
-            f"{data_cfg.source} row {row_no} (0-based): {reason} ({detail}); fix the row or set "
-            "data.strict=false to skip and count such rows."
-        )
-
-    kept: list[tuple[str, str, int]] = []
-    for row_no, row in enumerate(rows):
-        report.total += 1
-        reason, prompt, answer = _row_fields(row, prompt_key, answer_key)
-        if reason is not None:
-            if data_cfg.strict:
-                fail(reason, row_no, f"needs non-empty {prompt_key!r} and {answer_key!r} strings")
-            report.skip(reason, row_no)
-            continue
-        kept.append((render(prompt), answer, row_no))
-
+    kept = _rendered_rows(data_cfg, make_renderer(data_cfg.template, tokenizer), report)
     ids: list[list[int]] = [[] for _ in kept]
     if tokenizer is not None and kept:
         add_special = data_cfg.template != "chat"
@@ -314,12 +282,8 @@ def build_prompt_source(data_cfg, tokenizer=None) -> PromptSource:
     for (text, answer, row_no), prompt_ids in zip(kept, ids):
         if tokenizer is not None and len(prompt_ids) > data_cfg.max_prompt_tokens:
             if data_cfg.strict:
-                fail(
-                    "too_long",
-                    row_no,
-                    f"{len(prompt_ids)} tokens > data.max_prompt_tokens="
-                    f"{data_cfg.max_prompt_tokens}",
-                )
+                _fail(data_cfg, "too_long", row_no, f"{len(prompt_ids)} tokens > "
+                      f"data.max_prompt_tokens={data_cfg.max_prompt_tokens}")  # fmt: skip
             report.skip("too_long", row_no)
             continue
         prompts.append(Prompt(text, prompt_ids, answer, {"row": row_no}))
@@ -329,3 +293,45 @@ def build_prompt_source(data_cfg, tokenizer=None) -> PromptSource:
     else:
         log.info("%s", report.summary())
     return PromptSource(prompts, data_cfg.shuffle_seed, report)
+
+
+def _source_rows(data_cfg) -> tuple[Iterable[Any], str, str]:
+    """The raw rows of ``data.source`` (a synthetic task or a file) and their prompt and
+    answer keys."""
+    if not data_cfg.source.startswith("synthetic:"):
+        return _read_rows(data_cfg), data_cfg.prompt_key, data_cfg.answer_key
+    task = data_cfg.source.split(":", 1)[1]
+    get_task(task)  # unknown task -> error naming the choices
+    rows = (
+        {"prompt": p, "answer": a}
+        for p, a in (
+            synthetic_example(task, data_cfg.synthetic_difficulty, i, data_cfg.split)
+            for i in range(data_cfg.synthetic_size)
+        )
+    )
+    return rows, "prompt", "answer"
+
+
+def _rendered_rows(data_cfg, render, report: LoadReport) -> list[tuple[str, str, int]]:
+    """``(rendered prompt, answer, row number)`` of every valid row; an invalid one fails
+    (``data.strict``) or is skipped and counted in ``report``."""
+    rows, prompt_key, answer_key = _source_rows(data_cfg)
+    kept: list[tuple[str, str, int]] = []
+    for row_no, row in enumerate(rows):
+        report.total += 1
+        reason, prompt, answer = _row_fields(row, prompt_key, answer_key)
+        if reason is not None:
+            if data_cfg.strict:
+                _fail(data_cfg, reason, row_no,
+                      f"needs non-empty {prompt_key!r} and {answer_key!r} strings")  # fmt: skip
+            report.skip(reason, row_no)
+            continue
+        kept.append((render(prompt), answer, row_no))
+    return kept
+
+
+def _fail(data_cfg, reason: str, row_no: int, detail: str) -> None:
+    raise ValueError(
+        f"{data_cfg.source} row {row_no} (0-based): {reason} ({detail}); fix the row or set "
+        "data.strict=false to skip and count such rows."
+    )

@@ -116,22 +116,12 @@ def prepare(
     from transformers import AutoTokenizer
 
     overrides = list(overrides or [])
-    for flag, v in (("--train-tp", train_tp), ("--train-pp", train_pp),
-                    ("--rollout-tp", rollout_tp), ("--max-new-tokens", max_new_tokens),
-                    ("--samples", samples)):  # fmt: skip
-        if v < 1:
-            raise ConfigError(f"{flag}={v} must be >= 1.")
-    if greedy and samples != 1:
-        raise ConfigError(f"--greedy draws one sample per prompt, not --samples {samples}.")
-    if not data.startswith("synthetic:") and not Path(data).exists():
-        raise ConfigError(f"--data {data}: no such file; pass a .jsonl/.parquet file or "
-                          "synthetic:<task>.")  # fmt: skip
-    reward = _reward_name(data, config, overrides)
-    if reward is None and not data.startswith("synthetic:"):
-        raise ConfigError(
-            f"--data {data} is not synthetic, so the reward cannot be guessed: add "
-            "reward.name=gsm8k (or gsm8k_flexible, math, synthetic, package.module:function)."
-        )
+    _check_flags(
+        data, config, overrides, greedy=greedy, samples=samples, sizes={
+            "--train-tp": train_tp, "--train-pp": train_pp, "--rollout-tp": rollout_tp,
+            "--max-new-tokens": max_new_tokens, "--samples": samples,
+        },
+    )  # fmt: skip
     source = resolve_model(model, hf_config)
     try:  # before any rank starts: a spawned rank's traceback is not an answer
         check_heads(load_spec(source.hf_dir), train_tp, rollout_tp)
@@ -153,19 +143,42 @@ def prepare(
             "ranks (or a multiple), or run without torchrun to let eval spawn them."
         )
     tok = AutoTokenizer.from_pretrained(source.hf_dir)
+    return EvalSettings(
+        cfg=cfg, source=source, prompt_ids=_prompts_in_file_order(cfg, tok, limit),
+        samples=samples, greedy=greedy, eos_token_id=tok.eos_token_id,
+        policy_logprobs=policy_logprobs,
+    )  # fmt: skip
+
+
+def _check_flags(data: str, config: str | None, overrides: list[str], *, greedy: bool,
+                 samples: int, sizes: dict[str, int]) -> None:  # fmt: skip
+    """The command's flags, each bad value one ConfigError line naming it and the fix."""
+    for flag, v in sizes.items():
+        if v < 1:
+            raise ConfigError(f"{flag}={v} must be >= 1.")
+    if greedy and samples != 1:
+        raise ConfigError(f"--greedy draws one sample per prompt, not --samples {samples}.")
+    if not data.startswith("synthetic:") and not Path(data).exists():
+        raise ConfigError(f"--data {data}: no such file; pass a .jsonl/.parquet file or "
+                          "synthetic:<task>.")  # fmt: skip
+    if _reward_name(data, config, overrides) is None and not data.startswith("synthetic:"):
+        raise ConfigError(
+            f"--data {data} is not synthetic, so the reward cannot be guessed: add "
+            "reward.name=gsm8k (or gsm8k_flexible, math, synthetic, package.module:function)."
+        )
+
+
+def _prompts_in_file_order(cfg, tok, limit: int) -> list[list[int]]:
+    """Every prompt once, in the file's order (the source shuffles; rows identify them),
+    the first ``limit`` when set."""
     try:
         prompts = build_prompt_source(cfg.data, tok)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    # Every prompt once, in the file's order (the source shuffles; rows identify them).
     ordered = sorted(prompts.next_batch(len(prompts)), key=lambda p: p.meta["row"])
     if limit:
         ordered = ordered[:limit]
-    return EvalSettings(
-        cfg=cfg, source=source, prompt_ids=[list(p.prompt_ids) for p in ordered],
-        samples=samples, greedy=greedy, eos_token_id=tok.eos_token_id,
-        policy_logprobs=policy_logprobs,
-    )  # fmt: skip
+    return [list(p.prompt_ids) for p in ordered]
 
 
 # ----------------------------------------------------------------------------- ranks
