@@ -199,6 +199,27 @@ def _write_state(tmp: Path, meta: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
+def _check_save_args(state_dicts: Mapping[str, Any], keep_last: int | None) -> None:
+    _check_names(state_dicts)
+    if state_dicts and not (dist.is_available() and dist.is_initialized()):
+        raise CheckpointError(
+            f"saving sharded state dicts {sorted(state_dicts)} needs torch.distributed "
+            "(dist_checkpointing.save is collective): call init_distributed() first, even "
+            "for one process."
+        )
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last={keep_last} must be >= 1 (or None to keep all).")
+
+
+def _seal(tmp: Path, final: Path, meta: dict[str, Any], keep_last: int | None) -> None:
+    """Rank 0: write state.json, rename ``tmp`` to ``final``, prune to ``keep_last``."""
+    _write_state(tmp, meta)
+    _commit(tmp, final, final.parent)
+    if keep_last is not None:
+        for p in _prune(final.parent, keep_last, meta["step"]):
+            log.info("pruned checkpoint %s (keep_last=%d)", p, keep_last)
+
+
 def save_checkpoint(
     run_dir: str | os.PathLike,
     loop_state: LoopState,
@@ -221,15 +242,7 @@ def save_checkpoint(
     """
     rank, world = rank_world()
     state_dicts = dict(state_dicts or {})
-    _check_names(state_dicts)
-    if state_dicts and not (dist.is_available() and dist.is_initialized()):
-        raise CheckpointError(
-            f"saving sharded state dicts {sorted(state_dicts)} needs torch.distributed "
-            "(dist_checkpointing.save is collective): call init_distributed() first, even "
-            "for one process."
-        )
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last={keep_last} must be >= 1 (or None to keep all).")
+    _check_save_args(state_dicts, keep_last)
     step = loop_state.step
     root = checkpoints_root(run_dir)
     final = root / step_dir_name(step)
@@ -253,19 +266,11 @@ def save_checkpoint(
 
     if rank == 0:
         meta = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "world_size": world,
-            "state_dicts": sorted(state_dicts),
-            "rng": save_rng,
-            "loop_state": asdict(loop_state),
-            "files": files,
-        }
-        _write_state(tmp, meta)
-        _commit(tmp, final, root)
-        if keep_last is not None:
-            for p in _prune(root, keep_last, step):
-                log.info("pruned checkpoint %s (keep_last=%d)", p, keep_last)
+            "format_version": FORMAT_VERSION, "step": step, "world_size": world,
+            "state_dicts": sorted(state_dicts), "rng": save_rng,
+            "loop_state": asdict(loop_state), "files": files,
+        }  # fmt: skip
+        _seal(tmp, final, meta, keep_last)
     _barrier()  # no rank returns (and, say, exits) before the checkpoint is committed
     return final
 
