@@ -22,6 +22,11 @@ import torch
 
 from megatron_grpo.distributed.spawn import free_port
 from megatron_grpo.rollout.engine import Sample
+from megatron_grpo.rollout.vllm_setup import (
+    name_cpu_shm_by_job,
+    own_cpu_shm_segment,
+    remove_dead_segment,
+)
 from tests.dist_utils import run_distributed
 from tests.test_receiver_sharding import vllm_shards_from_hf
 
@@ -213,6 +218,7 @@ def _colocated_world2(rank: int, world: int, root: str) -> dict:
     eng.shutdown()
     # tp 2: each process hosts one vLLM TP rank.
     eng = RolloutEngine(dst, tp=2, keep_weight_copies=True, **ENGINE_KW)
+    out["shm"] = str(own_cpu_shm_segment())
     out["ref"] = _probe(eng)
     eng.reload_from_hf(dst)
     out["ref_export"] = eng.export_shards()[0]
@@ -243,9 +249,37 @@ def test_colocated_world2_dp_and_tp2(tmp_path: Path) -> None:
         for name, t in r["ref_export"].items():
             assert torch.equal(r["export"][name], t), name
             assert torch.equal(r["shards"][name], t), name  # the helper == vLLM's loader
+    # vLLM's SHM all-reduce segments are this job's (named by its rendezvous port), so a
+    # second job on the machine or a dead job's leftovers cannot collide with them.
+    assert r0["shm"].startswith("/dev/shm/mgrpo-") and r0["shm"].endswith("-cpushm_0")
+    assert r1["shm"] == r0["shm"][: -len("_0")] + "_1"
     # TP ranks hold different shards of the same layer.
     name = "model.layers.0.mlp.down_proj.weight"
     assert not torch.equal(r0["export"][name], r1["export"][name])
+
+
+def test_cpu_shm_segments_are_named_by_job(monkeypatch) -> None:
+    """Two jobs on one machine get different segment names; a dead job's segment of this
+    job's name is removed before the engine creates its own."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "12345")
+    name_cpu_shm_by_job()  # what every colocated CPU engine does first (idempotent)
+    comm = SimpleNamespace(unique_name="tp:0", ranks=[0, 1], rank=1)
+    name = cc._CPUSHMDistributed.make_group_name(comm)
+    assert name == "mgrpo-127.0.0.1-12345-tp:0-[0-1]-cpushm"
+    monkeypatch.setenv("MASTER_PORT", "12346")
+    assert cc._CPUSHMDistributed.make_group_name(comm) != name
+    dead = Path("/dev/shm") / f"{name}_1"
+    dead.write_bytes(b"left by a killed job")
+    try:
+        assert remove_dead_segment(name, 1) and not dead.exists()
+        assert not remove_dead_segment(name, 1)
+    finally:
+        dead.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------- standalone

@@ -50,6 +50,7 @@ from megatron_grpo.rollout.vllm_setup import (
     bind_cpu_threads,
     external_launcher_replica,
     memory_kwargs,
+    name_cpu_shm_by_job,
     own_cpu_shm_segment,
     shutdown_in_process,
     vllm_on_gpu,
@@ -135,6 +136,8 @@ class RolloutEngine:
         if placement == "colocated":
             self.replica_index = external_launcher_replica(tp)
             kwargs["distributed_executor_backend"] = "external_launcher"
+            if not on_gpu:
+                name_cpu_shm_by_job()
         elif not on_gpu:
             bind_cpu_threads(tp)
         kwargs.update(llm_kwargs)

@@ -77,6 +77,47 @@ def bind_cpu_threads(tp: int) -> None:
         )
 
 
+def cpu_shm_name(unique_name: str, ranks: list[int]) -> str:
+    """The name of a colocated CPU engine's SHM all-reduce segments (``<name>_<rank>`` in
+    /dev/shm), keyed by this job's rendezvous (``MASTER_ADDR``/``MASTER_PORT``).
+
+    vLLM names them from ``VLLM_DIST_IDENT``, which under external_launcher is the same
+    ``//`` for every job on the machine: a second TP > 1 job running at the same time, or
+    a segment a killed job left behind, fails the engine with ``create shm in SHMManager
+    failed. errno: 17``. No two live jobs share a rendezvous port, so a segment that already
+    has this job's name was left by a dead one (:func:`name_cpu_shm_by_job` removes it)."""
+    job = f"mgrpo-{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}"
+    return f"{job}-{unique_name}-[{'-'.join(str(r) for r in ranks)}]-cpushm"
+
+
+def name_cpu_shm_by_job() -> None:
+    """Name vLLM's CPU SHM segments by the job (:func:`cpu_shm_name`) and remove a dead
+    job's segment of the same name before creating this rank's; idempotent."""
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+
+    cls = cc._CPUSHMDistributed
+    if getattr(cls, "_mgrpo_by_job", False):
+        return
+    create = cls._init_cpu_shm
+
+    def init_cpu_shm(self) -> int:
+        remove_dead_segment(self.group_name, self.communicator.rank)
+        return create(self)
+
+    cls.make_group_name = staticmethod(lambda c: cpu_shm_name(c.unique_name, c.ranks))
+    cls._init_cpu_shm = init_cpu_shm
+    cls._mgrpo_by_job = True
+
+
+def remove_dead_segment(group_name: str, rank: int) -> bool:
+    """Unlink ``/dev/shm/<group_name>_<rank>`` if it exists (a dead job's, by
+    :func:`cpu_shm_name`'s naming); True when there was one."""
+    path = Path("/dev/shm") / f"{group_name.lstrip('/')}_{rank}"
+    existed = path.exists()
+    path.unlink(missing_ok=True)
+    return existed
+
+
 def own_cpu_shm_segment() -> Path | None:
     """This rank's /dev/shm segment of vLLM's CPU TP all-reduce, or None.
 
