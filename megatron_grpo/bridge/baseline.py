@@ -88,49 +88,23 @@ class BaselineSync:
         full = dict(iter_hf_tensors(self.models, self.spec, ctx, dst_rank=root))
         st.pack_s = time.perf_counter() - t0  # "pack" = the gather here
         if me == root:
-            for (s, d), n in self.gather_links.items():
-                st.bytes_per_link[link_key(s, d)] = n
-                if s == d:
-                    st.bytes_local += n
-                else:
-                    st.bytes_sent += n  # counted once, on root (the senders are many)
+            self._count_gather(st)
 
         # 2. metadata, then per-tensor broadcast, consumed lazily by vLLM's load_weights.
         meta = [[(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in full.items()]]
         if world > 1:
             dist.broadcast_object_list(meta, src=root)
-        bcast_s = 0.0
-
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal bcast_s
-            for name, shape, dtype in meta[0]:
-                t = full.get(name)
-                if t is None:
-                    t = torch.empty(shape, dtype=getattr(torch, dtype))
-                tb = time.perf_counter()
-                if world > 1:
-                    dist.broadcast(t, src=root)
-                bcast_s += time.perf_counter() - tb
-                nbytes = t.numel() * t.element_size()
-                if me == root:
-                    st.bytes_local += nbytes
-                    st.bytes_sent += nbytes * (world - 1)
-                    for r in range(world):
-                        k = link_key(root, r)
-                        st.bytes_per_link[k] = st.bytes_per_link.get(k, 0) + nbytes
-                else:
-                    st.bytes_received += nbytes
-                yield name, t
-
+        bcast_s = [0.0]
         t0 = time.perf_counter()
+        tensors = self._broadcast(full, meta[0], st, bcast_s, me, world)
         if self.engine is not None:
-            self._load_into_vllm(stream())
+            self._load_into_vllm(tensors)
         else:
-            for name, t in stream():
+            for name, t in tensors:
                 if self.deliver is not None:
                     self.deliver(name, t)
-        st.transfer_s = bcast_s
-        st.load_s = time.perf_counter() - t0 - bcast_s
+        st.transfer_s = bcast_s[0]
+        st.load_s = time.perf_counter() - t0 - bcast_s[0]
         if self.engine is not None:
             t0 = time.perf_counter()
             self._finish()
@@ -138,6 +112,40 @@ class BaselineSync:
         st.total_s = time.perf_counter() - t_start
         st.dst_bytes = sum(_numel(s) for _, s, _ in meta[0]) * self.element_size
         return st
+
+    def _count_gather(self, st: SyncStats) -> None:
+        """Root: the gather's bytes per link (counted once, on root: the senders are many)."""
+        for (s, d), n in self.gather_links.items():
+            st.bytes_per_link[link_key(s, d)] = n
+            if s == d:
+                st.bytes_local += n
+            else:
+                st.bytes_sent += n
+
+    def _broadcast(self, full: dict[str, torch.Tensor], meta: list, st: SyncStats,
+                   bcast_s: list[float], me: int, world: int,
+                   ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+        """Root's tensors, one broadcast each, in ``meta``'s order, as they arrive (seconds in
+        the broadcasts added to ``bcast_s[0]``, bytes counted into ``st``)."""
+        root = self.root
+        for name, shape, dtype in meta:
+            t = full.get(name)
+            if t is None:
+                t = torch.empty(shape, dtype=getattr(torch, dtype))
+            tb = time.perf_counter()
+            if world > 1:
+                dist.broadcast(t, src=root)
+            bcast_s[0] += time.perf_counter() - tb
+            nbytes = t.numel() * t.element_size()
+            if me == root:
+                st.bytes_local += nbytes
+                st.bytes_sent += nbytes * (world - 1)
+                for r in range(world):
+                    k = link_key(root, r)
+                    st.bytes_per_link[k] = st.bytes_per_link.get(k, 0) + nbytes
+            else:
+                st.bytes_received += nbytes
+            yield name, t
 
     # vLLM side: the receiver's non-presharded session runs vLLM's own narrowing loaders
     # (bridge/receiver.py ``load_hf_checkpoint``), fed from memory instead of safetensors.
