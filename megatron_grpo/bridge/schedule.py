@@ -150,49 +150,38 @@ def build_schedule(plan: SyncPlan, bucket_bytes: int) -> Schedule:
             )
         if c.src_rank != c.dst_rank:
             per_link.setdefault((c.src_rank, c.dst_rank), []).append(c)
+    return {link: _link_buckets(copies, shapes, cap) for link, copies in sorted(per_link.items())}
 
-    schedule: Schedule = {}
-    for (src, dst), copies in sorted(per_link.items()):
-        buckets: list[Bucket] = []
-        entries: list[Entry] = []
-        fill = 0
 
-        def close(buckets: list[Bucket] = buckets) -> None:
-            nonlocal entries, fill
-            if entries:
+def _link_buckets(copies: list[Copy], shapes: dict, cap: int) -> list[Bucket]:
+    """One link's copies in order, split by rows into buckets of at most ``cap`` elements."""
+    buckets: list[Bucket] = []
+    entries: list[Entry] = []
+    fill = 0
+    for c in copies:
+        shape = shapes[(c.dst_rank, c.dst_name)]
+        row = row_elems(shape, c.dim)
+        done = 0
+        while done < c.length:
+            room_rows = (cap - fill) // row if row else c.length
+            if room_rows == 0:
+                if entries:
+                    buckets.append(_bucket(len(buckets), entries, fill))
+                    entries, fill = [], 0
+                    continue
+                room_rows = 1  # a single row larger than a bucket: its own bucket
+            n = min(room_rows, c.length - done)
+            part = Copy(c.src_rank, c.src_name, c.dst_rank, c.dst_name, c.dim,
+                        c.src_start + done, c.dst_start + done, n)  # fmt: skip
+            entries.append(Entry(part, fill, n * row, slice_shape(shape, c.dim, n)))
+            fill += n * row
+            done += n
+            if fill >= cap:
                 buckets.append(_bucket(len(buckets), entries, fill))
-            entries, fill = [], 0
-
-        for c in copies:
-            shape = shapes[(c.dst_rank, c.dst_name)]
-            row = row_elems(shape, c.dim)
-            done = 0
-            while done < c.length:
-                room_rows = (cap - fill) // row if row else c.length
-                if room_rows == 0:
-                    if entries:
-                        close()
-                        continue
-                    room_rows = 1  # a single row larger than a bucket: its own bucket
-                n = min(room_rows, c.length - done)
-                part = Copy(
-                    c.src_rank,
-                    c.src_name,
-                    c.dst_rank,
-                    c.dst_name,
-                    c.dim,
-                    c.src_start + done,
-                    c.dst_start + done,
-                    n,
-                )
-                entries.append(Entry(part, fill, n * row, slice_shape(shape, c.dim, n)))
-                fill += n * row
-                done += n
-                if fill >= cap:
-                    close()
-        close()
-        schedule[(src, dst)] = buckets
-    return schedule
+                entries, fill = [], 0
+    if entries:
+        buckets.append(_bucket(len(buckets), entries, fill))
+    return buckets
 
 
 def pair_order(me: int, peer: int, out_buckets: int, in_buckets: int) -> list[tuple[str, int]]:
