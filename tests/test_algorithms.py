@@ -143,7 +143,7 @@ def test_off_policy_clip_exact_r_prime():
     logp = t([[ln(1.5)], [ln(0.05)]])
     prox = t([[ln(1.4)], [ln(0.1)]])
     loss, m = L.off_policy_clip_loss(
-        logp, torch.zeros(2, 1), t([1.0, -1.0]), torch.ones(2, 1), 0.2, 0.2, prox_logp_BT=prox
+        logp, torch.zeros(2, 1), t([1.0, -1.0]), torch.ones(2, 1), 0.2, 0.2, old_logp_BT=prox
     )
     close(loss, [[-1.5], [0.05]])
     close(m["clip_frac_high"], 0.0)
@@ -396,7 +396,7 @@ def test_log_ratio_clamped_before_exp():
     close(L.token_is_ratio(big, zero, one), [[math.exp(20.0)]], tol=1e-4)
     close(L.seq_is_ratio(big, zero, one), [[math.exp(20.0)]], tol=1e-4)
     close(kl_mod.kl_k3(zero, big), [[math.exp(20.0) - 21.0]], tol=1e-4)
-    r_prime = L.off_policy_clip_loss(zero, zero, t([1.0]), one, 0.2, 0.2, prox_logp_BT=big)
+    r_prime = L.off_policy_clip_loss(zero, zero, t([1.0]), one, 0.2, 0.2, old_logp_BT=big)
     assert torch.isfinite(r_prime[0]).all()
 
 

@@ -46,7 +46,7 @@ def test_r_prime_one_is_ppo_clipping(seed, b, tt, eps_low, eps_high):
     if eps_low > 1:  # pragma: no cover - excluded by the strategy; max(1 - eps, 0) is 1 - eps
         return
     one, _ = L.off_policy_clip_loss(logp, behav, adv, mask, eps_low, eps_high)
-    exact, _ = L.off_policy_clip_loss(logp, behav, adv, mask, eps_low, eps_high, prox_logp_BT=behav)
+    exact, _ = L.off_policy_clip_loss(logp, behav, adv, mask, eps_low, eps_high, old_logp_BT=behav)
     torch.testing.assert_close(one, ppo, rtol=0, atol=0)
     torch.testing.assert_close(exact, ppo, rtol=0, atol=0)
 

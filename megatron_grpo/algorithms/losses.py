@@ -90,18 +90,19 @@ def approx_kl_k3(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> Tenso
 # ------------------------------------------------------------- off-policy clipped surrogate
 def off_policy_clip_loss(
     logp_BT: Tensor,
-    behav_logp_BT: Tensor,
+    rollout_logp_BT: Tensor,
     adv: Tensor,
     mask_BT: Tensor,
     eps_low: float,
     eps_high: float,
-    prox_logp_BT: Tensor | None = None,
+    old_logp_BT: Tensor | None = None,
     dual_clip_c: float | None = None,
 ) -> tuple[Tensor, Metrics]:
     """``-f_eps(r, r', A)`` per token (off-policy GRPO eq. 6-7).
 
-    ``r = exp(logp - behav_logp)`` (pi / alpha), ``r' = exp(prox_logp - behav_logp)``
-    (pi_k / alpha; exactly 1 when ``prox_logp_BT`` is None) and
+    ``r = exp(logp - rollout_logp)`` (pi / alpha; under ``grpo.tis`` the caller passes pi_k's
+    log-probs as the denominator: PPO around pi_k), ``r' = exp(old_logp - rollout_logp)``
+    (pi_k / alpha; exactly 1 when ``old_logp_BT`` is None) and
     ``f = min(r*A, clip(r, max(r' - eps_low, 0), r' + eps_high) * A)``.
     With r' = 1 this is PPO/GRPO clipping, with ``eps_high > eps_low`` DAPO's clip-higher.
     Dual-clip (``c > 1``): for ``A < 0`` the objective is ``max(f, c*A)``, bounding the loss
@@ -112,12 +113,12 @@ def off_policy_clip_loss(
     ratio mean/min/max and ``approx_kl`` (k3 of pi vs the ratio's denominator).
     """
     a = _adv_BT(adv, logp_BT)
-    log_r = (logp_BT - behav_logp_BT.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_r = (logp_BT - rollout_logp_BT.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     r = torch.exp(log_r)
-    if prox_logp_BT is None:
+    if old_logp_BT is None:
         r_prime = torch.ones_like(r)
     else:
-        r_prime = ratio_exp(prox_logp_BT.detach() - behav_logp_BT.detach())
+        r_prime = ratio_exp(old_logp_BT.detach() - rollout_logp_BT.detach())
     low = (r_prime - eps_low).clamp(min=0.0)
     high = r_prime + eps_high
     surr_unclipped = r * a

@@ -60,7 +60,7 @@ def _off_policy_clip_fn(c, exact: bool, with_tis: bool) -> CoreFn:
     elif exact:
 
         def core(logp, adv, mask, rollout_logp, old_logp):
-            return clip(logp, rollout_logp, adv, mask, prox_logp_BT=old_logp)
+            return clip(logp, rollout_logp, adv, mask, old_logp_BT=old_logp)
     else:
 
         def core(logp, adv, mask, rollout_logp, old_logp):

@@ -12,7 +12,7 @@ staleness ratio (alpha_trainer in the place of alpha), ``grpo.tis`` truncates or
 numerics ratio only, and ``sync.mode=adaptive`` reads the staleness KL
 (docs/algorithms.md, "Staleness and numerics").
 
-Shapes: ``logp_BT`` (pi, differentiable), ``pi_logp_BT`` (pi_k, before the step's update),
+Shapes: ``logp_BT`` (pi, differentiable), ``old_logp_BT`` (pi_k, before the step's update),
 ``alpha_logp_BT`` (alpha on the trainer), ``rollout_logp_BT`` (alpha from vLLM) are ``[B, T]``
 log-probs of the sampled tokens, position-aligned; ``mask_BT`` is 1 on response tokens.
 """
@@ -42,11 +42,11 @@ RATIO_PARTS = ("numerics", "staleness")
 
 
 def split_log_ratios(
-    pi_logp_BT: Tensor, alpha_logp_BT: Tensor, rollout_logp_BT: Tensor
+    old_logp_BT: Tensor, alpha_logp_BT: Tensor, rollout_logp_BT: Tensor
 ) -> tuple[Tensor, Tensor]:
     """``(numerics, staleness)`` ``[B, T]``: ``alpha - rollout`` and ``pi - alpha``; their
     sum is ``pi - rollout``, the log of today's ratio pi_k / alpha_vLLM."""
-    return alpha_logp_BT - rollout_logp_BT, pi_logp_BT - alpha_logp_BT
+    return alpha_logp_BT - rollout_logp_BT, old_logp_BT - alpha_logp_BT
 
 
 def _k3(d_BT: Tensor) -> Tensor:
@@ -73,7 +73,7 @@ DECOMPOSITION_SUMS = (
 
 
 def decomposition_sums(
-    pi_logp_BT: Tensor,
+    old_logp_BT: Tensor,
     alpha_logp_BT: Tensor,
     rollout_logp_BT: Tensor,
     mask_BT: Tensor,
@@ -89,11 +89,11 @@ def decomposition_sums(
     ``|log-ratio|``."""
     m = mask_BT != 0
     numerics, staleness = (x.detach().double() * m for x in split_log_ratios(
-        pi_logp_BT, alpha_logp_BT, rollout_logp_BT))  # fmt: skip
+        old_logp_BT, alpha_logp_BT, rollout_logp_BT))  # fmt: skip
     seq_has = m.any(dim=1)
     sums = [numerics.sum(), staleness.sum(), (_k3(numerics) * m).sum(),
             (_k3(staleness) * m).sum(), m.sum().double()]  # fmt: skip
-    for old in (alpha_logp_BT, pi_logp_BT):
+    for old in (alpha_logp_BT, old_logp_BT):
         if tis is None:
             sums += [numerics.new_zeros(())] * 2  # on the inputs' device, as every sum
             continue
