@@ -10,7 +10,7 @@ aggregation: the trainer contract".
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -19,8 +19,7 @@ from megatron_grpo.algorithms.kl import get_kl_estimator
 from megatron_grpo.algorithms.losses import entropy_bonus, masked_mean
 from megatron_grpo.algorithms.policy_loss import build_policy_loss
 from megatron_grpo.algorithms.staleness import build_split_policy_loss
-
-LossFn = Callable[[Tensor, Tensor, Mapping[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
+from megatron_grpo.algorithms.step_batch import LossFn, StepBatch
 
 
 # ------------------------------------------------------------------------ pure aggregators
@@ -58,7 +57,7 @@ AGGREGATORS: dict[str, tuple[Callable[..., Tensor], str]] = {
 """``grpo.loss_agg`` -> (the aggregator, the ``mb`` normalizer it divides by)."""
 
 
-def _aggregator(c, max_response_len: int | None) -> Callable[[Tensor, Tensor, Mapping], Tensor]:
+def _aggregator(c, max_response_len: int | None) -> Callable[[Tensor, Tensor, StepBatch], Tensor]:
     """``(loss_BT, mask_BT, mb) -> loss`` for ``grpo.loss_agg``, its normalizer read from ``mb``."""
     if c.loss_agg not in AGGREGATORS:
         raise ValueError(
@@ -77,7 +76,7 @@ def _aggregator(c, max_response_len: int | None) -> Callable[[Tensor, Tensor, Ma
             )
         extra = (constant,)
 
-    def aggregate(loss: Tensor, mask: Tensor, mb: Mapping[str, Tensor]) -> Tensor:
+    def aggregate(loss: Tensor, mask: Tensor, mb: StepBatch) -> Tensor:
         return agg(loss, mask, _need(mb, key, f"grpo.loss_agg={c.loss_agg}"), *extra)
 
     return aggregate
@@ -108,7 +107,7 @@ def normalizers_from_counts(counts: Tensor) -> dict[str, Tensor]:
     return {"global_num_tokens": c[0], "global_num_seqs": c[1], "global_num_rows": c[2]}
 
 
-def normalizer_mask(mb: Mapping[str, Tensor], loss_normalizer: str) -> Tensor:
+def normalizer_mask(mb: StepBatch, loss_normalizer: str) -> Tensor:
     """The mask the global normalizers count for ``grpo.loss_normalizer``: ``kept`` ->
     ``mb["loss_mask"]`` (after the advantage step's keep mask); ``all`` ->
     ``mb["response_mask"]`` (every response token, before it). See docs/algorithms.md."""
@@ -139,7 +138,7 @@ def compute_global_normalizers(
     return normalizers_from_counts(counts)
 
 
-def _need(mb: Mapping[str, Tensor], key: str, why: str) -> Tensor:
+def _need(mb: StepBatch, key: str, why: str) -> Tensor:
     try:
         return mb[key]
     except KeyError:
@@ -170,9 +169,7 @@ def make_loss_fn(grpo_cfg, max_response_len: int | None = None) -> LossFn:
 
     aggregate = _aggregator(c, max_response_len)
 
-    def loss_fn(
-        logp: Tensor, entropy: Tensor, mb: Mapping[str, Tensor]
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss_fn(logp: Tensor, entropy: Tensor, mb: StepBatch) -> tuple[Tensor, dict[str, Tensor]]:
         mask = _need(mb, "loss_mask", "response tokens").to(logp.dtype)
         adv = _need(mb, "advantages", "per-sequence advantages")
         rollout_logp = _need(mb, "rollout_logp", "alpha's log-probs from the rollout")

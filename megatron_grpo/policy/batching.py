@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_grpo.algorithms.step_batch import StepBatch
 from megatron_grpo.config.schema import Config, ConfigError
-
-Batch = dict[str, torch.Tensor]
 
 
 def micro_batch_token_budget(cfg: Config) -> int | None:
@@ -36,7 +35,7 @@ def micro_batch_token_budget(cfg: Config) -> int | None:
     )
 
 
-def _check_batch(batch: Batch) -> tuple[int, int]:
+def _check_batch(batch: StepBatch) -> tuple[int, int]:
     ids = batch["input_ids"]
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, L], got shape {tuple(ids.shape)}")
@@ -50,7 +49,7 @@ def _check_batch(batch: Batch) -> tuple[int, int]:
     return b, seq
 
 
-def _row_lengths(batch: Batch) -> list[int]:
+def _row_lengths(batch: StepBatch) -> list[int]:
     """Each row's length: its last position with ``attention_mask`` 1, plus one (at least 1);
     the full width without a mask."""
     b, seq = batch["input_ids"].shape
@@ -61,7 +60,7 @@ def _row_lengths(batch: Batch) -> list[int]:
     return last.tolist()
 
 
-def _slice_rows(batch: Batch, rows: slice, padded: int) -> Batch:
+def _slice_rows(batch: StepBatch, rows: slice, padded: int) -> StepBatch:
     """``batch``'s rows ``rows``, every [B, L, ...] tensor cut (or right-padded with zeros)
     to ``padded`` positions."""
     seq = batch["input_ids"].shape[1]
@@ -80,8 +79,8 @@ def _slice_rows(batch: Batch, rows: slice, padded: int) -> Batch:
 
 
 def micro_batches(
-    batch: Batch, micro_batch_size: int, multiple: int = 1
-) -> list[tuple[slice, int, Batch]]:
+    batch: StepBatch, micro_batch_size: int, multiple: int = 1
+) -> list[tuple[slice, int, StepBatch]]:
     """Split ``batch`` into (row slice, trimmed length, micro-batch dict).
 
     ``multiple``: the micro-batch tensors' length is the trimmed length rounded up to a
@@ -193,8 +192,8 @@ class PackedRows:
 
 
 def packed_micro_batches(
-    batch: Batch, token_budget: int, multiple: int = 1
-) -> list[tuple[slice, int, Batch, PackedRows]]:
+    batch: StepBatch, token_budget: int, multiple: int = 1
+) -> list[tuple[slice, int, StepBatch, PackedRows]]:
     """Split ``batch`` into micro-batches of consecutive rows holding at most
     ``token_budget`` real tokens each (a row longer than the budget is a micro-batch of its
     own), packed end to end (``PackedRows``): no compute on padding, and the number of rows
@@ -222,13 +221,13 @@ def packed_micro_batches(
 
 
 def split_batch(
-    batch: Batch,
+    batch: StepBatch,
     micro_batch_size: int,
     token_budget: int | None,
     multiple: int = 1,
     *,
     can_pack: bool = True,
-) -> list[tuple[slice, int, Batch, PackedRows | None]]:
+) -> list[tuple[slice, int, StepBatch, PackedRows | None]]:
     """Micro-batches of ``batch``: packed under ``token_budget`` when it is given, else
     ``micro_batch_size`` padded rows (pack None). ``can_pack`` is False under megatron's
     unfused attention, which refuses packed sequences."""

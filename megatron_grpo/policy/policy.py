@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.algorithms.step_batch import LossFn, StepBatch
 from megatron_grpo.config.schema import ConfigError, ModelConfig, OptimConfig
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec
@@ -36,9 +37,6 @@ from megatron_grpo.policy.optimizer import (
 from megatron_grpo.policy.rope import PackedRope
 from megatron_grpo.policy.scoring import Scoring
 from megatron_grpo.policy.transfer import to_device
-
-Batch = dict[str, torch.Tensor]
-LossFn = Callable[[torch.Tensor, torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 class Policy:
@@ -137,7 +135,7 @@ class Policy:
         return bool(self.training and self.training.distributed_optimizer)
 
     # ------------------------------------------------------------------- forward plumbing
-    def _split(self, batch: Batch, micro_batch_size: int, token_budget: int | None) -> list:
+    def _split(self, batch: StepBatch, micro_batch_size: int, token_budget: int | None) -> list:
         return split_batch(
             batch, micro_batch_size, token_budget, self._length_multiple, can_pack=self.can_pack
         )
@@ -185,7 +183,9 @@ class Policy:
 
         return step
 
-    def _to_device(self, mb: Batch, pack: PackedRows | None) -> tuple[Batch, PackedRows | None]:
+    def _to_device(
+        self, mb: StepBatch, pack: PackedRows | None
+    ) -> tuple[StepBatch, PackedRows | None]:
         """The micro-batch's and the pack's tensors on the device, in one copy
         (``policy.transfer``); other values as they are."""
         tensors = {f"mb.{k}": v for k, v in mb.items() if isinstance(v, torch.Tensor)}
@@ -201,7 +201,7 @@ class Policy:
         # the temperature divides each fp32 chunk inside: no divided copy of the logits
         return self.scoring.token_logprobs(out, input_ids, self.temperature)
 
-    def _model_forward(self, model, mb: Batch, pack: PackedRows | None) -> torch.Tensor:
+    def _model_forward(self, model, mb: StepBatch, pack: PackedRows | None) -> torch.Tensor:
         """The last stage's output (``self.scoring``: logits [n, L, V/tp] or hidden states) of
         the padded rows, or of the pack ([1, T, ...]); tensors on the device."""
         if pack is not None:
@@ -224,7 +224,7 @@ class Policy:
         # (AttnMaskType.causal in the GPT layer spec).
         return model(ids, positions, None, **self.scoring.forward_kwargs)
 
-    def _row_logp_entropy(self, out, mb: Batch, pack: PackedRows | None):
+    def _row_logp_entropy(self, out, mb: StepBatch, pack: PackedRows | None):
         """``logp``, ``entropy`` [n, L] of the micro-batch's rows, position-aligned."""
         ids = mb["input_ids"]
         if pack is None:
@@ -250,7 +250,7 @@ class Policy:
 
     @torch.no_grad()
     def compute_logprobs(
-        self, batch: Batch, micro_batch_size: int, *, token_budget: int | None = None
+        self, batch: StepBatch, micro_batch_size: int, *, token_budget: int | None = None
     ) -> dict[str, torch.Tensor]:
         """Per-token ``logp`` and ``entropy`` [B, L] (fp32, on CPU), on every rank.
 
@@ -283,7 +283,7 @@ class Policy:
 
     def train_step(
         self,
-        batch: Batch,
+        batch: StepBatch,
         loss_fn: LossFn,
         micro_batch_size: int,
         *,
@@ -432,4 +432,4 @@ def build_policy(
     )
 
 
-__all__ = ["Batch", "LRSchedule", "LossFn", "Policy", "build_policy"]
+__all__ = ["StepBatch", "LRSchedule", "LossFn", "Policy", "build_policy"]

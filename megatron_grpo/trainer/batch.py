@@ -1,9 +1,8 @@
 """Rollout samples -> the policy's batch tensors; data-parallel shards and mini-batches.
 
 A GRPO batch is ``prompts_per_step * group_size`` sequences, prompt-major (the G samples of
-prompt p sit at rows ``[p*G, (p+1)*G)``). Tensors follow the policy's batch contract
-(``megatron_grpo.policy.policy``): right-padded ``input_ids`` and position-aligned
-per-token tensors, where the value for response token j sits at index ``len(prompt) + j``.
+prompt p sit at rows ``[p*G, (p+1)*G)``); its keys and their meaning:
+``megatron_grpo.algorithms.step_batch.StepBatch``.
 """
 
 from __future__ import annotations
@@ -12,12 +11,11 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_grpo.algorithms.step_batch import StepBatch
 from megatron_grpo.rollout.engine import Sample
 
-Batch = dict[str, torch.Tensor]
 
-
-def collate(samples: Sequence[Sample], pad_id: int) -> Batch:
+def collate(samples: Sequence[Sample], pad_id: int) -> StepBatch:
     """Stack samples into ``input_ids``, ``attention_mask``, ``loss_mask``, ``rollout_logp``
     ([N, L], L the longest prompt + response), ``response_len`` and ``truncated`` ([N]; True
     where the response hit max_new_tokens, ``finish_reason == "length"``)."""
@@ -47,12 +45,12 @@ def collate(samples: Sequence[Sample], pad_id: int) -> Batch:
     }
 
 
-def select(batch: Batch, rows: slice | torch.Tensor) -> Batch:
+def select(batch: StepBatch, rows: slice | torch.Tensor) -> StepBatch:
     """The rows ``rows`` of every tensor of ``batch``."""
     return {k: v[rows] for k, v in batch.items()}
 
 
-def dp_shard(batch: Batch, dp_rank: int, dp: int) -> Batch:
+def dp_shard(batch: StepBatch, dp_rank: int, dp: int) -> StepBatch:
     """This data-parallel rank's contiguous share of the batch (rows ``[d*N/dp, (d+1)*N/dp)``)."""
     n = batch["input_ids"].shape[0]
     if n % dp:
@@ -65,8 +63,8 @@ def dp_shard(batch: Batch, dp_rank: int, dp: int) -> Batch:
 
 
 def mini_batches(
-    batch: Batch, mini_batch_size: int, dp: int, generator: torch.Generator | None = None
-) -> list[Batch]:
+    batch: StepBatch, mini_batch_size: int, dp: int, generator: torch.Generator | None = None
+) -> list[StepBatch]:
     """Split this rank's DP shard into mini-batches of ``mini_batch_size`` GLOBAL sequences
     (``mini_batch_size / dp`` on each rank), in a seeded shuffled order when ``generator``
     is given. ``mini_batch_size == 0`` means one mini-batch (the whole batch)."""

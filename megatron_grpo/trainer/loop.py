@@ -30,12 +30,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.algorithms.advantages import AdvantageFn
-from megatron_grpo.algorithms.aggregation import LossFn, compute_global_normalizers, normalizer_mask
+from megatron_grpo.algorithms.aggregation import compute_global_normalizers, normalizer_mask
 from megatron_grpo.algorithms.drift import drift_from_sums, k3_drift_sums
 from megatron_grpo.algorithms.kl import get_kl_estimator
 from megatron_grpo.algorithms.seeds import advantage_seed, mini_batch_seed
 from megatron_grpo.algorithms.shaping import overlong_filter_keep
 from megatron_grpo.algorithms.staleness import decomposition_metrics, decomposition_sums
+from megatron_grpo.algorithms.step_batch import LossFn
 from megatron_grpo.bridge.accounting import SyncReport
 from megatron_grpo.bridge.weight_sync import WeightSender
 from megatron_grpo.checkpoint import LoopState, find_latest
