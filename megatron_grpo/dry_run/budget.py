@@ -95,10 +95,11 @@ def resolve_token_budget(
     where = (f"of the {room / GIB:.1f} GiB left in the train phase by {MEMORY_FRACTION:.0%} of "
              f"the {capacity_bytes / GIB:g} GiB GPU")  # fmt: skip
     if one > room:
-        return TokenBudget(seq, "sequence", f"auto: one sequence, though its {one / GIB:.1f} GiB "
-                           f"of activations and scoring exceed the {room / GIB:.1f} GiB left in "
-                           f"the train phase by {MEMORY_FRACTION:.0%} of the "
-                           f"{capacity_bytes / GIB:g} GiB GPU")  # fmt: skip
+        held = (f"the train phase's {state / GIB:.1f} GiB of state already exceed"
+                if room <= 0 else f"its {one / GIB:.1f} GiB of activations and scoring exceed "
+                f"the {room / GIB:.1f} GiB left in the train phase by")  # fmt: skip
+        return TokenBudget(seq, "sequence", f"auto: one sequence, though {held} "
+                           f"{MEMORY_FRACTION:.0%} of the {capacity_bytes / GIB:g} GiB GPU")  # fmt: skip
     top, bound = _upper(cfg, dp, seq)
 
     def act(n: int) -> int:
