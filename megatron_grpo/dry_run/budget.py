@@ -4,9 +4,9 @@
 ``BUDGET_MULTIPLE`` tokens whose activations and scoring (the fused scoring holds no logits)
 fit what ``MEMORY_FRACTION`` of the GPU's memory leaves in the train phase after the weights,
 gradients, optimizer state, copies and runtime (and vLLM's reservation when it does not
-sleep); at least one
-whole sequence, which never splits, and at most one step's sequences per rank, in at least
-``PIPELINE_MICRO_BATCHES * pp`` micro-batches with pipeline parallelism. Without a GPU (the
+sleep); at least one whole sequence, which never splits, and at most one step's sequences
+per rank, in at least ``PIPELINE_MICRO_BATCHES * pp`` micro-batches with pipeline
+parallelism. docs/launch.md ("micro-batch token budget") has the reasoning. Without a GPU (the
 trainer on CPU) ``auto`` is ``grpo.micro_batch_size`` full-length sequences, the budget of
 before, so CPU runs and their golden numbers are unchanged. ``plan`` and the trainer print
 ``TokenBudget.line``.
@@ -43,7 +43,7 @@ class TokenBudget:
     bound: str
     """``padded``, ``config`` (an explicit value), ``micro_batch_size`` (0, or ``auto`` on
     CPU), or for ``auto`` on a GPU: ``memory``, ``batch``, ``pipeline`` or ``sequence`` (one
-    sequence does not fit: the plan refuses it)."""
+    sequence exceeds ``MEMORY_FRACTION``; ``plan`` refuses it if it exceeds the GPU)."""
     why: str
 
     def line(self) -> str:
