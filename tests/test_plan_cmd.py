@@ -83,10 +83,15 @@ def test_trainer_params_per_rank_sums_to_model() -> None:
 
 def test_recompute_lowers_activations() -> None:
     spec, _ = resolve_spec("x", preset="Qwen2.5-7B")
-    cfg = load_config(CFG_7B)
+    cfg = load_config(CFG_7B, ["grpo.micro_batch_tokens=0"])  # the same tokens either way
     a = build_launch_plan(cfg, spec, nodes=1, gpus_per_node=8)
     b = build_launch_plan(cfg, spec, nodes=1, gpus_per_node=8, recompute=True)
     assert b.memory.peak.components["activations"] < a.memory.peak.components["activations"]
+    # with the budget sized by memory (auto), recompute buys a larger micro-batch instead
+    auto = load_config(CFG_7B)
+    a = build_launch_plan(auto, spec, nodes=1, gpus_per_node=8)
+    b = build_launch_plan(auto, spec, nodes=1, gpus_per_node=8, recompute=True)
+    assert b.budget.tokens > a.budget.tokens and a.budget.bound == "memory"
 
 
 @pytest.mark.parametrize(

@@ -35,8 +35,9 @@ class BenchTrainArgs:
     micro_batch_size: int = 4
     micro_batch_tokens: int | None = None
     """The project side's token budget per packed micro-batch (``grpo.micro_batch_tokens``);
-    None: the trainer's default, ``micro_batch_size * (prompt_len + max_len)``; 0: padded
-    rows of ``micro_batch_size`` like the HF side (``grpo.pack_sequences=false``)."""
+    None: ``micro_batch_size * (prompt_len + max_len)``, the trainer's ``micro_batch_tokens=0``
+    (and its ``auto`` off the GPU; on a GPU ``auto`` is sized by memory, ``dry_run.budget``);
+    0: padded rows of ``micro_batch_size`` like the HF side (``grpo.pack_sequences=false``)."""
     recompute: str = "none"
     """Activation recomputation on both sides: ``full`` is the project's
     ``model.recompute=full`` and HF's ``gradient_checkpointing_enable()``."""

@@ -137,7 +137,8 @@ def _add_train(bsub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="project side: tokens per packed micro-batch (default micro-batch-size x "
-        "(prompt-len + max-len), as the trainer; 0: padded rows like the HF side)",
+        "(prompt-len + max-len), the trainer's grpo.micro_batch_tokens=0; 0: padded rows "
+        "like the HF side)",
     )
     t.add_argument(
         "--recompute",

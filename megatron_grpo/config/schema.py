@@ -250,17 +250,20 @@ class GRPOConfig:
     """Sequences per optimizer step within one SGD pass; 0 = the whole batch."""
     micro_batch_size: int = 64
     """Sequences per forward/backward micro-batch when ``pack_sequences=false``; with packing
-    it only sets the default ``micro_batch_tokens``."""
+    it only sets ``micro_batch_tokens=0``'s budget (and ``auto``'s on CPU)."""
     pack_sequences: bool = True
     """Pack each micro-batch's sequences end to end under a token budget
     (``micro_batch_tokens``) for the train step and the log-prob passes: no compute on padding,
     and as many short sequences per micro-batch as the budget holds (``policy.policy``
     ``PackedRows``). ``false``: ``micro_batch_size`` rows, each micro-batch padded to its
     longest (megatron's unfused attention, ``model.local_attention=unfused``, needs this)."""
-    micro_batch_tokens: int = 0
-    """Real tokens per packed micro-batch (a longer sequence is a micro-batch of its own).
-    0 = ``micro_batch_size * (data.max_prompt_tokens + rollout.max_new_tokens)``: the
-    activation memory of ``micro_batch_size`` full-length sequences, what ``plan`` counts."""
+    micro_batch_tokens: int | Literal["auto"] = "auto"
+    """Real tokens per packed micro-batch, at least one whole sequence (``data.max_prompt_tokens
+    + rollout.max_new_tokens``: a sequence never splits). ``auto``: on a GPU, the most that
+    fits the device's memory after the weights, gradients and optimizer state (the memory
+    model of ``megatron-grpo plan``, which prints it and what bounds it; a multiple of 256
+    tokens, at most one step's sequences per rank; ``dry_run/budget.py``); on CPU, the 0
+    below. 0 = ``micro_batch_size * (data.max_prompt_tokens + rollout.max_new_tokens)``."""
     advantage: Literal["grpo", "drgrpo", "red_weight"] = "grpo"
     """``grpo``: (r - mean)/sqrt(std^2 + eps); ``drgrpo``: r - mean; ``red_weight``:
     A * exp(A / tau) on unnormalized advantages."""
@@ -337,7 +340,12 @@ class GRPOConfig:
         _positive("grpo", self, "prompts_per_step", "sgd_iterations")
         _non_negative("grpo", self, "mini_batch_size")
         _positive("grpo", self, "micro_batch_size")
-        _non_negative("grpo", self, "micro_batch_tokens")
+        t = self.micro_batch_tokens
+        if t != "auto" and (isinstance(t, (bool, str)) or t < 0):
+            raise ConfigError(
+                f"grpo.micro_batch_tokens={t!r} must be 'auto' (sized by the GPU's memory) or "
+                "an integer >= 0 (0: grpo.micro_batch_size full-length sequences)."
+            )
         _check_choice("grpo.advantage", self.advantage, ("grpo", "drgrpo", "red_weight"))
         _check_choice("grpo.policy_loss", self.policy_loss, ("off_policy_clip", "rec", "gspo"))
         _check_choice("grpo.ratio_mode", self.ratio_mode, ("one", "exact"))
@@ -615,6 +623,7 @@ class Config:
                 "but model.local_attention=unfused (megatron's DotProductAttention refuses "
                 "them): set model.local_attention=sdpa or grpo.pack_sequences=false."
             )
+        _check_budget(self)
         r = self.rollout
         if r.sleep_between_rollouts and r.sleep_level == 2 and self.sync.can_lag:
             every = (f"sync.interval={self.sync.interval}" if self.sync.mode == "fixed" else
@@ -630,6 +639,18 @@ class Config:
                 f"({self.rollout.max_new_tokens}) exceeds rollout.max_model_len"
                 f"({self.rollout.max_model_len}): raise rollout.max_model_len or shorten them."
             )
+
+
+def _check_budget(cfg: Config) -> None:
+    """A packed micro-batch holds at least one whole sequence: a smaller explicit budget."""
+    g, seq = cfg.grpo, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if g.pack_sequences and g.micro_batch_tokens not in ("auto", 0) and g.micro_batch_tokens < seq:
+        raise ConfigError(
+            f"grpo.micro_batch_tokens={g.micro_batch_tokens} is smaller than the longest "
+            f"sequence, data.max_prompt_tokens({cfg.data.max_prompt_tokens}) + "
+            f"rollout.max_new_tokens({cfg.rollout.max_new_tokens}) = {seq}, which never splits: "
+            f"set grpo.micro_batch_tokens >= {seq}, or auto."
+        )
 
 
 def _check_ranges(cfg: Config) -> None:

@@ -9,6 +9,7 @@ from megatron_grpo.bridge.plan import PlanReport, build_plan, plan_report
 from megatron_grpo.config.schema import Config, ConfigError
 from megatron_grpo.distributed.placement import RankPlacement, place_ranks
 from megatron_grpo.distributed.setup import validate_parallel
+from megatron_grpo.dry_run.budget import TokenBudget, resolve_token_budget
 from megatron_grpo.dry_run.memory import (
     DTYPE_BYTES,
     GIB,
@@ -50,6 +51,8 @@ class LaunchPlan:
     sync: PlanReport
     cross_node_sync_bytes: int
     warnings: list[str] = field(default_factory=list)
+    budget: TokenBudget | None = None
+    """The packed micro-batch's token budget the trainer would use (``dry_run.budget``)."""
     max_model_len: int = 0
     rollout: Any = None
     """The rollout config section (sleep and offload keys) the memory phases assume."""
@@ -78,6 +81,9 @@ class LaunchPlan:
             "rollout_tp": self.rollout_tp,
             "dtype": self.dtype,
             "recompute": self.recompute,
+            "micro_batch_tokens": self.budget.tokens if self.budget else None,
+            "micro_batch_tokens_bound": self.budget.bound if self.budget else None,
+            "micro_batch_tokens_why": self.budget.why if self.budget else None,
             "memory_per_gpu_bytes": peak.to_dict(),
             "memory_per_gpu_role": peak.role,
             "memory_by_role_bytes": {r: m.to_dict() for r, m in self.memory.per_role.items()},
@@ -116,6 +122,7 @@ class LaunchPlan:
             f"trainer      tp={self.tp} pp={self.pp} dp={self.dp}"
             + (f" vpp={self.vpp}" if self.vpp else "")
             + f", recompute={'full' if self.recompute else 'none'}",
+            *([f"micro-batch  {self.budget.line()}"] if self.budget else []),
             f"vLLM         {len(r.engines)} engine(s) of tp={self.rollout_tp}: "
             + "; ".join(_ranges(e) for e in r.engines[:8])
             + (" ..." if len(r.engines) > 8 else ""),
@@ -218,11 +225,14 @@ def build_launch_plan(
     p, r = cfg.parallel, cfg.rollout
     engines = len(ranks.engines)
     capacity = int(gpu_memory_gb * GIB)
+    colocated = ranks.placement == "colocated"
+    budget = resolve_token_budget(spec, cfg, dp=dp, colocated=colocated,
+                                  capacity_bytes=capacity, recompute=recompute)  # fmt: skip
     mem = estimate_memory(
-        spec, cfg, dp=dp, num_engines=engines, colocated=ranks.placement == "colocated",
-        capacity_bytes=capacity, recompute=recompute,
+        spec, cfg, dp=dp, num_engines=engines, colocated=colocated, capacity_bytes=capacity,
+        recompute=recompute, budget=budget.tokens,
     )  # fmt: skip
-    _check_memory(mem, capacity, gpu_memory_gb, cfg, spec, warnings)
+    _check_memory(mem, capacity, gpu_memory_gb, cfg, spec, warnings, budget)
     dtype = plan_dtype(cfg)
     layout = MegatronLayout(
         p.tp, p.pp, p.vpp or 1, dp,
@@ -238,7 +248,8 @@ def build_launch_plan(
         nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_bytes=capacity, model=model,
         spec=spec, ranks=ranks, tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, rollout_tp=r.tp,
         dtype=dtype, recompute=recompute or cfg.model.recompute == "full", memory=mem, sync=report,
-        cross_node_sync_bytes=cross_node, warnings=warnings, max_model_len=r.max_model_len,
+        cross_node_sync_bytes=cross_node, warnings=warnings, budget=budget,
+        max_model_len=r.max_model_len,
         rollout=r, sync_interval=mean_interval,
     )  # fmt: skip
     return plan
@@ -295,6 +306,7 @@ def _check_memory(
     cfg: Config,
     spec: ModelSpec,
     warnings: list[str],
+    budget: TokenBudget,
 ) -> None:
     r = cfg.rollout
     one_seq = r.max_model_len * kv_bytes_per_token(spec, r.tp, DTYPE_BYTES[plan_dtype(cfg)])
@@ -327,9 +339,19 @@ def _check_memory(
                 fixes.append("set rollout.sleep_between_rollouts=true")
             if m.phases and r.trainer_offload != "all" and m.peak_phase == "generate":
                 fixes.append("set rollout.trainer_offload=all")
-            fixes.append("lower grpo.micro_batch_size or set model.recompute=full")
+            fixes.append(_activation_fix(budget, cfg))
             phase = f" in its {m.peak_phase} phase" if m.phases else ""
             raise PlanError(
                 f"out of GPU memory: a {m.role} GPU needs {_gib(m.total)}{phase} (largest: "
                 f"{parts} GiB) > --gpu-memory-gb {gpu_memory_gb:g}: " + ", ".join(fixes) + "."
             )
+
+
+def _activation_fix(budget: TokenBudget, cfg: Config) -> str:
+    """How to hold fewer activations, for the budget the plan used."""
+    recompute = "" if cfg.model.recompute == "full" else "set model.recompute=full or "
+    if budget.bound == "padded":
+        return f"{recompute}lower grpo.micro_batch_size"
+    if budget.bound in ("config", "micro_batch_size"):
+        return f"{recompute}set grpo.micro_batch_tokens=auto (sized to fit)"
+    return f"{recompute}shorten data.max_prompt_tokens + rollout.max_new_tokens"

@@ -16,10 +16,11 @@ Trainer (per rank, the largest (pipeline stage, TP rank) shard set, read from
   that holds no [heads, s, s] scores (SDPA, ``policy.attention``, or Transformer-Engine):
   per layer ``n*h*(10 + 24/t)`` bytes in 16 bit (``34*n*h/t`` with sequence parallelism)
   for the ``n`` tokens of one micro-batch; with full recompute only each layer's input
-  (``2*n*h``, /t with sequence parallelism) plus one layer's full activations. ``n`` is
-  ``policy.batching.micro_batch_token_budget`` with packing (``grpo.pack_sequences``; at
-  least one full sequence, which never splits), else ``s*b`` padded tokens (``s =
-  data.max_prompt_tokens + rollout.max_new_tokens``, ``b = grpo.micro_batch_size``). Layers
+  (``2*n*h``, /t with sequence parallelism) plus one layer's full activations. ``n`` is the
+  token budget with packing (``grpo.pack_sequences``; ``dry_run.budget``, which sizes
+  ``grpo.micro_batch_tokens=auto`` by this model; at least one full sequence, which never
+  splits), else ``s*b`` padded tokens (``s = data.max_prompt_tokens +
+  rollout.max_new_tokens``, ``b = grpo.micro_batch_size``). Layers
   of one stage, times the micro-batches in flight on the first stage of a 1F1B pipeline
   (min(pp, micro-batches)), plus the scoring of one micro-batch on the last stage
   (``policy.scoring.scoring_bytes`` of ``model.logprob_impl``): with ``logits``, the logits
@@ -141,17 +142,23 @@ def attention_score_bytes(spec: ModelSpec, cfg: Config, rows: int, recompute: bo
     return layers * kept + transient
 
 
-def micro_batch_tokens(cfg: Config) -> int:
-    """Tokens one micro-batch holds at most (module docstring, ``n``)."""
+def micro_batch_tokens(cfg: Config, budget: int | None = None) -> int:
+    """Tokens one micro-batch holds at most (module docstring, ``n``): ``budget`` (packed),
+    else the budget without a memory model (``policy.batching.micro_batch_token_budget``)."""
     s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    budget = micro_batch_token_budget(cfg)
-    return s * cfg.grpo.micro_batch_size if budget is None else max(budget, s)
+    if not cfg.grpo.pack_sequences:
+        return s * cfg.grpo.micro_batch_size
+    return max(budget or micro_batch_token_budget(cfg), s)
 
 
-def activation_bytes(spec: ModelSpec, cfg: Config, dp: int, recompute: bool) -> int:
+def activation_bytes(
+    spec: ModelSpec, cfg: Config, dp: int, recompute: bool, budget: int | None = None
+) -> int:
+    """Activation and scoring bytes of one training GPU (module docstring); ``budget``: the
+    packed micro-batch's tokens (None: ``micro_batch_tokens(cfg)``)."""
     p, g = cfg.parallel, cfg.grpo
     s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    n, h, t = micro_batch_tokens(cfg), spec.hidden_size, p.tp
+    n, h, t = micro_batch_tokens(cfg, budget), spec.hidden_size, p.tp
     elem = DTYPE_BYTES[plan_dtype(cfg)]
     scale = elem / 2  # the formula counts 16-bit activations
     full_layer = n * h * (34 / t if p.sequence_parallel else 10 + 24 / t) * scale
@@ -235,9 +242,11 @@ def estimate_memory(
     colocated: bool,
     capacity_bytes: int,
     recompute: bool = False,
+    budget: int | None = None,
 ) -> MemoryReport:
     """``recompute``: count activations with full recompute even where ``model.recompute``
-    is ``none`` (``plan --recompute``: what would it take?)."""
+    is ``none`` (``plan --recompute``: what would it take?). ``budget``: a packed
+    micro-batch's tokens (``dry_run.budget``; None: ``micro_batch_tokens(cfg)``)."""
     elem = DTYPE_BYTES[plan_dtype(cfg)]
     n = trainer_params_per_rank(spec, cfg)
     opt_per_param = 8 + (4 if elem < 4 else 0)
@@ -250,7 +259,9 @@ def estimate_memory(
         "optimizer": opt,
         "reference": n * elem if cfg.grpo.kl_coef > 0 else 0,
         "served": n * elem if cfg.checkpoint.exact_resume and cfg.sync.can_lag else 0,
-        "activations": activation_bytes(spec, cfg, dp, recompute or cfg.model.recompute == "full"),
+        "activations": activation_bytes(
+            spec, cfg, dp, recompute or cfg.model.recompute == "full", budget
+        ),
     }
     state = sum(v for k, v in trainer.items() if k != "activations")
     r = cfg.rollout

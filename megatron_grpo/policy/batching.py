@@ -24,15 +24,16 @@ from megatron_grpo.config.schema import Config, ConfigError
 
 
 def micro_batch_token_budget(cfg: Config) -> int | None:
-    """The token budget of a packed micro-batch (``grpo.micro_batch_tokens``, 0 resolved to
-    ``micro_batch_size`` full-length sequences), or None when ``grpo.pack_sequences=false``
-    (``micro_batch_size`` padded rows). Used by the trainer and by ``plan``."""
+    """The token budget of a packed micro-batch without a memory model: an explicit
+    ``grpo.micro_batch_tokens``, else (0, or ``auto`` off the GPU) ``micro_batch_size``
+    full-length sequences; None when ``grpo.pack_sequences=false`` (``micro_batch_size``
+    padded rows). ``auto`` on a GPU is sized by memory: ``dry_run.budget``."""
     g = cfg.grpo
     if not g.pack_sequences:
         return None
-    return g.micro_batch_tokens or g.micro_batch_size * (
-        cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    )
+    if g.micro_batch_tokens != "auto" and g.micro_batch_tokens:
+        return g.micro_batch_tokens
+    return g.micro_batch_size * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
 
 
 def _check_batch(batch: StepBatch) -> tuple[int, int]:

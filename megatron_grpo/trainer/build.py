@@ -16,18 +16,21 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import torch
+
 from megatron_grpo.algorithms.advantages import build_advantage_fn
 from megatron_grpo.algorithms.aggregation import make_loss_fn
 from megatron_grpo.checkpoint import LoopState
 from megatron_grpo.config import Config, format_config, save_config
 from megatron_grpo.data import PromptSource, build_prompt_source
-from megatron_grpo.distributed import destroy_distributed, init_distributed
+from megatron_grpo.distributed import ParallelContext, destroy_distributed, init_distributed
 from megatron_grpo.distributed.placement import validate_world
+from megatron_grpo.dry_run.budget import TokenBudget, resolve_token_budget
 from megatron_grpo.layouts.io import load_hf_into_megatron
 from megatron_grpo.metrics import MetricsLogger, PhaseTimer
 from megatron_grpo.metrics.console import console_err, say_rank0
 from megatron_grpo.models.prepare import prepare_model_dir
-from megatron_grpo.models.spec import load_spec
+from megatron_grpo.models.spec import ModelSpec, load_spec
 from megatron_grpo.policy import Policy
 from megatron_grpo.policy.policy import build_policy
 from megatron_grpo.rewards import build_reward
@@ -86,6 +89,8 @@ def build_trainer(
     alpha = None  # grpo.score_alpha: the weights vLLM serves, on the trainer (the served copy)
     if g.score_alpha and cfg.sync.can_lag:
         alpha = served if served is not None else policy.make_reference()
+    budget = gpu_token_budget(spec, cfg, ctx)
+    say_rank0(ctx, f"micro-batches: {budget.line()}")
     t0 = time.perf_counter()
     rollout, sender = (rollout_factory or build_rollout)(cfg, world, ctx, hf_dir, policy)
     say_rank0(ctx, f"vLLM engine up in {time.perf_counter() - t0:.1f}s")
@@ -111,13 +116,22 @@ def build_trainer(
         sender=sender, schedule=schedule, batches=batches, advantage_fn=build_advantage_fn(g),
         loss_fn=make_loss_fn(g, cfg.rollout.max_new_tokens), memory=memory,
         checkpointer=checkpointer, logger=logger, timer=PhaseTimer.for_device(ctx.device),
-        validator=validator, alpha=alpha,
+        validator=validator, alpha=alpha, budget=budget,
         closers=[logger.close, reward_fn.close, rollout.shutdown, destroy_distributed],
     )  # fmt: skip
     _start(trainer, resumed)
     if ctx.rank == 0:  # only once the run really starts (a failed start leaves none)
         save_config(cfg, cfg.run_dir)
     return trainer
+
+
+def gpu_token_budget(spec: ModelSpec, cfg: Config, ctx: ParallelContext) -> TokenBudget:
+    """The packed micro-batch's token budget: ``auto`` sized by this GPU's memory (the same
+    model and bounds as ``plan``'s: ``dry_run.budget``), or, without CUDA, as configured."""
+    cuda = ctx.device.type == "cuda"
+    capacity = torch.cuda.get_device_properties(ctx.device).total_memory if cuda else None
+    colocated = cfg.rollout.placement == "colocated"
+    return resolve_token_budget(spec, cfg, dp=ctx.dp, colocated=colocated, capacity_bytes=capacity)
 
 
 def _start(trainer: GRPOTrainer, resumed: tuple[LoopState, Policy] | None) -> None:

@@ -42,11 +42,11 @@ from megatron_grpo.bridge.weight_sync import WeightSender
 from megatron_grpo.checkpoint import LoopState, find_latest
 from megatron_grpo.config import Config
 from megatron_grpo.distributed import ParallelContext
+from megatron_grpo.dry_run.budget import TokenBudget, resolve_token_budget
 from megatron_grpo.metrics import MetricsLogger, PhaseTimer
 from megatron_grpo.metrics.console import console_out, say_rank0
 from megatron_grpo.metrics.row import step_row
 from megatron_grpo.policy import Policy
-from megatron_grpo.policy.batching import micro_batch_token_budget
 from megatron_grpo.rollout.ahead import AheadRollout
 from megatron_grpo.rollout.interface import Rollout, RolloutFailure
 from megatron_grpo.trainer.batch import collate, dp_shard, mini_batches
@@ -81,6 +81,7 @@ class GRPOTrainer:
     validator: Validator | None = None  # when eval.interval > 0
     alpha: Policy | None = None  # grpo.score_alpha, v > 1: a copy of the weights vLLM serves
     schedule: SyncSchedule | None = None  # when to sync; None: built from cfg.sync
+    budget: TokenBudget | None = None  # tokens per packed micro-batch; None: resolved off-GPU
     start_step: int = 0
     policy_version: int = 0
     closers: list[Callable[[], None]] = field(default_factory=list)
@@ -88,9 +89,13 @@ class GRPOTrainer:
     @property
     def token_budget(self) -> int | None:
         """Tokens per packed micro-batch (None: ``micro_batch_size`` padded rows)."""
-        return micro_batch_token_budget(self.cfg)
+        return self.budget.tokens
 
     def __post_init__(self) -> None:
+        if self.budget is None:  # as on CPU: no memory model needed (trainer.build sizes it)
+            self.budget = resolve_token_budget(
+                None, self.cfg, dp=self.ctx.dp, colocated=True, capacity_bytes=None
+            )
         if self.schedule is None:
             self.schedule = SyncSchedule.from_config(self.cfg.sync, self.policy_version)
 
