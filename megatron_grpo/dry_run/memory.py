@@ -1,69 +1,8 @@
 """Memory per GPU of a launch, estimated from shapes alone (no GPU, no weights).
 
-Trainer (per rank, the largest (pipeline stage, TP rank) shard set, read from
-``layouts.megatron.chunk_shards`` so vocabulary padding and tied/untied embeddings count):
-
-- ``params``: parameter bytes in the training dtype (``model.dtype=auto`` plans bf16).
-- ``grads``: megatron DDP's gradient buffer, fp32 (``grad_reduce_in_fp32=True`` in
-  ``policy.policy``), not sharded.
-- ``optimizer``: Adam moments (2 x fp32) plus an fp32 master copy when the parameters are
-  16-bit; divided by DP when the distributed optimizer is on (``optim.distributed_optimizer``
-  ``on``, or ``auto``, which is on with CUDA).
-- ``reference``: a weight copy for pi_ref when ``grpo.kl_coef > 0``; ``served``: the copy of
-  the weights vLLM serves, kept for exact resume when ``checkpoint.exact_resume`` and
-  ``sync.interval > 1`` (adaptive: ``sync.max_interval > 1``; ``trainer.loop``).
-- ``activations``: Korthikanti et al. (arXiv 2205.05198, Table 2) with a fused attention
-  that holds no [heads, s, s] scores (SDPA, ``policy.attention``, or Transformer-Engine):
-  per layer ``n*h*(10 + 24/t)`` bytes in 16 bit (``34*n*h/t`` with sequence parallelism)
-  for the ``n`` tokens of one micro-batch; with full recompute only each layer's input
-  (``2*n*h``, /t with sequence parallelism) plus one layer's full activations. ``n`` is the
-  token budget with packing (``grpo.pack_sequences``; ``dry_run.budget``, which sizes
-  ``grpo.micro_batch_tokens=auto`` by this model; at least one full sequence, which never
-  splits), else ``s*b`` padded tokens (``s = data.max_prompt_tokens +
-  rollout.max_new_tokens``, ``b = grpo.micro_batch_size``). Layers
-  of one stage, times the micro-batches in flight on the first stage of a 1F1B pipeline
-  (min(pp, micro-batches)), plus the scoring of one micro-batch on the last stage
-  (``policy.scoring.scoring_bytes`` of ``model.logprob_impl``): with ``logits``, the logits
-  (kept for the log-prob recompute), their gradient and its transpose in the training dtype
-  (``3*elem*n*V/t``) and the chunked log-prob's fp32 temporaries
-  (``policy.logprob.logprob_peak_bytes``); with ``fused`` (``auto`` is counted as fused, what
-  megatron-core 0.19.2 resolves it to), no logits: the chunk's fp32 temporaries, the hidden
-  states' copy and gradient (``2*elem*n*h``) and the output weight's gradient
-  (``policy.fused_logprob.fused_peak_bytes``). The formula
-  is for GPT's 4h MLP: SwiGLU models with a wider MLP use somewhat more.
-  ``model.local_attention=unfused`` on the local spec adds megatron's ``DotProductAttention``
-  scores (``attention_score_bytes``): per layer the fp32 softmax output and, in 16-bit
-  training, its 16-bit copy that the value product keeps, ``(4 + elem)*b*(a/t)*s^2`` bytes
-  (``4*b*(a/t)*s^2`` in fp32), plus one layer's transient scores, fp32 upcast and masked
-  copy while it runs (``(elem + 8)*b*(a/t)*s^2``). On one H100 (bf16, 0.5B shape, 14 heads,
-  24 layers) that path peaked at 44.7 GiB for one 4,096-token sequence per micro-batch:
-  31.5 GiB of it is this term.
-- ``runtime``: a flat 1.5 GiB for the CUDA context, NCCL buffers and allocator slack.
-
-vLLM (per rollout TP rank):
-
-- ``vllm_weights``: ``layouts.vllm.rank_shards`` of the rank, in the model dtype.
-- ``vllm_kv_cache``: vLLM reserves ``gpu_memory_utilization * capacity`` and fills what the
-  weights leave with KV cache; that reservation is what the GPU holds.
-  ``kv_cache_needed`` is what all sequences of one step need at once:
-  ``sequences per engine * max_model_len * layers * 2 * kv_heads_per_rank * head_dim *
-  bytes``, ``kv_heads_per_rank = max(1, num_kv_heads / rollout.tp)``.
-
-Peak of a colocated GPU: the maximum over the phases of the loop's memory dance
-(``trainer.memory``), each phase holding exactly what the loop keeps there:
-
-- ``generate``: the vLLM reservation, plus the trainer state that ``rollout.trainer_offload``
-  leaves on the GPU (``none``: all of it; ``optimizer``: weights and the reference/served
-  copies; ``all``: only the copies).
-- ``train``: the whole trainer state plus activations (plus the vLLM reservation when
-  ``rollout.sleep_between_rollouts=false``; asleep, vLLM holds nothing: level 1 keeps its
-  weights in CPU memory, level 2 drops them).
-- ``sync``: the trainer state minus what was offloaded before the sync (optimizer state
-  and gradient buffers), plus vLLM's woken weights (its whole reservation without sleep).
-- ``checkpoint``: a save brings the whole trainer state back next to vLLM's weights.
-
-Without CUDA (or disaggregated) nothing sleeps or moves. Disaggregated: a trainer GPU holds
-state + activations, a rollout GPU the vLLM reservation.
+The trainer's terms (params, grads, optimizer, reference and served copies, activations,
+scoring, runtime), vLLM's (weights, KV cache) and the colocated peak over the loop's
+phases, each with its formula and source: docs/launch.md, "The memory model, term by term".
 """
 
 from __future__ import annotations
