@@ -1,45 +1,6 @@
 """``megatron-grpo bench reproduce``: the source papers' claims, at tiny-model scale, with seeds.
 
-Each claim (``reproduce_claims.CLAIMS``) names variants of the training job that differ only
-in the keys the claim is about, a set of comparisons between them, and a reward threshold.
-Every variant runs once per seed (``seed``, ``rollout.seed`` and ``data.shuffle_seed`` all
-set to the seed, so the random weights, the warm start, the prompt order and the samples all
-change with it) through the same launcher as ``bench throughput`` (:func:`common.train_argv`,
-:func:`common.run_logged`), and the runs are ordered round-robin: seed 1 of every
-variant, then seed 2 of every variant, ..., so a change of machine load over the hours hits
-every variant alike. A variant shared by two claims (claim 1's v=4 is claim 4's plain
-GRPO) runs once.
-
-The analysis is pure (no process, no file): per seed, the reward curve (``reward_mean`` of
-each step's metrics.jsonl line), its final-window mean (the last ``window`` steps), its
-mean over all steps (``auc``, a learning-speed figure) and the first step whose trailing
-``window``-mean reaches the claim's threshold; per variant, mean and sample std over seeds.
-``reproduce_stats.judge`` turns a comparison into a verdict (docs/reproduction.md, "How the verdict is
-decided"):
-
-- ``better`` (a beats b): the interval ``diff +- k * se`` (``diff`` = mean(a) - mean(b);
-  ``se`` = the standard error of the per-seed differences a_s - b_s, since seed s of every
-  variant starts from the same warm-started weights with the same prompt order and
-  sampling seeds, or Welch's when the seed sets differ; ``k`` = Student's t 95% quantile
-  for its degrees of freedom, or ``--z``) lies above 0 -> reproduced; below 0 -> not
-  reproduced; inside ``+-margin`` -> not reproduced (no effect as large as the margin at
-  this scale); otherwise inconclusive.
-- ``equivalent`` (a matches b): the interval lies inside ``+-margin`` -> reproduced; wholly
-  outside it -> not reproduced; otherwise inconclusive.
-
-Fewer than two seeds give no spread: every comparison is inconclusive. A claim is
-reproduced when all its comparisons are, not reproduced when any is not, else inconclusive.
-
-Claim 5 (issue 25, ``sync.mode=adaptive``) has a variant whose v is not fixed in advance:
-``Variant.match`` names the variant whose syncs set it, per seed, to
-``round(steps / that run's syncs)`` (``reproduce_claims.matched_sync_interval``), so fixed v
-and adaptive run at the same mean number of syncs; the matched variant runs after its source in each round. Every
-run's syncs, v and drift/synced columns are kept (``syncs``, ``vs``, ``sync_curves``) for
-the sync table and the drift/interval figure of the report.
-
-The parts: ``reproduce_claims`` (the claims and the runs they need), ``reproduce_stats`` (the
-analysis and the verdicts) and ``report_reproduce`` (plots and markdown); this module runs
-the jobs and writes the result.
+Design: docs/reproduction.md, "How bench reproduce runs (bench/reproduce.py)".
 """
 
 from __future__ import annotations

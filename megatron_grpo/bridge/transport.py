@@ -1,34 +1,8 @@
 """Executes a ``SyncPlan``: every vLLM rank receives exactly its own shards, point to point,
-from the trainer ranks that hold the pieces.
-
-What the anchors do instead (verl, NeMo-RL, slime; docs/bridge.md, "Why a bridge") is
-gather full HF tensors on one rank and broadcast them; the complaints in their trackers are
-the rank-0 funnel, per-tensor RPC overhead and silent hangs. The transport answers each; its
-parts:
-
-- ``bridge.schedule``: the static schedule, built once from the plan on both sides (flat
-  buckets per link, their batched copy runs, the order of each pair's operations);
-- ``bridge.p2p``: the point-to-point engine (named operations, bounded waits that never
-  block a post, the plan handshake that catches mismatched plans before any weight moves);
-- ``bridge.packing``: a bucket's copies in and out of its flat buffer, batched;
-- this module, the executor: ``Transport`` holds one rank's static state and buffers,
-  ``_Sync`` runs one sync.
-
-- **Flat packed buckets, reused.** Each rank keeps ``window`` bucket buffers per link and
-  reuses them across syncs.
-- **No funnel.** Links run concurrently; a rank never holds more than the destination
-  shards it builds plus its bucket buffers.
-- **Overlap.** With ``window=2`` the next bucket of a link is packed while the current one
-  is on the wire, and a received bucket is unpacked while the next one arrives.
-- **Colocated links** (src_rank == dst_rank: a trainer process hosting its vLLM rank) copy
-  straight from the source shard into the destination shard, no buffer, no send.
-- **Deadlock-free under NCCL's ordering.** Both ranks of a pair issue their operations to
-  each other in the schedule's canonical order (``schedule.pair_order``); the first
-  ``window`` rounds are posted before any wait, and an operation whose buffer slot is still
-  busy (bucket ``r - window`` of its link not done) holds back the rest of that pair's
-  sequence. Each operation's precondition is an earlier operation of the same sequence on
-  both sides, so every posted operation's peer operation is eventually posted (induction on
-  the position), whatever the mix of sending and receiving ranks; pairs are independent.
+from the trainer ranks that hold the pieces. ``Transport`` holds one rank's static state and
+buffers, ``_Sync`` runs one sync; the schedule is ``bridge.schedule``, the point-to-point
+engine ``bridge.p2p``, the bucket copies ``bridge.packing``. Why it cannot deadlock under
+NCCL's ordering, and how it overlaps: docs/bridge.md, "Transport".
 """
 
 from __future__ import annotations

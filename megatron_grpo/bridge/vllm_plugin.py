@@ -1,34 +1,6 @@
 """vLLM plugin: the ``megatron_grpo`` weight-transfer backend and the worker extension.
 
-Loaded in every vLLM process through the ``vllm.general_plugins`` entry point
-(``setup.py``; ``vllm/plugins/__init__.py: load_general_plugins``). ``register()`` only
-records the backend by module path (``vllm/distributed/weight_transfer/factory.py:
-WeightTransferEngineFactory.register_engine``), so importing vLLM stays cheap.
-
-The backend (``WeightTransferConfig(backend="megatron_grpo")``) plugs into vLLM's worker
-RPCs ``init_weight_transfer_engine / start_weight_update / update_weights /
-finish_weight_update`` (``vllm/v1/worker/gpu_worker.py``, inherited by the CPU worker):
-
-- ``init_weight_transfer_engine(TransferInitInfo)`` joins a torch.distributed group spanning
-  the trainer ranks and the workers (gloo on CPU, nccl on GPU); worker rank in that group
-  = ``rank_offset + data_parallel_index * world_size + worker rank`` (the layout vLLM's own
-  NCCL backend uses, ``nccl_common.py: worker_init_process_group``).
-  The worker rebuilds the trainer's sync plan from ``TransferInitInfo.plan``
-  (``bridge.transfer_group.PlanInputs``) and keeps the receiving half of its ``Transport``.
-- ``update_weights`` takes a list indexed by worker rank (``gpu_worker.py: update_weights``
-  picks ``update_info[dp_index * world_size + rank]``); each worker's
-  ``TransferUpdateInfo(plan=True)`` runs that receiving half, handing every shard to
-  ``ShardReceiver.receive_shard`` as soon as it is complete: the plan's transport is the
-  only wire format.
-- start/finish run the receiver's reload session (vLLM's layerwise reload, re-running the
-  post-load processing).
-
-In-process (colocated, external_launcher) callers skip the transport group and call
-``engine.receiver`` directly (``RolloutEngine.begin_weight_update``).
-
-``ReceiverWorkerExtension`` (``LLM(worker_extension_cls=...)``) adds string-addressable
-worker RPCs (version, checksums, export, HF reload) that need no pickled callables, so
-``VLLM_ALLOW_INSECURE_SERIALIZATION`` stays off.
+Design: docs/bridge.md, "The vLLM plugin (bridge/vllm_plugin.py)".
 """
 
 from __future__ import annotations

@@ -1,30 +1,6 @@
 """The trainer's handle on the resharding bridge: push the policy's shards into vLLM.
 
-One face, ``WeightSender`` (``sync(policy) -> SyncReport``, ``syncs``, ``last_verify``,
-``plan``), two implementations chosen once when built, by ``sync.method``:
-
-- ``DirectSender``, the resharding bridge: the static plan (``bridge.plan.build_plan``, built
-  once from the layouts) runs on the ``Transport``; placements differ only in the *sink*,
-  the engine endpoint where this rank's half of the sync lands:
-
-  - colocated (``LocalEngine``): every trainer rank hosts one vLLM TP rank in-process
-    (``external_launcher``), so engine ``e`` is global ranks ``[e*t, (e+1)*t)`` for rollout
-    TP ``t``. Each completed shard goes to the local receiver inside vLLM's reload protocol
-    (start -> per-shard update -> finish, ``bridge.receiver``), so CPU repacking and
-    quantized layers are redone exactly as after a checkpoint load.
-  - disaggregated (``RemoteEngines``): the first ``n_train`` torchrun ranks train, the last
-    ``num_engines * rollout.tp`` ranks each stand for one TP rank of a vLLM engine whose
-    workers are separate processes (``distributed.placement.place_ranks``). Trainer ranks only
-    send; the sink is the engines' control messages (the rollout layer's, seen here as two
-    callables) that open the update on the engines and report its end.
-
-- ``BaselineSender``, what the anchors do (``bridge.baseline``: gather full HF tensors on
-  rank 0, broadcast, vLLM's own ``load_weights``), measured by the same accounting;
-  colocated only. The plan is built either way so ``minimal_bytes`` is known.
-
-Disaggregated weights travel over a *transfer group* spanning the trainer ranks and the
-engine workers, and both sides build the plan from the same ``PlanInputs``
-(``bridge.transfer_group``).
+Design: docs/bridge.md, "The trainer's handle: WeightSender (bridge/weight_sync.py)".
 """
 
 from __future__ import annotations

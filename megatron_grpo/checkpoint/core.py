@@ -1,31 +1,6 @@
 """Checkpoint and resume of the whole training loop.
 
-Layout (``docs/checkpointing.md`` has the full story)::
-
-    RUN_DIR/checkpoints/
-        latest                  # text: "step_000123", replaced atomically
-        step_000123/
-            model/              # dist_checkpointing (torch_dist): {"model": ..., "optimizer": ...}
-            ref/                # dist_checkpointing: the reference policy (optional)
-            rng/rank_00000.pt   # per-rank RNG states (weights_only-safe)
-            state.json          # loop state: step, data position, policy version, sync phase, ...
-
-Atomicity: everything is written under ``step_000123.tmp/``; once every rank has finished
-(barrier), rank 0 renames it to ``step_000123/`` and then replaces ``latest``. A crash at any
-point leaves the previous checkpoint and ``latest`` untouched; ``.tmp`` directories are
-never read, and the next save removes them. Older checkpoints are pruned only after the new
-one is complete.
-
-Integrity: state.json records the size and CRC32 of every other file of the checkpoint
-(``files``). ``load_checkpoint`` checks them first and raises one line naming the damaged
-file (truncated shard, missing rng file or ``.metadata``, broken state.json);
-``find_intact`` (``checkpoint.store``) skips damaged checkpoints, newest first, which is how ``--resume`` falls
-back to the newest intact one.
-
-``save_checkpoint`` and ``load_checkpoint`` are collective: every rank of the default
-process group calls them with its own shard templates (dist_checkpointing.save/load are
-collective over the world). The sharded parts are resharded on load — a checkpoint saved at
-one TP/PP/DP layout loads at any other — because dist_checkpointing stores global tensors.
+Design: docs/checkpointing.md, "The checkpoint format (checkpoint/core.py)".
 """
 
 from __future__ import annotations

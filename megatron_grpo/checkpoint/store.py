@@ -1,7 +1,7 @@
 """The checkpoint directory of a run: its names, which checkpoints are complete, which one to
 resume from, and their integrity (every file's size and CRC32 recorded in state.json).
 
-Written by ``checkpoint.core.save_checkpoint``; the layout is in its module docstring and in
+Written by ``checkpoint.core.save_checkpoint``; the layout is in
 docs/checkpointing.md.
 """
 

@@ -1,30 +1,6 @@
 """Prompt sources: datasets, synthetic tasks, templates, resumable seeded shuffling.
 
-``build_prompt_source(data_cfg, tokenizer) -> PromptSource``; ``source.next_batch(n)`` returns
-``n`` :class:`Prompt` s. Sources (``data.source``):
-
-- ``synthetic:<task>``: ``data.synthetic_size`` examples of a task from
-  :mod:`megatron_grpo.rewards.synthetic` (``data.split`` picks the example stream, so
-  ``train`` and ``test`` differ), difficulty ``data.synthetic_difficulty``.
-- a local ``.jsonl``/``.json`` file: read line by line with ``json`` (not ``datasets``' JSON
-  builder, which aborts the whole load on one broken line or a column whose type changes
-  between rows; here such rows are skipped and counted like any malformed row);
-- a local ``.parquet`` or ``.arrow`` file, or a directory written by
-  ``Dataset.save_to_disk``: through Hugging Face ``datasets``;
-- anything else is a hub dataset name, ``datasets.load_dataset(name, split=data.split)``
-  (online machines only).
-
-Rows need ``data.prompt_key`` (a non-empty string) and ``data.answer_key`` (a non-empty
-string, or a number, which becomes its ``str``). Malformed rows (bad JSON, missing key, wrong
-type, empty, or longer than ``data.max_prompt_tokens`` after the template) are skipped and
-counted by reason with the first row numbers (0-based) logged, or, with ``data.strict``,
-fail the load naming the row. The template is a Python format string with ``{prompt}``, or
-``chat`` for the tokenizer's chat template (one user message, generation prompt added).
-
-Order: epoch ``e`` visits the rows in ``random.Random(f"{shuffle_seed}|{e}")``'s shuffle of
-``range(N)``; the position is ``(epoch, index)``. ``state_dict()`` saves it with the row count
-and a fingerprint of the rows, and ``load_state_dict`` restores it, so a resumed run draws
-exactly the prompts the uninterrupted run would have drawn next.
+Design: docs/rewards-and-data.md, "Prompt sources (data/prompts.py)".
 """
 
 from __future__ import annotations
@@ -86,7 +62,7 @@ class LoadReport:
 
 
 class PromptSource:
-    """Seeded, resumable stream of :class:`Prompt` over validated rows (see module doc)."""
+    """Seeded, resumable stream of :class:`Prompt` over validated rows (docs/rewards-and-data.md, "Prompt sources")."""
 
     def __init__(self, prompts: list[Prompt], seed: int, report: LoadReport) -> None:
         if not prompts:
@@ -265,7 +241,7 @@ def make_renderer(template: str, tokenizer):
 
 # -------------------------------------------------------------------------------- builder
 def build_prompt_source(data_cfg, tokenizer=None) -> PromptSource:
-    """Load, validate, render and tokenize the prompts of ``data_cfg`` (see module doc).
+    """Load, validate, render and tokenize the prompts of ``data_cfg`` (docs/rewards-and-data.md, "Prompt sources").
 
     ``tokenizer``: a Hugging Face tokenizer; ``None`` (dry runs) leaves ``prompt_ids`` empty
     and skips the length check. Templates other than ``chat`` are tokenized with the

@@ -1,30 +1,6 @@
 """``megatron-grpo eval``: generate from a model through the trainer's own path and score it.
 
-The weights go exactly where a training run's go: into the Megatron policy (TP x PP), then
-through the resharding bridge (``bridge.weight_sync.colocated_sender``) into colocated vLLM
-engines, which generate. So an evaluation also checks the bridge: with ``--greedy`` the
-responses must equal those of vLLM loading the same HF weights itself
-(``tests/test_eval.py``).
-
-Model sources: ``evaluation/source.py`` (an HF directory, a training run or step, or a
-``convert hf-to-mcore`` output).
-
-Placement: colocated, as in training (``rollout.colocated.build_colocated``): every rank is a
-Megatron rank hosting one vLLM TP rank; ``world = lcm(tp*pp, rollout_tp)`` spawned ranks
-(Megatron DP fills the world), one process when that is 1, or the torchrun world when
-``WORLD_SIZE`` is set. Engine ``e`` samples its contiguous share of the prompts
-(``rollout.colocated``).
-
-Dump (``--dump F``, a public contract): per response ``prompt``, ``prompt_token_ids``,
-``response_token_ids``, ``logprobs`` (vLLM's processed log-probs of the sampled tokens: the
-distribution sampled from, ``softmax(logits / T)``; T=1 values with ``--greedy``) and
-``policy_logprobs`` (the Megatron policy's log-probs of the same tokens at the same T, the
-trainer's own scoring path: ``Policy.compute_logprobs`` on the ``trainer.batch.collate``
-batch), besides the scoring fields.
-
-pass@k (Chen et al. 2021, arXiv 2107.03374, eq. 1): with ``n`` samples of a prompt of which
-``c`` are correct, ``pass@k = 1 - C(n-c, k) / C(n, k)``, averaged over prompts. Correct
-means a task score >= 1 (an exact answer; the format reward is not counted).
+Design: docs/eval.md, "How eval runs (evaluation/evaluate.py)".
 """
 
 from __future__ import annotations

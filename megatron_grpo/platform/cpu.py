@@ -1,26 +1,6 @@
 """The CPU compatibility layer: run megatron-core (0.16.1 .. 0.19.2) on a machine without CUDA.
 
-megatron-core assumes a CUDA device in a handful of places that a CPU run reaches when it
-builds a ``GPTModel`` (local spec, ``use_cpu_initialization=True``), wraps it in megatron's
-``DistributedDataParallel``, builds ``get_megatron_optimizer`` and runs the pipeline
-schedule over gloo. ``apply_cpu_platform()`` redirects exactly those calls to the CPU. It
-is the only place in megatron-grpo that knows about them: no other module may touch
-``torch.cuda`` to make CPU runs work (tests/test_platform_cpu.py enforces it).
-
-Each patch is listed in ``PATCHES`` with the megatron-core file whose behaviour it answers,
-so a reader (and the tests) can see what is changed and why. docs/cpu-platform.md is the
-audit: for each patch, whether megatron-core 0.16.1 and 0.19.2 need it, the call site, and
-the test that shows it. The layer:
-
-- does nothing when CUDA is available (returns False);
-- checks the installed megatron-core against the tested range first (the patches read
-  its internals), and applies a patch marked ``since`` only from that release on;
-- is idempotent: a second call changes nothing.
-
-The semantics chosen on CPU: "the CUDA device" *is* the CPU. Its RNG is the CPU default
-generator (so megatron's ``CudaRNGStatesTracker`` forks and restores the CPU RNG, as it
-does the CUDA RNG on GPU), ``synchronize`` is a no-op (CPU ops are synchronous), and a
-tensor created "on cuda" is created on the CPU.
+Design: docs/cpu-platform.md, "What the compatibility layer patches (platform/cpu.py)".
 """
 
 from __future__ import annotations

@@ -1,37 +1,6 @@
 """Move a trainer's optimizer state, gradients and (optionally) weights off its device.
 
-Colocated on one GPU with vLLM (trainer/memory.py), the trainer holds its state only while
-it trains: between the train phase and the next one the GPU belongs to vLLM's weights and
-KV cache. What moves, per storage (deduplicated, so views are never copied twice):
-
-- optimizer state (Adam's exp_avg / exp_avg_sq) and the fp32 master weights of 16-bit
-  parameters: copied to host memory (pinned when CUDA is present, so the copies run at PCIe
-  speed), then the device storage is resized to 0 bytes; ``reload`` re-grows it and copies
-  back. Every tensor, view and optimizer reference keeps its identity, so the optimizer
-  resumes bit for bit (tests/test_offload.py compares optimizer steps with and without).
-- gradients (megatron DDP's ``grad_data`` buffers): freed without a copy, re-grown zeroed.
-  They are dead between steps: ``Policy.train_step`` zeroes them before every backward.
-- the model weights (``params=True``): copied like the optimizer state. Off by default:
-  the weight sync reads them, and pi_k's log-probs need them right after the rollout.
-
-Host buffers come from a pool (``_HostPool``) keyed by byte size and reused from one
-offload to the next. Pinned host memory is slow to allocate (page-locking: the first
-offload of a Qwen2.5-0.5B trainer on an H100 took 6.9 s against 0.11 s for the later ones,
-tests/gpu/test_gpu.py ``test_offload_reload``), so with CUDA the pool allocates ahead, in a
-background thread started at construction (the trainer builds its offloads when it builds
-the run, trainer/memory.py): first the buffers of what exists now (fp32 masters, weights),
-then those of the Adam moments and steps torch's Adam creates at the first optimizer step
-(one of each per parameter, in the parameter's dtype: torch/optim/adam.py
-``_init_group``). An offload takes each buffer as soon as the thread has made it and waits
-only for those (``OffloadReport.waited_s``); a size the thread will not make is allocated
-on the spot. Once every parameter has its optimizer state the prediction is settled and
-buffers no offload took are freed. On CPU nothing is pinned and nothing is allocated ahead.
-
-The same storage-resize mechanism megatron uses for its own buffers
-(megatron/core/distributed/param_and_grad_buffer.py ``offload_to_cpu``); megatron's
-``MegatronOptimizer.offload_to_cpu`` is not used because it rebinds ``p.data`` of the
-optimizer's params, which for fp32 models are the model's own weights (views into DDP's
-buffers), and does not pin.
+Design: docs/rollout.md, "What moves off the GPU, and how (policy/offload.py)".
 """
 
 from __future__ import annotations

@@ -1,32 +1,6 @@
 """The colocated memory dance: one GPU shared by the trainer and its vLLM rank, in turns.
 
-The field's recipe for sharing one GPU with vLLM's sleep mode (docs/rollout.md, "Sleep"):
-vLLM sleeps after generating, the trainer's state is off the GPU while vLLM generates,
-``empty_cache`` between the two, and vLLM's weights wake before the sync writes into them.
-In the loop's order (``GRPOTrainer.run``):
-
-    before_generate  trainer weights leave (rollout.trainer_offload=all), empty_cache,
-                     vLLM's weights and KV cache come back (wake_up(tags=[...]))
-    -- vLLM generates: one step's batch, or the sync window's with rollout.ahead --
-    after_generate   vLLM sleeps (rollout.sleep_level: 1 offloads its weights to CPU and
-                     drops the KV cache, 2 drops both), empty_cache, the trainer's weights,
-                     optimizer state and gradient buffers come back
-    -- reward, log-probs, the i SGD iterations (of each step of the window) --
-    before_sync      (when k % v == 0) optimizer state + gradient buffers leave
-                     (rollout.trainer_offload), empty_cache, vLLM's weights come back
-                     (wake_up(tags=["weights"])), so the sync writes into live weights
-    -- sync, reference reset, log, checkpoint (``trainer_resident`` brings the state back
-       for the save) --
-
-So vLLM wakes once per generate call (``trainer.build.batch_source``): with
-``rollout.ahead = v-1`` once per sync window.
-
-vLLM's sleep mode is CUDA-only (vllm/device_allocator/cumem.py): on CPU, and for
-disaggregated engines (their own GPUs), every vLLM call and every offload is skipped, and
-``active`` is False. Each phase boundary records the GPU memory (``gpu_memory``): allocated
-and reserved now, and the peak since the previous boundary; the loop logs them per step in
-metrics.jsonl (``gpu_memory``). What each phase holds is what ``megatron-grpo plan`` counts
-(dry_run/memory.py).
+Design: docs/rollout.md, "The phases (trainer/memory.py)".
 """
 
 from __future__ import annotations
