@@ -22,7 +22,7 @@ from functools import partial
 import pytest
 import torch
 
-from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
+from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig, RolloutConfig
 from tests.dist_utils import run_distributed
 from tests.test_gpu_config import _build, _shards, _steps
 from tests.test_moe import LOGP_TOL, tiny_moe_dirs  # noqa: F401 (the fixture)
@@ -136,10 +136,10 @@ def test_ep2_resume_is_bit_exact_and_tp2_matches_hf(tiny_moe_dirs, tmp_path):  #
     assert "without also enabling sequence parallelism" in two[0]["tp2"]["train_error"]
 
 
-def test_tp_above_1_with_experts_needs_sequence_parallel():
+def test_preflight_refuses_moe_tp_it_cannot_train_or_serve():
     """Preflight refuses what megatron's MoELayer would refuse at the first train step
-    (recorded by the 2-rank worker above); a dense model at TP=2, and TP=2 with sequence
-    parallelism (GPU), pass."""
+    (recorded by the 2-rank worker above), and a rollout TP that cannot split an expert;
+    a dense model at TP=2, and TP=2 with sequence parallelism (GPU), pass."""
     from megatron_grpo.config import Config, ConfigError
     from megatron_grpo.models.shapes import preset_spec
     from megatron_grpo.trainer.preflight import check_moe
@@ -152,3 +152,6 @@ def test_tp_above_1_with_experts_needs_sequence_parallel():
     )
     check_moe(moe_spec(), Config(parallel=ParallelConfig(tp=2, sequence_parallel=True)))
     check_moe(preset_spec("tiny"), Config(parallel=ParallelConfig(tp=2)))
+    with pytest.raises(ConfigError, match=r"rollout.tp\(4\) does not divide the model's "
+                       r"moe_intermediate_size\(6\)"):  # fmt: skip
+        check_moe(moe_spec(moe_ffn=6), Config(rollout=RolloutConfig(tp=4)))

@@ -64,3 +64,11 @@ def check_moe(spec: ModelSpec, cfg: Config) -> None:
             "Transformer Engine): set parallel.sequence_parallel=true, or parallel.tp=1 and "
             "split the experts with parallel.ep."
         )
+    widths = {"moe_intermediate_size": spec.moe_ffn_hidden_size,
+              "shared_expert_intermediate_size": spec.shared_expert_ffn_hidden_size}  # fmt: skip
+    for key, width in widths.items():
+        if spec.is_moe and width % cfg.rollout.tp:  # vLLM splits every expert over its TP
+            raise ConfigError(
+                f"rollout.tp({cfg.rollout.tp}) does not divide the model's {key}({width}): "
+                "every vLLM rank holds 1/tp of each expert; pick a rollout.tp that divides it."
+            )
