@@ -152,6 +152,56 @@ def test_moe_plan_sends_each_expert_from_its_ep_rank(tp, pp, ep, dp, vtp, placem
             assert dp_rank % ep == int(c.dst_name.rsplit(".", 1)[1]) // per_ep, c
 
 
+def test_vllm_expert_parallel_placement_is_vllms_expert_map():
+    """``vllm_local_experts`` against vLLM's own ``determine_expert_map`` (linear placement),
+    uneven splits included."""
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    for experts, ep in itertools.product((4, 6, 7, 128), (1, 2, 3, 4, 8)):
+        if ep > experts:
+            continue
+        for r in range(ep):
+            n, expert_map, _ = determine_expert_map(ep, r, experts)
+            local = vl.vllm_local_experts(experts, ep, r)
+            want = range(experts) if expert_map is None else [
+                e for e in range(experts) if expert_map[e] >= 0
+            ]  # fmt: skip
+            assert list(local) == list(want) and len(local) == n, (experts, ep, r)
+            if expert_map is not None:  # local row j is global expert local[j]
+                assert [int(expert_map[e]) for e in local] == list(range(n))
+
+
+@pytest.mark.parametrize("experts,ep,vtp", [(4, 2, 2), (4, 1, 2), (6, 2, 4), (4, 2, 4)])
+def test_moe_plan_into_vllm_expert_parallel(experts, ep, vtp):
+    """vLLM with ``enable_expert_parallel``: each vLLM rank gets only its own experts, whole,
+    in vLLM's local rows, from the trainer EP rank that owns each; bytes == minimal bytes."""
+    spec = moe_spec(experts=experts, moe_ffn=8)
+    trainer = mg.MegatronLayout(dp=2 * ep, ep=ep)
+    engines = [list(range(e * vtp, (e + 1) * vtp)) for e in range(2 * ep // vtp or 1)]
+    plan = build_plan(spec, trainer, vtp, engines, element_size=4, rollout_ep=True)
+    got = execute(plan, moe_trainer_state(spec, trainer))
+    w = arange_hf(spec)
+    read = reader_from_dict(w)
+    expert_bytes = 0
+    for ranks in engines:
+        for r, rank in enumerate(ranks):
+            mine = {n: t for (k, n), t in got.items() if k == rank}
+            ref = vllm_reference(spec, w, 1, 0)  # whole experts (their TP is 1)
+            local = vl.vllm_local_experts(experts, vtp, r)
+            fused_got = fused({n: t for n, t in mine.items() if vl.expert_slot(n)})
+            for name, t in fused_got.items():
+                assert torch.equal(t, ref[name][list(local)]), (rank, name)
+                expert_bytes += t.numel() * 4
+            assert len(fused_got) == 2 * spec.num_layers, rank
+            for lay in vl.rank_shards(spec, vtp, r):  # everything else as without vLLM EP
+                if vl.expert_slot(lay.name) is None:
+                    assert torch.equal(mine[lay.name], assemble(lay, read, F64)), lay.name
+    # every engine receives every expert exactly once, over its ranks
+    per_layer = 3 * spec.moe_ffn_hidden_size * spec.hidden_size * 4 * experts
+    assert expert_bytes == len(engines) * spec.num_layers * per_layer
+    assert plan.minimal_bytes == plan_report(plan).bytes_per_sync
+
+
 # --- end to end: real policies, real vLLM engines -----------------------------------------
 
 E2E_LAYOUTS = [(1, 1, 2), (1, 1, 1), (2, 1, 1), (1, 2, 1)]  # trainer (tp, pp, ep), world 2

@@ -130,3 +130,29 @@ def test_seven_b_prediction_uses_the_paper_calibration_and_gains_only_for_v_abov
     r, t, s = p["rollout_s"], p["train_s"], p["sync_s"]
     assert v4["ahead_step_s"] == pytest.approx((r + 4 * t + s) / 4)
     assert v4["serial_step_s"] == pytest.approx(r + t + s / 4)
+
+
+def test_qwen3_30b_a3b_sync_bytes_are_its_hand_counted_parameters():
+    """``bench project --moe`` (bench/projection_moe.py): the parameter count of Qwen3-30B-A3B
+    counted by hand, and the bytes of one sync into a vLLM TP=8 engine with vLLM's own expert
+    parallelism: every parameter once, plus what vLLM holds on every rank (router, norms, and
+    at TP=8 > 4 KV heads each KV head twice); all of it in-process, since vLLM EP rank r
+    holds the experts trainer EP rank r holds."""
+    from megatron_grpo.bench.projection_moe import MoESyncAssumptions, moe_sync_projection
+    from megatron_grpo.bench.projection_table import format_moe_sync
+
+    h, layers, experts, width, heads, kv_heads, hd, vocab = 2048, 48, 128, 768, 32, 4, 128, 151936
+    attention = 2 * h * heads * hd + 2 * h * kv_heads * hd + 2 * hd  # q, o; k, v; q/k norm
+    moe = experts * 3 * width * h + experts * h  # gate, up, down of each expert; the router
+    params = 2 * vocab * h + layers * (attention + moe + 2 * h) + h  # untied; norms
+    assert params == 30_532_122_624
+
+    p = moe_sync_projection(MoESyncAssumptions(rollouts=((8, True),)))
+    assert p["parameters"] == params and p["model_bytes"] == 2 * params
+    [row] = p["rows"]
+    replicated = layers * (experts * h + 2 * h + 2 * hd) + h  # on each of the 8 vLLM ranks
+    kv_twice = layers * 2 * (8 - kv_heads) * hd * h  # each rank one KV head of 4
+    assert row["bytes_per_sync"] == 2 * (params + 7 * replicated + kv_twice)
+    assert row["in_process"] == row["bytes_per_sync"] and row["cross_process"] == 0
+    table = format_moe_sync(p)
+    assert "TP=8 EP" in table and "0.5-1.5 s" in table

@@ -1,11 +1,14 @@
-"""``bench project``'s text report (the model: ``bench/projection.py``)."""
+"""``bench project``'s text reports (the models: ``projection.py``, ``projection_moe.py``)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from megatron_grpo.bench.projection import GB, GiB
+from megatron_grpo.bench.projection_moe import moe_sync_projection
 
 
 def format_projection(p: Mapping[str, Any]) -> str:
@@ -74,3 +77,39 @@ def format_projection(p: Mapping[str, Any]) -> str:
         f"{g['S_needed_for_1.35x_at_v10']:.2f} s.",
     ]
     return "\n".join(out)
+
+
+def format_moe_sync(p: Mapping[str, Any]) -> str:
+    """The projection as the table docs/benchmarks.md shows."""
+    a = p["assumptions"]
+    lo, hi = a["nemo_rl_sync_s"]
+    out = [
+        f"{a['model']} sync, {a['gpus']}xH100, trainer TP={a['trainer_tp']} EP={a['trainer_ep']}"
+        f" DP={a['gpus'] // a['trainer_tp']}, colocated engines; {p['parameters']:,} parameters"
+        f" = {p['model_bytes'] / GB:.2f} GB in bf16 per engine; wire time = busiest rank's "
+        f"cross-process bytes at {a['nvlink_GBps']:g} GB/s + its in-process bytes at "
+        f"{a['hbm_copy_GBps']:g} GB/s",
+        "",
+        f"{'vLLM':<12}{'engines':>8}{'GiB/sync':>10}{'in-proc':>9}{'cross':>9}"
+        f"{'busiest link':>13}{'busiest rank':>13}{'wire (s)':>10}",
+    ]
+    for r in p["rows"]:
+        name = f"TP={r['rollout_tp']}" + (" EP" if r["rollout_ep"] else "")
+        out.append(
+            f"{name:<12}{r['engines']:>8}{r['bytes_per_sync'] / GiB:>10.2f}"
+            f"{r['in_process'] / GiB:>9.2f}{r['cross_process'] / GiB:>9.2f}"
+            f"{r['busiest_link'] / GiB:>13.2f}{r['busiest_rank_cross'] / GiB:>13.2f}"
+            f"{r['wire_s']:>10.3f}"
+        )
+    out.append(f"NeMo-RL's published refit of {a['model']}: {lo:g}-{hi:g} s (whole refit, "
+               "not the wire alone)")  # fmt: skip
+    return "\n".join(out)
+
+
+def print_moe_sync(json_out: str | None = None) -> int:
+    """``bench project --moe``: print the table, write the projection to ``json_out``."""
+    p = moe_sync_projection()
+    print(format_moe_sync(p))
+    if json_out:
+        Path(json_out).write_text(json.dumps(p, indent=2))
+    return 0

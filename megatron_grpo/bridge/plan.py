@@ -201,6 +201,7 @@ def build_plan(
     engine_ranks: Sequence[Sequence[int]],
     element_size: int = 4,
     rank_of: RankOf | Mapping[tuple[int, int, int], int] | None = None,
+    rollout_ep: bool = False,
 ) -> SyncPlan:
     """The copies that build every vLLM shard on every engine rank from trainer shards.
 
@@ -208,10 +209,12 @@ def build_plan(
     vocabulary). ``engine_ranks[e][r]`` is the global rank hosting TP rank r of engine e
     (equal to a trainer rank when colocated). ``element_size`` is the wire dtype's bytes per
     element. ``rank_of``: (dp_rank, pp_rank, tp_rank) -> global rank of the trainer's
-    shards, a function or a table; None = megatron-core's default order.
+    shards, a function or a table; None = megatron-core's default order. ``rollout_ep``: the
+    engines run vLLM's expert parallelism (each rank holds whole experts, only its own:
+    ``layouts.vllm.rank_shards``); no engine option turns it on yet (docs/moe.md).
     Vocabulary padding rows get no copy (they stay zero on the receiver).
     """
-    vl.validate(spec, rollout_tp)
+    vl.validate(spec, rollout_tp, rollout_ep)
     for e, ranks in enumerate(engine_ranks):
         if len(ranks) != rollout_tp:
             raise ValueError(
@@ -222,7 +225,7 @@ def build_plan(
     plan = SyncPlan(element_size=element_size)
     for ranks in engine_ranks:
         for tp_rank, dst_rank in enumerate(ranks):
-            for dst in vl.rank_shards(spec, rollout_tp, tp_rank):
+            for dst in vl.rank_shards(spec, rollout_tp, tp_rank, rollout_ep):
                 plan.dst_tensors.append(DstTensor(dst_rank, dst.name, dst.shape))
                 plan.copies.extend(_copies_for(dst, dst_rank, sources, load, element_size))
     return plan

@@ -4,7 +4,7 @@ megatron-grpo bench sync --model HF_DIR|PRESET --train-tp A --train-pp B --rollo
     [--bucket-mb X[,Y,...]] [--repeats N] [--sink vllm|vllm-fresh|null] --json OUT.json
 megatron-grpo bench throughput [--config FILE] --v 1,2,5,10 [--ahead 0,3] --steps N [--warmup W]
     [--nproc P] [--out-dir DIR] --json OUT.json [key=value ...]
-megatron-grpo bench project [--json OUT.json] [--plot OUT.png]
+megatron-grpo bench project [--moe] [--json OUT.json] [--plot OUT.png]
 megatron-grpo bench train [--preset P] [--rows R] [--max-len N] [--micro-batch-size M]
     [--steps S] [--device auto|cuda|cpu] --json OUT.json
 megatron-grpo bench ops [--preset P] [--rows R] [--packs K] [--dtype bfloat16|float32] --json OUT.json
@@ -222,6 +222,7 @@ def _add_project(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--mean-interval", type=float, default=None,
                    help="also project an adaptive run's observed mean sync interval "
                         "(summary.json mean_sync_interval)")  # fmt: skip
+    p.add_argument("--moe", action="store_true", help="instead: a Qwen3-30B-A3B sync, 8xH100")
     p.add_argument("--throughput-json", help="also check the model on a bench throughput JSON")
     p.add_argument("--json", dest="json_out", help="write the projection here")
     p.add_argument("--plot", help="write the ratio-vs-v plot here (PNG)")
@@ -330,8 +331,10 @@ def run_project(args: argparse.Namespace) -> int:
     bridge's and the baseline's bytes per sync from the static plan, and predicts the
     v=1..20 throughput ratio for each sync-cost scenario. GPU-free, seconds."""
     from megatron_grpo.bench.projection import Assumptions, calibrate_from_throughput, project
-    from megatron_grpo.bench.projection_table import format_projection
+    from megatron_grpo.bench.projection_table import format_projection, print_moe_sync
 
+    if args.moe:  # instead: one MoE sync from the static plan (bench/projection_moe.py)
+        return print_moe_sync(args.json_out)
     try:
         p = project(Assumptions(trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp),
                     vs=args.vs, mean_interval=args.mean_interval)  # fmt: skip

@@ -24,12 +24,18 @@ Verified against vLLM 0.32 (paths under vllm/model_executor/):
   ``mlp.gate.weight`` (E, h) is replicated (``GateLinear``); every layer's experts are two
   fused parameters ``mlp.experts.routed_experts.w13_weight`` (E, 2*I/T, h: per expert its
   gate rows ``[r*I/T, ...)`` then its up rows) and ``...w2_weight`` (E, h, I/T: columns of
-  ``down_proj``). Without vLLM's expert parallelism (the only mode the bridge serves) each TP
-  rank holds every expert, local slot e = expert e. The piece algebra cuts along one
+  ``down_proj``). Without vLLM's expert parallelism each TP rank holds every
+  expert, local slot e = expert e. With it (``enable_expert_parallel``; layers/fused_moe/
+  config.py ``FusedMoEParallelConfig.make``: ep_size = tp_size, ep_rank = tp_rank for one
+  engine, and the experts' own TP is 1) rank r holds whole experts, the contiguous run
+  ``determine_expert_map`` (layers/fused_moe/expert_map_manager.py, ``linear`` placement)
+  gives it (``vllm_local_experts``): w13 (E_r, 2I, h), w2 (E_r, h, I), local row j = global
+  expert ``vllm_local_experts(...)[j]``. The piece algebra cuts along one
   dimension, so the bridge addresses one expert's slice of a fused parameter as its own
   tensor, the *expert slot* ``<fused name>.<e>`` (``expert_slot``): w13 slot (2I/T, h) along
   dim 0, w2 slot (h, I/T) along dim 1, exactly the dense ``gate_up_proj`` / ``down_proj``;
-  the receiver writes slot e into row e of the fused parameter.
+  the receiver writes slot e into row e of the fused parameter (under vLLM EP, slot j is
+  local row j).
 - Qwen2-MoE (models/qwen2_moe.py): as Qwen3-MoE, plus the shared expert, a dense MLP
   ``mlp.shared_expert.gate_up_proj`` / ``down_proj`` split like ``gate_up_proj`` /
   ``down_proj``, and its gate ``mlp.shared_expert_gate.weight`` (1, h), replicated.
@@ -37,6 +43,7 @@ Verified against vLLM 0.32 (paths under vllm/model_executor/):
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from megatron_grpo.layouts import hf
@@ -47,8 +54,9 @@ from megatron_grpo.models.spec import ModelSpec, vllm_padded_vocab
 LM_HEAD = "lm_head.weight"
 
 
-def validate(spec: ModelSpec, tp: int) -> None:
-    """Raise ValueError when vLLM cannot split ``spec`` over ``tp`` ranks."""
+def validate(spec: ModelSpec, tp: int, expert_parallel: bool = False) -> None:
+    """Raise ValueError when vLLM cannot split ``spec`` over ``tp`` ranks (with
+    ``expert_parallel`` the experts are whole on each rank, so their width need not split)."""
     np_, ng = spec.num_heads, spec.num_kv_heads
     if tp < 1 or np_ % tp:
         raise ValueError(
@@ -66,7 +74,12 @@ def validate(spec: ModelSpec, tp: int) -> None:
             f"vLLM pads vocab {spec.vocab_size} to {vllm_padded_vocab(spec.vocab_size, tp)}, "
             f"not divisible by rollout tp={tp}."
         )
-    if spec.is_moe and spec.moe_ffn_hidden_size % tp:
+    if expert_parallel and spec.is_moe and spec.num_experts < tp:
+        raise ValueError(
+            f"num_experts={spec.num_experts} < rollout tp={tp}: with vLLM's expert parallelism "
+            "some rank would hold no expert."
+        )
+    if spec.is_moe and not expert_parallel and spec.moe_ffn_hidden_size % tp:
         raise ValueError(
             f"moe_intermediate_size={spec.moe_ffn_hidden_size} not divisible by rollout tp={tp}"
         )
@@ -233,6 +246,29 @@ def _moe_shard(
     return ShardLayout(name, (h, cols), 1, (Piece(hf_mlp + "down_proj.weight", r * cols, cols),))
 
 
-def rank_shards(spec: ModelSpec, tp: int, tp_rank: int) -> list[ShardLayout]:
-    """Every parameter shard of one vLLM TP rank."""
-    return [shard(spec, tp, tp_rank, n) for n in param_names(spec)]
+def vllm_local_experts(num_experts: int, ep_size: int, ep_rank: int) -> range:
+    """The global experts vLLM's EP rank ``ep_rank`` of ``ep_size`` holds, in local-row
+    order: vLLM's ``linear`` placement (``determine_expert_map``): E // ep each, the first
+    E % ep ranks one more, contiguous."""
+    base, extra = divmod(num_experts, ep_size)
+    start = ep_rank * base + min(ep_rank, extra)
+    return range(start, start + base + (ep_rank < extra))
+
+
+def rank_shards(
+    spec: ModelSpec, tp: int, tp_rank: int, expert_parallel: bool = False
+) -> list[ShardLayout]:
+    """Every parameter shard of one vLLM TP rank; with ``expert_parallel`` (vLLM's
+    ``enable_expert_parallel``) its experts are whole, only its own, slot j = local row j."""
+    if not expert_parallel or not spec.is_moe:
+        return [shard(spec, tp, tp_rank, n) for n in param_names(spec)]
+    local = vllm_local_experts(spec.num_experts, tp, tp_rank)
+    out = []
+    for name in param_names(spec):
+        slot = expert_slot(name)
+        if slot is None:
+            out.append(shard(spec, tp, tp_rank, name))
+        elif slot[1] < len(local):  # local row j holds global expert local[j], whole
+            whole = shard(spec, 1, 0, f"{slot[0]}.{local[slot[1]]}")
+            out.append(dataclasses.replace(whole, name=name))
+    return out

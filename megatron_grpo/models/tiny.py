@@ -43,10 +43,10 @@ def shape_config(shape: tuple, architecture: str = "Qwen2ForCausalLM", **more) -
 
 
 # Named shapes (hidden, layers, heads, KV heads, head_dim, ffn, tied embeddings), all
-# Qwen2ForCausalLM but ``tiny-moe``. ``tiny`` is the demo/test model (its vocabulary is the
+# Qwen2ForCausalLM but the MoE ones. ``tiny`` is the demo/test model (its vocabulary is the
 # character tokenizer's); ``tiny-moe`` is its Qwen3-MoE sibling (4 experts of width 64, top-2,
-# renormalised: docs/moe.md); the others are real Qwen2.5 shapes (random weights) for
-# benchmarks, with their HF vocabulary sizes and RoPE base.
+# renormalised: docs/moe.md); the others are real Qwen2.5 / Qwen3-MoE shapes (random
+# weights) for benchmarks, with their HF vocabulary sizes and RoPE base.
 PRESETS: dict[str, dict] = {
     "tiny": shape_config((128, 2, 4, 2, 32, 256, True)),
     "tiny-moe": shape_config(
@@ -66,6 +66,18 @@ PRESETS: dict[str, dict] = {
     "Qwen2.5-7B": shape_config(
         (3584, 28, 28, 4, 128, 18944, False), vocab_size=152064, rope_theta=1e6
     ),
+    # Qwen/Qwen3-30B-A3B's config.json: every layer MoE, 128 experts of width 768, top-8
+    # renormalised, QK-norm; the dense intermediate_size (6144) is unused
+    "Qwen3-30B-A3B": shape_config(
+        (2048, 48, 32, 4, 128, 6144, False),
+        "Qwen3MoeForCausalLM",
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        vocab_size=151936,
+        rope_theta=1e6,
+    ),  # fmt: skip
 }
 
 

@@ -52,5 +52,23 @@ def check_run(cfg: Config, world_size: int) -> int:
 
 
 def check_moe(spec: ModelSpec, cfg: Config) -> None:
-    """The expert split (``parallel.ep``) of an MoE model (docs/moe.md)."""
-    check_experts(spec, cfg.parallel.ep, cfg.parallel.tp)
+    """The expert split (``parallel.ep``) of an MoE model, and its TP (docs/moe.md)."""
+    par = cfg.parallel
+    check_experts(spec, par.ep, par.tp)
+    if spec.is_moe and par.tp > 1 and not par.sequence_parallel:
+        # megatron's MoELayer.forward raises in training with TP > 1 and no sequence
+        # parallelism (transformer/moe/moe_layer.py); scoring alone would run
+        raise ConfigError(
+            f"parallel.tp({par.tp}) > 1 with an MoE model needs parallel.sequence_parallel="
+            "true (megatron's MoE layer refuses to train under TP without it; GPU with "
+            "Transformer Engine): set parallel.sequence_parallel=true, or parallel.tp=1 and "
+            "split the experts with parallel.ep."
+        )
+    widths = {"moe_intermediate_size": spec.moe_ffn_hidden_size,
+              "shared_expert_intermediate_size": spec.shared_expert_ffn_hidden_size}  # fmt: skip
+    for key, width in widths.items():
+        if spec.is_moe and width % cfg.rollout.tp:  # vLLM splits every expert over its TP
+            raise ConfigError(
+                f"rollout.tp({cfg.rollout.tp}) does not divide the model's {key}({width}): "
+                "every vLLM rank holds 1/tp of each expert; pick a rollout.tp that divides it."
+            )
