@@ -1,7 +1,8 @@
 """The GPU configuration, run on CPU: every ``auto`` forced to the value it takes on a GPU.
 
-On a GPU ``model.dtype=auto`` is bfloat16 (fp32 main params in megatron's optimizer) and
-``optim.distributed_optimizer=auto`` is on; the CPU suite used to run only the CPU values, so
+On a GPU ``model.dtype=auto`` is bfloat16 (fp32 main params in megatron's optimizer),
+``optim.distributed_optimizer=auto`` is on and ``optim.fused_adam=auto`` steps them with
+torch's fused AdamW; the CPU suite used to run only the CPU values, so
 the configuration every user runs was never executed before a user ran it. The CPU platform
 layer (platform/cpu.py) lets both megatron optimizers build on CPU, so this tier runs them:
 
@@ -63,7 +64,7 @@ def _build(hf_dir, ctx, dtype: str, dist_opt: str, recompute: str = "none"):
 
     spec = load_spec(hf_dir)
     init = partial(load_hf_into_megatron, hf_dir=hf_dir, spec=spec, ctx=ctx)
-    optim = OptimConfig(lr=1e-3, clip_grad=1.0, distributed_optimizer=dist_opt)
+    optim = OptimConfig(lr=1e-3, clip_grad=1.0, distributed_optimizer=dist_opt, fused_adam="on")
     model = ModelConfig(dtype=dtype, recompute=recompute)
     return build_policy(spec, ctx, model, optim, init_weights=init)
 
@@ -86,6 +87,7 @@ def _resume_worker(rank, world, hf_dir, run_dir, tp, dtype, dist_opt):
     from megatron_grpo.distributed import destroy_distributed, init_distributed
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.policy.offload import TrainerOffload
+    from megatron_grpo.policy.optimizer import torch_adams
 
     ctx = init_distributed(ParallelConfig(tp=tp), load_spec(hf_dir), seed=11)
     try:
@@ -107,6 +109,9 @@ def _resume_worker(rank, world, hf_dir, run_dir, tp, dtype, dist_opt):
         b = _build(hf_dir, ctx, dtype, dist_opt)
         ck = load_checkpoint(run_dir, {"model": b.sharded_state_dict(for_loading=True)})
         b.load_sharded_state_dict(ck.state_dicts["model"])
+        out["fused_after_load"] = sorted(
+            {g["fused"] for o in torch_adams(b.optimizer) for g in o.param_groups}
+        )
         losses_b = _steps(b, ctx, 2, 4)
         out["resume_losses_equal"] = losses_a == losses_b
         out["resume_weights_equal"] = all(torch.equal(after_a[n], p) for n, p in b.named_shards())
@@ -157,6 +162,7 @@ def test_gpu_configuration_trains_checkpoints_resumes_bit_for_bit(
         )  # fmt: skip
         assert r["optimizer"] == want, r
         assert r["resume_losses_equal"] and r["resume_weights_equal"], r
+        assert r["fused_after_load"] == [True], r  # torch's fused AdamW, also after the load
         assert r["offload_weights_equal"], r
 
 
