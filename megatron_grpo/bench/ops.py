@@ -46,6 +46,9 @@ class BenchOpsArgs:
     min_len: int = 8
     max_len: int = 48
     dtype: str = "bfloat16"
+    fused_adam: str = "on"
+    """``optim.fused_adam`` of the policy counted: ``on`` is what ``auto`` gives on a GPU
+    (torch's fused AdamW), on a CPU too, like the bf16 default."""
     device: str = "auto"
     seed: int = 0
     top: int = 12
@@ -64,6 +67,8 @@ class BenchOpsArgs:
             raise ValueError(f"--min-len={self.min_len} > --max-len={self.max_len}.")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"--dtype={self.dtype!r}: choose bfloat16 or float32.")
+        if self.fused_adam not in ("auto", "on", "off"):
+            raise ValueError(f"--fused-adam={self.fused_adam!r}: choose auto, on or off.")
         preset_spec(self.preset)  # ConfigError naming the presets
         resolve_device(self.device)
 
@@ -122,7 +127,8 @@ class _Run:
 
     def __init__(self, spec: ModelSpec, ctx, args: BenchOpsArgs, batch: dict, budget: int):
         model_cfg = ModelConfig(dtype=args.dtype)
-        self.policy = build_policy(spec, ctx, model_cfg, OptimConfig(lr=1e-6), temperature=1.0)
+        optim_cfg = OptimConfig(lr=1e-6, fused_adam=args.fused_adam)
+        self.policy = build_policy(spec, ctx, model_cfg, optim_cfg, temperature=1.0)
         self.batch, self.budget = batch, budget
         self.loss_fn = grpo_loss_fn()
         logp = self.logprobs()["logp"]
@@ -172,6 +178,7 @@ def run_bench_ops(args: BenchOpsArgs, ctx=None) -> dict:
         "preset": args.preset,
         "device": device.type,
         "dtype": args.dtype,
+        "fused_adam": args.fused_adam,
         "versions": package_versions("megatron-core"),
         "batch": {
             "rows": args.rows,
@@ -188,8 +195,8 @@ def format_table(res: dict) -> str:
     """The console table of ``run_bench_ops``'s result."""
     b = res["batch"]
     lines = [
-        f"bench ops: preset {res['preset']} ({b['layers']} layers), {res['dtype']} on "
-        f"{res['device']}, megatron-core {res['versions']['megatron-core']}, torch "
+        f"bench ops: preset {res['preset']} ({b['layers']} layers), {res['dtype']}, fused AdamW "
+        f"{res['fused_adam']}, on {res['device']}, megatron-core {res['versions']['megatron-core']}, torch "
         f"{res['versions']['torch']}",
         f"batch: {b['rows']} rows, {b['tokens']} tokens in {b['micro_batches']} packs "
         f"(budget {b['token_budget']})",

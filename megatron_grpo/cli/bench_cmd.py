@@ -7,7 +7,8 @@ megatron-grpo bench throughput [--config FILE] --v 1,2,5,10 [--ahead 0,3] --step
 megatron-grpo bench project [--moe] [--json OUT.json] [--plot OUT.png]
 megatron-grpo bench train [--preset P] [--rows R] [--max-len N] [--micro-batch-size M]
     [--steps S] [--device auto|cuda|cpu] --json OUT.json
-megatron-grpo bench ops [--preset P] [--rows R] [--packs K] [--dtype bfloat16|float32] --json OUT.json
+megatron-grpo bench ops [--preset P] [--rows R] [--packs K] [--dtype bfloat16|float32]
+    [--fused-adam auto|on|off] --json OUT.json
 megatron-grpo bench reproduce [--claims 1,2,3,4] [--seeds N] [--steps S] [--out-dir DIR]
     [key=value ...]
 """
@@ -94,6 +95,8 @@ def _add_ops(bsub: argparse._SubParsersAction) -> None:
     o.add_argument("--max-len", type=int, default=48, help="longest response")
     o.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="weights (bf16: fp32 main weights in the optimizer, as on a GPU)")  # fmt: skip
+    o.add_argument("--fused-adam", choices=("auto", "on", "off"), default="on",
+                   help="optim.fused_adam (on: torch's fused AdamW, as auto gives on a GPU)")  # fmt: skip
     o.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     o.add_argument("--seed", type=int, default=0, help="seed of the batch and the weights")
     o.add_argument("--top", type=int, default=12, help="rows of the top ops / sites tables")

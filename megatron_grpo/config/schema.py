@@ -400,6 +400,12 @@ class OptimConfig:
     """Global gradient-norm clip; 0 disables."""
     distributed_optimizer: Literal["auto", "on", "off"] = "auto"
     """Megatron's distributed (ZeRO-1) optimizer. ``auto``: on with CUDA, off on CPU."""
+    fused_adam: Literal["auto", "on", "off"] = "auto"
+    """torch's fused AdamW (``fused=True``: one kernel over all the optimizer's fp32 main
+    params) in megatron's optimizer, plain or distributed, where megatron runs torch's AdamW
+    (no Transformer-Engine or Apex; theirs is fused already). ``auto``: on with CUDA, off on
+    CPU; ``off``: torch's default (foreach on CUDA, a per-parameter loop on CPU). Fused and
+    unfused steps differ in rounding only (docs/architecture-policy.md, "The optimizer")."""
     max_nan_steps_in_row: int = 3
     """Skip a step whose loss or grad norm is not finite; abort after this many in a row."""
 
@@ -410,12 +416,11 @@ class OptimConfig:
             raise ConfigError(f"optim.min_lr={self.min_lr} exceeds optim.lr={self.lr}.")
         _check_choice("optim.lr_schedule", self.lr_schedule, ("constant", "cosine"))
         _non_negative("optim", self, "warmup_steps", "clip_grad")
-        if isinstance(self.distributed_optimizer, bool):
-            # YAML 1.1 reads a bare on/off (optim.distributed_optimizer=on) as a boolean.
-            self.distributed_optimizer = "on" if self.distributed_optimizer else "off"
-        _check_choice(
-            "optim.distributed_optimizer", self.distributed_optimizer, ("auto", "on", "off")
-        )
+        for key in ("distributed_optimizer", "fused_adam"):
+            if isinstance(getattr(self, key), bool):
+                # YAML 1.1 reads a bare on/off (optim.fused_adam=on) as a boolean.
+                setattr(self, key, "on" if getattr(self, key) else "off")
+            _check_choice(f"optim.{key}", getattr(self, key), ("auto", "on", "off"))
         _positive("optim", self, "max_nan_steps_in_row")
 
 

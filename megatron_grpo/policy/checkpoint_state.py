@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron_grpo.policy.optimizer import set_fused_adam
+
 if TYPE_CHECKING:
     from megatron_grpo.policy.optimizer import TrainingParts
 
@@ -85,7 +87,8 @@ def init_distributed_optimizer_state(optimizer) -> None:
             for p in group["params"]:
                 st = inner.state[p]
                 if not st:
-                    st["step"] = torch.tensor(0.0)
+                    # Where torch's Adam keeps it: on the device when fused (adam.py _init_group)
+                    st["step"] = torch.tensor(0.0, device=p.device if group.get("fused") else "cpu")
                     st["exp_avg"] = torch.zeros_like(p)
                     st["exp_avg_sq"] = torch.zeros_like(p)
 
@@ -146,5 +149,8 @@ def load_sharded_state(models: list, parts: TrainingParts | None, state: dict[st
     else:
         # Weights only: the fp32 main params must follow the loaded model params.
         parts.optimizer.reload_model_params()
+    # The run's optim.fused_adam, not the one the checkpoint was saved with (torch's
+    # load_state_dict restores the saved param groups' flags).
+    set_fused_adam(parts.optimizer, parts.fused_adam)
     if "lr_schedule" in state:
         parts.scheduler.load_state_dict(state["lr_schedule"])

@@ -1,5 +1,6 @@
 """Training setup of a policy's model chunks: megatron's DDP wrappers, its optimizer (plain
-or distributed), the LR schedule that drives it, and gradient clipping.
+or distributed, torch's AdamW fused or not), the LR schedule that drives it, and gradient
+clipping (docs/architecture-policy.md, "The optimizer").
 
 The gradient contract these serve (no rescaling by megatron) is in the docstring of
 ``megatron_grpo/policy/policy.py``.
@@ -33,6 +34,51 @@ def use_distributed_optimizer(optim_cfg: OptimConfig, device: torch.device) -> b
     return optim_cfg.distributed_optimizer == "on"
 
 
+def use_fused_adam(optim_cfg: OptimConfig, device: torch.device) -> bool:
+    """``optim.fused_adam``: ``auto`` is on with CUDA and off on CPU (the CPU suite's golden
+    numbers are torch's per-parameter loop's); ``on`` runs torch's fused kernel on either."""
+    if optim_cfg.fused_adam == "auto":
+        return device.type == "cuda"
+    return optim_cfg.fused_adam == "on"
+
+
+def torch_adams(optimizer) -> list[torch.optim.Adam]:
+    """The torch Adam/AdamW inside megatron's (chained) optimizer; none where megatron runs
+    Transformer-Engine's or Apex's FusedAdam (not torch.optim.Adam subclasses)."""
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    inners = [getattr(sub, "optimizer", None) for sub in subs]
+    return [o for o in inners if isinstance(o, torch.optim.Adam)]
+
+
+def set_fused_adam(optimizer, fused: bool) -> bool:
+    """Make the torch AdamW that megatron's ``optimizer`` steps its fp32 main params with run
+    fused (``fused=True``) or as megatron built it (``fused=None``: torch's default, foreach
+    on CUDA, a loop on CPU; ``False`` would also turn foreach off). True when torch's fused
+    kernel is now in use.
+
+    megatron-core 0.19.2 builds ``torch.optim.AdamW(params, lr, weight_decay, betas, eps,
+    capturable)`` with no fused argument and no hook to pass one (optimizer/__init__.py
+    ``_get_megatron_optimizer_based_on_param_groups``). torch reads ``fused`` from each param
+    group at every step (torch/optim/adam.py ``Adam.step``), so setting the group flag is
+    what ``fused=True`` at construction does, less ``_step_supports_amp_scaling``, which only
+    torch's GradScaler reads (megatron scales the loss itself). Also called after a
+    checkpoint load: torch's ``load_state_dict`` takes the saved groups' flags. The ``step``
+    counters follow torch's placement (adam.py ``_init_group``): on the parameter's device
+    when fused, on the host otherwise; their values are kept."""
+    flag = True if fused else None
+    adams = torch_adams(optimizer)
+    for inner in adams:
+        inner.defaults["fused"] = flag
+        for group in inner.param_groups:
+            group["fused"] = flag
+            for p in group["params"]:
+                step = inner.state.get(p, {}).get("step")
+                if torch.is_tensor(step):
+                    where = p.device if fused else torch.device("cpu")
+                    inner.state[p]["step"] = step.to(device=where, dtype=torch.float32)
+    return fused and bool(adams)
+
+
 @dataclass
 class TrainingParts:
     """What a trainable policy steps with."""
@@ -45,6 +91,9 @@ class TrainingParts:
     """Whether ``optimizer`` is megatron's DistributedOptimizer."""
     scheduler: LRSchedule
     """The LR schedule that sets ``optimizer``'s rate."""
+    fused_adam: bool = False
+    """Whether ``optimizer`` steps with torch's fused AdamW (``set_fused_adam``); the
+    checkpoint load applies it again."""
 
 
 def _wrap_ddp(models: list, config, ctx: ParallelContext, dist_opt: bool) -> list:
@@ -118,8 +167,11 @@ def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
 def use_foreach_grad_norm() -> bool:
     """Where megatron runs its local multi-tensor fallbacks (no Apex or TE), swap in the
     foreach versions above for the gradient norm and clipping (optimizer/clip_grads.py reads
-    ``l2_norm_impl`` and ``multi_tensor_scale_impl`` at call time). Idempotent; False when
-    megatron uses Apex's or TE's kernels (nothing to do)."""
+    ``l2_norm_impl`` and ``multi_tensor_scale_impl`` at call time). The plain optimizers and
+    the DistributedOptimizer alike reach them: ``get_grad_norm`` (MegatronOptimizer's,
+    inherited by all three) calls ``get_grad_norm_fp32``, and ``clip_gradients`` below calls
+    ``clip_grad_by_total_norm_fp32``. Idempotent; False when megatron uses Apex's or TE's
+    kernels (nothing to do)."""
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads
 
@@ -145,11 +197,12 @@ def setup_training(
     dist_opt = use_distributed_optimizer(optim_cfg, ctx.device)
     chunks = _wrap_ddp(models, config, ctx, dist_opt)
     optimizer = _build_optimizer(chunks, config, ctx, optim_cfg, dist_opt)
+    fused = set_fused_adam(optimizer, use_fused_adam(optim_cfg, ctx.device))
     # schedules.py backward_step applies grad_scale_func to the last stage's loss (loss
     # scaling for fp16; 1.0 for fp32/bf16).
     config.grad_scale_func = optimizer.scale_loss
     scheduler = LRSchedule(optim_cfg, total_steps, optimizer)
-    return TrainingParts(chunks, optimizer, dist_opt, scheduler)
+    return TrainingParts(chunks, optimizer, dist_opt, scheduler, fused)
 
 
 def clip_gradients(optimizer, clip: float, grad_norm: float) -> None:
