@@ -13,7 +13,7 @@ needs its batch and none is buffered, the batches of steps ``window_steps(s, a, 
   give it (``RolloutEngine.generate(seeds=...)``);
   vLLM then runs one large batch instead of a+1 small ones. On CPU vLLM is not
   batch-invariant, so a response can differ from the serial schedule's (docs/rollout.md);
-- **disaggregated** (``rollout.server.RolloutClient.launch``): the steps' generate commands
+- **disaggregated** (``rollout.client.RolloutClient.launch``): the steps' generate commands
   are queued back to back on the engines and the trainer collects step s+j's samples when it asks for
   them, so the engines generate while the trainer trains. Each step is its own vLLM call
   with its own seed: the samples are those of the serial schedule, bit for bit.

@@ -4,7 +4,7 @@ The trainer sees ``Rollout`` and a weight sender, never the placement:
 
 - ``colocated`` (``rollout.colocated.ColocatedRollout``): each trainer rank hosts a TP rank
   of an in-process vLLM engine; the sender writes into it (``bridge.weight_sync.colocated_sender``);
-- ``disaggregated`` (``rollout.server.RolloutClient``): the last ranks of the world serve
+- ``disaggregated`` (``rollout.client.RolloutClient``): the last ranks of the world serve
   standalone engines; the sender runs the same plan over a transfer group
   (``bridge.weight_sync.remote_sender``) and the control messages start and end each update.
 
@@ -24,8 +24,9 @@ from megatron_grpo.config import Config
 from megatron_grpo.config.schema import RolloutConfig
 from megatron_grpo.distributed import ParallelContext
 from megatron_grpo.policy import Policy
+from megatron_grpo.rollout.client import connect_rollout
 from megatron_grpo.rollout.colocated import build_colocated
-from megatron_grpo.rollout.server import DisaggregatedWorld, connect_rollout
+from megatron_grpo.rollout.server import DisaggregatedWorld
 
 
 class Rollout(Protocol):
