@@ -184,7 +184,7 @@ def test_the_initial_sync_makes_no_memory_turn(monkeypatch):
     calls.clear()
     t.start((LoopState(step=3, data_state={"pos": 3}, policy_version=2), t.policy))
     assert calls == ["data at {'pos': 3}", "sync"]
-    assert (t.start_step, t.policy_version, t.schedule.last_sync) == (3, 2, 2)
+    assert (t.start_step, t.policy_version, t.schedule.policy_version) == (3, 2, 2)
 
 
 def test_colocated_window_wakes_vllm_once(monkeypatch):

@@ -91,7 +91,7 @@ def test_adaptive_schedule_over_a_run_keeps_every_interval_in_bounds():
     # Drift grows with the steps since the sync, 3x faster in steps 9-16, none from 19 on.
     synced = []
     for step in range(1, 25):
-        since = step - s.last_sync
+        since = step - s.policy_version
         drift = 0.004 * since * (3 if 9 <= step <= 16 else 1) * (step < 19)
         if s.due(step, drift):
             s.synced(step)

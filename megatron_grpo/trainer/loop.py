@@ -83,7 +83,6 @@ class GRPOTrainer:
     schedule: SyncSchedule | None = None  # when to sync; None: built from cfg.sync
     budget: TokenBudget | None = None  # tokens per packed micro-batch; None: resolved off-GPU
     start_step: int = 0
-    policy_version: int = 0
     closers: list[Callable[[], None]] = field(default_factory=list)
 
     @property
@@ -97,7 +96,12 @@ class GRPOTrainer:
                 None, self.cfg, dp=self.ctx.dp, colocated=True, capacity_bytes=None
             )
         if self.schedule is None:
-            self.schedule = SyncSchedule.from_config(self.cfg.sync, self.policy_version)
+            self.schedule = SyncSchedule.from_config(self.cfg.sync)
+
+    @property
+    def policy_version(self) -> int:
+        """The step whose weights vLLM serves (kept once: ``SyncSchedule.policy_version``)."""
+        return self.schedule.policy_version
 
     # ------------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
@@ -278,7 +282,6 @@ class GRPOTrainer:
             self.memory.before_sync()
         weights = self.policy if weights is None else weights
         report = self.sender.sync(weights)
-        self.policy_version = step
         self.schedule.synced(step)
         self.checkpointer.snapshot_served(weights)
         a = self.alpha
@@ -318,8 +321,7 @@ class GRPOTrainer:
             extra={"layout": {"tp": self.ctx.tp, "pp": self.ctx.pp, "dp": self.ctx.dp},
                    "weight_syncs": self.sender.syncs,
                    # the schedule's state is policy_version; kept to show which mode ran
-                   "sync_schedule": {"mode": self.schedule.mode,
-                                     "last_sync": self.schedule.last_sync}},
+                   "sync_schedule": {"mode": self.schedule.mode}},
         )  # fmt: skip
 
     def finish(self) -> dict[str, Any]:
