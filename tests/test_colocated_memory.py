@@ -15,7 +15,7 @@ from megatron_grpo.config.loader import load_config
 from megatron_grpo.metrics import PhaseTimer
 from megatron_grpo.trainer import checkpointer as checkpointer_module
 from megatron_grpo.trainer import loop
-from megatron_grpo.trainer.build import batch_source
+from megatron_grpo.trainer.build import window_buffer
 from megatron_grpo.trainer.checkpointer import Checkpointer
 from megatron_grpo.trainer.memory import ColocatedMemory
 
@@ -48,7 +48,7 @@ class FakeOffload:
 
 def _trainer(cfg: Config, memory: ColocatedMemory, calls: list, monkeypatch) -> loop.GRPOTrainer:
     """A GRPOTrainer built from fakes that record themselves; ``run``, ``sync``, the batch
-    source (``build.batch_source``) and the checkpointer are the real ones."""
+    source (``build.window_buffer``) and the checkpointer are the real ones."""
 
     class StepTimer(PhaseTimer):
         def reset(self):  # run() resets the timer as each step begins
@@ -87,7 +87,7 @@ def _trainer(cfg: Config, memory: ColocatedMemory, calls: list, monkeypatch) -> 
     t = loop.GRPOTrainer(
         cfg=cfg, ctx=ctx, tokenizer=SimpleNamespace(pad_token_id=0), policy=policy, ref=None,
         rollout=Rollout(), sender=SimpleNamespace(syncs=0, sync=rec("sync")),
-        batches=batch_source(cfg, Prompts(), Rollout(), memory, eos_token_id=0,
+        window=window_buffer(cfg, Prompts(), Rollout(), memory, eos_token_id=0,
                              score=lambda prompts, samples: (torch.zeros(1, 2), {})),
         advantage_fn=None,
         loss_fn=None, memory=memory, checkpointer=checkpointer,

@@ -82,9 +82,11 @@ def _call(fn: Callable[[], Any]) -> Any:
 
 
 class AheadRollout:
-    """The loop's source of each step's batch (``take``) and its rewards (``take_scores``):
-    the prefetch buffer of one sync window. ``ahead=0`` generates one step at a time,
-    Algorithm 1's serial schedule.
+    """The window buffer: the loop's source of each step's batch (``take``) and its rewards
+    (``take_scores``), prefetched within one sync window. ``ahead=0`` generates one step at a
+    time, Algorithm 1's serial schedule. It is not a ``Rollout`` but sits on one: it calls
+    ``Rollout.launch`` / ``share`` and hands the loop whole steps (prompts, samples, rewards),
+    where a ``Rollout`` answers generate calls.
 
     ``launch``: the rollout interface's ``launch`` with the run's sampling settings bound;
     ``score(prompts, samples) -> (rewards, info)`` (``rewards.scoring.GroupScorer``); a

@@ -102,7 +102,7 @@ def build_trainer(
     prompts = build_prompt_source(cfg.data, tokenizer)
     scorer = GroupScorer.from_config(cfg, reward_fn, tokenizer)
     schedule = SyncSchedule.from_config(cfg.sync)
-    batches = batch_source(cfg, prompts, rollout, memory, tokenizer.eos_token_id, scorer,
+    window = window_buffer(cfg, prompts, rollout, memory, tokenizer.eos_token_id, scorer,
                            schedule)  # fmt: skip
     validator = Validator(cfg, tokenizer, reward_fn) if cfg.eval.interval else None
     resumed = checkpointer.resume() if resume else None
@@ -113,7 +113,7 @@ def build_trainer(
     )  # fmt: skip
     trainer = GRPOTrainer(
         cfg=cfg, ctx=ctx, tokenizer=tokenizer, policy=policy, ref=ref, rollout=rollout,
-        sender=sender, schedule=schedule, batches=batches, advantage_fn=build_advantage_fn(g),
+        sender=sender, schedule=schedule, window=window, advantage_fn=build_advantage_fn(g),
         loss_fn=make_loss_fn(g, cfg.rollout.max_new_tokens), memory=memory,
         checkpointer=checkpointer, logger=logger, timer=PhaseTimer.for_device(ctx.device),
         validator=validator, alpha=alpha, budget=budget,
@@ -155,7 +155,7 @@ def _schedule_text(cfg: Config) -> str:
             f"{s.max_interval})")  # fmt: skip
 
 
-def batch_source(cfg: Config, prompts: PromptSource, rollout: Rollout, memory: ColocatedMemory,
+def window_buffer(cfg: Config, prompts: PromptSource, rollout: Rollout, memory: ColocatedMemory,
                  eos_token_id: int, score: Callable[[list, list], Any] | None = None,
                  schedule: SyncSchedule | None = None) -> AheadRollout:  # fmt: skip
     """Each step's prompts (from ``prompts``, a data source), samples and rewards (``score``):

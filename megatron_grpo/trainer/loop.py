@@ -2,7 +2,10 @@
 
 For k = 1..steps (``GRPOTrainer.run``, one screen):
     rollout    prompts -> G responses each from vLLM, which serves alpha = pi_{k-1-lag}
-    reward     verifiable rewards (KL-in-reward subtracts beta * KL(pi||pi_ref) per sequence)
+    reward     verifiable rewards: the window buffer's arrivals thread scores each step's
+               samples as they arrive (rewards.scoring.GroupScorer, wired in
+               trainer.build.window_buffer); the step takes them (KL-in-reward subtracts
+               beta * KL(pi||pi_ref) per sequence)
     advantages group whitening, zero-variance mask, RED-Drop/Weight (algorithms.advantages)
     train      i SGD iterations over mini-batches (policy.train_step with algorithms' loss_fn)
     sync       when k % v == 0 (or, sync.mode=adaptive, when pi_k drifted from alpha:
@@ -71,7 +74,7 @@ class GRPOTrainer:
     ref: Policy | None  # pi_ref; None without a KL term
     rollout: Rollout
     sender: WeightSender  # the bridge: pushes the policy's weights into the engines
-    batches: AheadRollout  # each step's prompts, samples and rewards
+    window: AheadRollout  # the window buffer: each step's prompts, samples and rewards
     advantage_fn: AdvantageFn
     loss_fn: LossFn
     memory: ColocatedMemory
@@ -116,7 +119,8 @@ class GRPOTrainer:
             with timer.phase("rollout"), self._bounded(f"the rollout of step {step}"):
                 prompts, samples = self.take_batch(step)
             with timer.phase("reward"), self._bounded(f"the rewards of step {step}"):
-                rewards, reward_info = self.batches.take_scores()  # scored as they arrived
+                # GroupScorer's rewards, computed on the window's arrivals thread
+                rewards, reward_info = self.window.take_scores()
             batch = collate(samples, self.tokenizer.pad_token_id)
             with timer.phase("logprobs"):
                 batch, kl_seq = self.reference_logprobs(batch)
@@ -149,7 +153,7 @@ class GRPOTrainer:
         """Step ``step``'s prompts and samples, from the sync window's buffer (generated
         once per window with rollout.ahead, else once per step)."""
         try:
-            return self.batches.take(step)
+            return self.window.take(step)
         except Exception as e:
             latest = find_latest(self.checkpointer.run_dir)
             where = f"the last checkpoint {latest} is intact" if latest else "no checkpoint yet"
@@ -297,7 +301,7 @@ class GRPOTrainer:
             return self.sync(0, initial=True)
         state, served = resumed
         self.start_step = state.step
-        self.batches.load_data_state(state.data_state)  # loop_state's data_state, read back
+        self.window.load_data_state(state.data_state)  # loop_state's data_state, read back
         return self.sync(state.policy_version, served, initial=True)
 
     def evaluate(self) -> dict[str, Any]:
@@ -317,7 +321,7 @@ class GRPOTrainer:
         return LoopState(
             step=step, policy_version=self.policy_version,
             sync_phase=step - self.policy_version,
-            data_state=self.batches.data_state(),  # the consumed steps', not the prefetched
+            data_state=self.window.data_state(),  # the consumed steps', not the prefetched
             extra={"layout": {"tp": self.ctx.tp, "pp": self.ctx.pp, "dp": self.ctx.dp},
                    "weight_syncs": self.sender.syncs,
                    # the schedule's state is policy_version; kept to show which mode ran
