@@ -113,16 +113,8 @@ def run_ops(args: argparse.Namespace) -> int:
     deterministic: the suite holds the tiny figures to tests/op_budget.json. Prints a table,
     writes JSON (docs/benchmarks.md, "bench ops")."""
     from megatron_grpo.bench.ops import BenchOpsArgs, format_table, run_bench_ops
-    from megatron_grpo.cli.errors import exit_on
 
-    with exit_on(ValueError, 2):  # ConfigError is a ValueError
-        a = from_args(BenchOpsArgs, args)
-    _quiet_libraries()
-    res = run_bench_ops(a)
-    print(format_table(res))
-    if args.json_out:
-        _write_json(res, args.json_out)
-    return 0
+    return _measure(args, BenchOpsArgs, run_bench_ops, format_table)
 
 
 def _add_train(bsub: argparse._SubParsersAction) -> None:
@@ -182,13 +174,20 @@ def run_train(args: argparse.Namespace) -> int:
     from megatron_grpo.bench.train import run_bench_train
     from megatron_grpo.bench.train_args import BenchTrainArgs
     from megatron_grpo.bench.train_table import format_table
+
+    return _measure(args, BenchTrainArgs, run_bench_train, format_table)
+
+
+def _measure(args: argparse.Namespace, args_type: type, run, table) -> int:
+    """``bench ops`` / ``bench train``: checked arguments (one line, exit 2), the libraries
+    quiet, one in-process measurement, its table printed and its JSON written."""
     from megatron_grpo.cli.errors import exit_on
 
     with exit_on(ValueError, 2):  # ConfigError is a ValueError
-        a = from_args(BenchTrainArgs, args)
+        a = from_args(args_type, args)
     _quiet_libraries()
-    res = run_bench_train(a)
-    print(format_table(res))
+    res = run(a)
+    print(table(res))
     if args.json_out:
         _write_json(res, args.json_out)
     return 0
