@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -83,15 +84,22 @@ def ctx():
     destroy_distributed()
 
 
-def _build(ctx, kernels: Kernels | None = None, model_cfg: ModelConfig | None = None):
+SPECS = {
+    "tiny": lambda: preset_spec("tiny"),
+    "tiny-qk-norm": lambda: dataclasses.replace(preset_spec("tiny"), qk_norm=True),  # Qwen3
+    "tiny-moe": lambda: preset_spec("tiny-moe"),  # experts' MLPs swapped too
+}
+
+
+def _build(ctx, kernels: Kernels | None = None, model_cfg=None, spec: str = "tiny"):
     from megatron_grpo.policy.model_builder import build_model
 
-    return build_model(preset_spec("tiny"), ctx, model_cfg or ModelConfig(), kernels)[0]
+    return build_model(SPECS[spec](), ctx, model_cfg or ModelConfig(), kernels)[0]
 
 
 def _forward_backward(model, length: int):
     g = torch.Generator().manual_seed(length)
-    ids = torch.randint(3, preset_spec("tiny").vocab_size, (3, length), generator=g)
+    ids = torch.randint(3, model.vocab_size, (3, length), generator=g)
     pos = torch.arange(length).expand(3, length)
     out = model(ids, pos, None)
     (out.float() * torch.randn(out.shape, generator=g)).sum().backward()
@@ -113,13 +121,18 @@ def test_defaults_leave_megatrons_modules(ctx):
     assert not getattr(off.rotary_pos_emb, "packed_by_core_attention", False)
 
 
-def test_the_swap_with_torchs_functions_is_megatron_bit_for_bit(ctx):
-    ref = _build(ctx)
-    swapped = _build(ctx, Kernels("local", True, "torch"))
+@pytest.mark.parametrize("spec, norms", [("tiny", 5), ("tiny-qk-norm", 9), ("tiny-moe", 9)])
+def test_the_swap_with_torchs_functions_is_megatron_bit_for_bit(ctx, spec, norms):
+    from megatron.core.transformer.mlp import MLP
+
+    ref = _build(ctx, spec=spec)
+    swapped = _build(ctx, Kernels("local", True, "torch"), spec=spec)
     assert list(swapped.state_dict()) == list(ref.state_dict())  # names, checkpoints, layouts
     swapped.load_state_dict(ref.state_dict())
-    norms = [m for m in swapped.modules() if isinstance(m, SwappedRMSNorm)]
-    assert len(norms) == 5 and not any(type(m) is torch.nn.RMSNorm for m in swapped.modules())
+    found = [m for m in swapped.modules() if isinstance(m, SwappedRMSNorm)]
+    assert len(found) == norms and not any(type(m) is torch.nn.RMSNorm for m in swapped.modules())
+    mlps = [m for m in swapped.modules() if isinstance(m, MLP)]
+    assert mlps and all(m.activation_func is K.torch_swiglu for m in mlps)
     out_a, grads_a = _forward_backward(ref, 13)
     out_b, grads_b = _forward_backward(swapped, 13)
     assert torch.equal(out_a, out_b)
