@@ -17,11 +17,14 @@ VLLM_VERSION = "0.32.0"
 # megatron-core 0.16.1's own range (its `dev` extra: >=2.9.0a0,<2.12.0) and on CUDA 13 like
 # that torch. TE's PyTorch extension (`transformer_engine_torch`) is an sdist compiled
 # against the installed torch with nvcc: it is not in this list; docs/install.md gives the
-# two routes (NGC PyTorch container, or `pip install --no-build-isolation`).
+# two routes (NGC PyTorch container, or `pip install --no-build-isolation`). Liger-Kernel
+# (MIT; Triton, which the CUDA torch brings) gives the local spec its fused RMSNorm and SwiGLU
+# (megatron_grpo/policy/kernels.py, model.kernels.liger; docs/kernels.md).
 GPU_EXTRA = [
     "vllm==0.32.0",
     "torch==2.13.0",
     "transformer-engine[core_cu13]==2.11.0",
+    "liger-kernel==0.8.5",
 ]
 
 setup(

@@ -146,6 +146,7 @@ def measure_sides(
         project = ProjectSide(spec, ctx, args)
         state = project.hf_state_dict()
         sides["project"] = measure_side(project, batch, loss_fn, args, device, figures, search)
+        sides["project"]["liger"] = project.kernels.layer_fns == "liger"
         project.close()
         del project
         free_memory(device)

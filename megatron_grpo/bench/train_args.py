@@ -60,8 +60,8 @@ class BenchTrainArgs:
     sides: str = "project,hf,hf-packed"
     """The sides measured, in order (the project first: the others load its weights)."""
     liger: str = "auto"
-    """Liger-Kernel on the ``hf-packed`` side: ``auto`` (where installed, on CUDA), ``on``,
-    ``off``."""
+    """Liger-Kernel on the project side (``model.kernels.liger``) and the ``hf-packed`` side:
+    ``auto`` (where installed, on CUDA), ``on``, ``off``."""
 
     def __post_init__(self) -> None:
         for k in ("rows", "prompt_len", "min_len", "max_len", "micro_batch_size", "steps"):

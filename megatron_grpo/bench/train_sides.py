@@ -10,13 +10,14 @@ import torch
 
 from megatron_grpo.bench.train_args import BenchTrainArgs
 from megatron_grpo.bench.train_batch import micro_batches
-from megatron_grpo.config.schema import ModelConfig, OptimConfig
+from megatron_grpo.config.schema import KernelsConfig, ModelConfig, OptimConfig
 from megatron_grpo.layouts import hf as hf_names
 from megatron_grpo.layouts import megatron as mg_names
 from megatron_grpo.layouts.io import gather_hf_state_dict
 from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.models.tiny import hf_config_dict
 from megatron_grpo.policy.batching import PackedRows, packed_micro_batches
+from megatron_grpo.policy.kernels import resolve_kernels, use_liger
 from megatron_grpo.policy.logprob import token_logprobs
 from megatron_grpo.policy.policy import build_policy
 
@@ -28,7 +29,9 @@ class ProjectSide:
 
     def __init__(self, spec: ModelSpec, ctx, args: BenchTrainArgs) -> None:
         self.spec, self.args = spec, args
-        model_cfg = ModelConfig(dtype=args.dtype, recompute=args.recompute)
+        kernels = KernelsConfig(liger=args.liger)  # --liger: both sides, or neither
+        model_cfg = ModelConfig(dtype=args.dtype, recompute=args.recompute, kernels=kernels)
+        self.kernels = resolve_kernels(model_cfg, ctx.device)
         self.policy = build_policy(spec, ctx, model_cfg, OptimConfig(lr=args.lr), temperature=1.0)
         self.ctx = ctx
 
@@ -103,20 +106,13 @@ def _register_varlen_attention() -> None:
 
 def apply_liger(model, device: torch.device, choice: str) -> bool:
     """Liger-Kernel's fused RMSNorm / SwiGLU / RoPE on ``model`` (``--liger``: ``auto`` where
-    it is installed and the device is CUDA, ``on``, ``off``); True when applied. Its fused
-    cross-entropy stays off: the log-probs are the project's function on both sides."""
-    if choice == "off" or device.type != "cuda":
-        if choice == "on":
-            raise ValueError("--liger on needs a CUDA device (Liger-Kernel is Triton).")
+    it is installed and the device is CUDA, ``on``, ``off``: ``policy.kernels.use_liger``,
+    the rule the project side's ``model.kernels.liger`` follows); True when applied. Its
+    fused cross-entropy stays off: the log-probs are the project's function on both sides."""
+    if not use_liger(choice, "local", device, key="--liger"):
         return False
-    try:
-        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
-    except ImportError:
-        if choice == "on":
-            raise ValueError(
-                "--liger on, but liger-kernel is not installed: pip install liger-kernel."
-            ) from None
-        return False
+    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+
     _apply_liger_kernel_to_instance(
         model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
         fused_linear_cross_entropy=False,

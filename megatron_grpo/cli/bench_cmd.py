@@ -157,7 +157,7 @@ def _add_train(bsub: argparse._SubParsersAction) -> None:
                    help="sides measured, project first: hf (padded, SDPA) and hf-packed "
                    "(padding removed, varlen attention, the project's token budget)")  # fmt: skip
     t.add_argument("--liger", choices=("auto", "on", "off"), default="auto",
-                   help="Liger-Kernel RMSNorm/SwiGLU/RoPE on hf-packed (auto: installed + CUDA)")  # fmt: skip
+                   help="Liger-Kernel on the project side and hf-packed (auto: installed + CUDA)")  # fmt: skip
     t.add_argument("--seed", type=int, default=0, help="seed of the batch and the weights")
     t.add_argument("--json", dest="json_out", help="write the results here")
 

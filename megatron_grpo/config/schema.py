@@ -44,6 +44,39 @@ def _non_negative(section: str, cfg: object, *fields: str) -> None:
 
 
 @dataclass
+class KernelsConfig:
+    """Layer-level kernels of the local layer spec, chosen once at build
+    (``policy/kernels.py``; docs/kernels.md). Transformer-Engine's spec, which brings its own
+    fused norms and activations, is ``model.transformer_impl``."""
+
+    packed_rope: bool = True
+    """RoPE of a packed micro-batch from the pack's positions, cos/sin once per micro-batch,
+    applied by the SDPA core attention (``policy/rope.py``). false: megatron's RoPE, one
+    document at a time. Only where the core attention is the project's
+    (``model.local_attention=sdpa`` on the local spec); elsewhere megatron's RoPE runs."""
+    liger: Literal["auto", "on", "off"] = "auto"
+    """Liger-Kernel's fused RMSNorm and SwiGLU (Triton, CUDA only; the ``gpu`` extra installs
+    it) in place of the local spec's ``torch.nn.RMSNorm`` and megatron's unfused SwiGLU.
+    ``auto``: on where liger-kernel is installed, the device is CUDA, the spec is local and
+    ``compile`` is off."""
+    compile: Literal["off", "on"] = "off"
+    """``on``: ``torch.compile`` of the local spec's RMSNorm and SwiGLU (each one fused
+    elementwise region); cannot be combined with ``liger=on``."""
+
+    def __post_init__(self) -> None:
+        for key in ("liger", "compile"):  # YAML 1.1 reads a bare on/off as a boolean
+            if isinstance(getattr(self, key), bool):
+                setattr(self, key, "on" if getattr(self, key) else "off")
+        _check_choice("model.kernels.liger", self.liger, ("auto", "on", "off"))
+        _check_choice("model.kernels.compile", self.compile, ("off", "on"))
+        if self.liger == "on" and self.compile == "on":
+            raise ConfigError(
+                "model.kernels.liger=on and model.kernels.compile=on both replace the local "
+                "spec's RMSNorm and SwiGLU: set one of them to off."
+            )
+
+
+@dataclass
 class ModelConfig:
     hf_path: str = "tiny"
     """Hugging Face model directory (config.json, *.safetensors, tokenizer files), or a preset
@@ -89,6 +122,8 @@ class ModelConfig:
     """MoE models: weight of megatron's load-balancing auxiliary loss (``aux_loss``, added to
     the policy loss's gradient by the router). 0 (the default) trains on the policy loss
     alone, as HF computes it without ``output_router_logits``; docs/moe.md."""
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    """Layer-level kernels: packed RoPE, Liger-Kernel, ``torch.compile`` (docs/kernels.md)."""
 
     def __post_init__(self) -> None:
         _check_choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))

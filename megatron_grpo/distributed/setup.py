@@ -238,6 +238,12 @@ def _resolve_backend(parallel: ParallelConfig) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def rank_device(parallel: ParallelConfig) -> torch.device:
+    """The kind of device ``init_distributed`` gives a rank (cuda under nccl, else cpu), for
+    checks that run before it."""
+    return torch.device("cuda" if _resolve_backend(parallel) == "nccl" else "cpu")
+
+
 def _init_process_group(
     pg_backend: str, timeout: timedelta, rank: int, world_size: int, store: dist.Store | None
 ) -> None:

@@ -43,6 +43,7 @@ EXPECTED = {
     "megatron-core": "0.19.2",
     "transformer-engine": "2.11.0",
     "transformer-engine-cu13": "2.11.0",
+    "liger-kernel": "0.8.5",
 }
 """Versions the resolution must contain (what the code is verified against)."""
 

@@ -7,7 +7,7 @@ their fp32 softmax) of every layer and keeps them for backward, so memory grows 
 the step runs as many small kernels. SDPA picks a fused kernel (flash / cuDNN /
 memory-efficient on CUDA, the flash-style CPU kernel on CPU) that never holds the scores.
 Transformer-Engine is not needed; where TE is installed the TE spec is used instead
-(``model_builder.resolve_transformer_impl``).
+(``kernels.resolve_transformer_impl``).
 
 Same contract as megatron's module, so ``SelfAttention`` needs no change:
 

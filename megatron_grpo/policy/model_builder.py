@@ -14,12 +14,13 @@ The vocabulary is padded to ``megatron_padded_vocab(spec.vocab_size, tp, divisib
 the rows past ``spec.vocab_size`` are padding that the policy masks out of the softmax.
 Layer spec: megatron's local spec on CPU, Transformer-Engine's when TE is importable and
 CUDA is present (``model.transformer_impl``); the local spec's core attention is torch SDPA
-(``policy.attention``) unless ``model.local_attention=unfused``. Dtype ``auto``: fp32 on CPU, bf16 on GPU.
+(``policy.attention``) unless ``model.local_attention=unfused``; RoPE, RMSNorm and SwiGLU
+kernels: ``policy.kernels``. Dtype ``auto``: fp32 on CPU, bf16 on GPU.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,13 @@ from megatron_grpo.config.schema import ConfigError, ModelConfig
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec, megatron_padded_vocab
 from megatron_grpo.policy.attention import SDPAttention
-from megatron_grpo.policy.rope import skip_megatron_rope_for_packed
+from megatron_grpo.policy.kernels import (
+    Kernels,
+    apply_kernels,
+    resolve_kernels,
+)
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,25 +58,6 @@ def resolve_dtype(model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[model_cfg.dtype]
 
 
-def te_available() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
-def resolve_transformer_impl(model_cfg: ModelConfig, device: torch.device) -> str:
-    """``local`` or ``transformer_engine`` for ``model.transformer_impl``."""
-    impl = model_cfg.transformer_impl
-    usable = te_available() and device.type == "cuda"
-    if impl == "auto":
-        return "transformer_engine" if usable else "local"
-    if impl == "transformer_engine" and not usable:
-        why = "no CUDA device" if device.type != "cuda" else "transformer_engine is not installed"
-        raise ConfigError(
-            f"model.transformer_impl=transformer_engine, but {why}: set "
-            "model.transformer_impl=auto or local."
-        )
-    return impl
-
-
 def check_sequence_parallel(sequence_parallel: bool, impl: str) -> None:
     """Sequence parallelism needs norms that handle a sequence-sharded input: TE's. The local
     spec's RMSNorm is always ``WrappedTorchNorm`` (Apex's FusedLayerNorm has no RMSNorm), which
@@ -87,8 +75,9 @@ def padded_vocab_size(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelCon
     return megatron_padded_vocab(spec.vocab_size, ctx.tp, model_cfg.make_vocab_size_divisible_by)
 
 
-def transformer_config(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig):
-    """The megatron ``TransformerConfig`` of ``spec`` at this parallel layout."""
+def transformer_config(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig, **extra):
+    """The megatron ``TransformerConfig`` of ``spec`` at this parallel layout; ``extra``: the
+    kernels' fields (``Kernels.config_args``)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = resolve_dtype(model_cfg, ctx.device)
@@ -130,6 +119,7 @@ def transformer_config(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelCo
         **FUSIONS_OFF,
         **recompute_args(model_cfg),
         **moe_args(spec, model_cfg),
+        **extra,
     )
 
 
@@ -218,19 +208,24 @@ def layer_spec(spec: ModelSpec, impl: str, local_attention: str = "sdpa"):
     return layers
 
 
-def build_model(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig) -> list:
+def build_model(
+    spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig, kernels: Kernels | None = None
+) -> list:
     """Build this rank's GPTModel chunks (one per virtual pipeline stage), on ctx.device.
 
-    Weights are megatron's random init; load real weights with
+    ``kernels``: the layer-level kernels (``policy.kernels``; default: ``model.kernels`` and
+    ``model.transformer_impl`` resolved on ctx.device, which refuses a choice that cannot run
+    before anything is built). Weights are megatron's random init; load real weights with
     ``megatron_grpo.layouts.load_hf_into_megatron``.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
 
-    impl = resolve_transformer_impl(model_cfg, ctx.device)
-    check_sequence_parallel(ctx.sequence_parallel, impl)
-    config = transformer_config(spec, ctx, model_cfg)
-    layers = layer_spec(spec, impl, model_cfg.local_attention)
+    kernels = kernels or resolve_kernels(model_cfg, ctx.device)
+    log.info("layer kernels: %s", kernels.describe())
+    check_sequence_parallel(ctx.sequence_parallel, kernels.impl)
+    config = transformer_config(spec, ctx, model_cfg, **kernels.config_args())
+    layers = layer_spec(spec, kernels.impl, model_cfg.local_attention)
     vocab = padded_vocab_size(spec, ctx, model_cfg)
     chunks = []
     for vp_stage in range(ctx.vpp or 1):
@@ -253,8 +248,6 @@ def build_model(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig) -
         )
         model.to(ctx.device)
         cast_params_(model, config.params_dtype)
-        if impl == "local" and model_cfg.local_attention == "sdpa":
-            # SDPAttention applies RoPE to packed documents in one pass (policy.rope)
-            skip_megatron_rope_for_packed(model)
+        apply_kernels(model, kernels)
         chunks.append(model)
     return chunks

@@ -23,12 +23,9 @@ from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.policy.batching import PackedRows, check_expert_ranks_agree, split_batch
 from megatron_grpo.policy.checkpoint_state import load_sharded_state, sharded_state
+from megatron_grpo.policy.kernels import resolve_transformer_impl
 from megatron_grpo.policy.lr_schedule import LRSchedule
-from megatron_grpo.policy.model_builder import (
-    build_model,
-    padded_vocab_size,
-    resolve_transformer_impl,
-)
+from megatron_grpo.policy.model_builder import build_model, padded_vocab_size
 from megatron_grpo.policy.optimizer import (
     clip_gradients,
     finalize_grads_without_token_scaling,

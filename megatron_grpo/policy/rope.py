@@ -12,7 +12,8 @@ pack (docs/benchmarks.md, "bench ops"). The math here is megatron's unfused RoPE
 same bit for bit; only the positions come from the pack instead of a per-document loop.
 
 ``skip_megatron_rope_for_packed`` makes the GPTModel hand no rotary embedding to its layers
-for packed input (the core attention applies it); padded rows keep megatron's RoPE.
+for packed input (the core attention applies it); padded rows keep megatron's RoPE. It is
+installed by ``policy.kernels.apply_kernels`` (``model.kernels.packed_rope``).
 """
 
 from __future__ import annotations

@@ -15,10 +15,11 @@ from pathlib import Path
 from megatron_grpo.config import Config, ConfigError
 from megatron_grpo.data import build_prompt_source
 from megatron_grpo.distributed.placement import validate_world
-from megatron_grpo.distributed.setup import check_experts
+from megatron_grpo.distributed.setup import check_experts, rank_device
 from megatron_grpo.models.prepare import check_model_path
 from megatron_grpo.models.shapes import resolve_spec
 from megatron_grpo.models.spec import ModelSpec, check_heads, load_spec
+from megatron_grpo.policy.kernels import resolve_kernels
 from megatron_grpo.rewards import check_reward
 
 
@@ -33,6 +34,7 @@ def check_run(cfg: Config, world_size: int) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     check_moe(resolve_spec(cfg.model.hf_path)[0], cfg)
+    resolve_kernels(cfg.model, rank_device(cfg.parallel))  # liger/compile/TE can run here
     data = cfg.data
     if data.template == "chat":  # needs the model's tokenizer: checked when it is loaded
         data = dataclasses.replace(data, template="{prompt}")
