@@ -117,6 +117,10 @@ HAND: list[tuple[str, list[str]]] = [
     ("train: expert parallelism with a dense model", [*T, "parallel.ep=2", "parallel.dp=2", "rollout.tp=1"]),
     ("train: ep does not divide the experts", [*T, "model.hf_path=tiny-moe", "parallel.ep=3", "parallel.dp=3", "rollout.tp=1", "grpo.prompts_per_step=9"]),
     ("train: ep does not divide dp", [*T, "model.hf_path=tiny-moe", "parallel.ep=2", "parallel.tp=2", "parallel.dp=1", "rollout.tp=1"]),
+    ("train: routing replay with a dense model", [*T, "rollout.routing_replay=on"]),
+    ("train: routing replay with activation recompute", [*T, "model.hf_path=tiny-moe", "rollout.routing_replay=on", "model.recompute=full"]),
+    ("choice not offered", [*T, "rollout.routing_replay=sometimes"]),
+    ("routing replay with disaggregated engines", [*T, "rollout.routing_replay=measure", "rollout.placement=disaggregated"]),
 ]
 # fmt: on
 

@@ -52,5 +52,18 @@ def check_run(cfg: Config, world_size: int) -> int:
 
 
 def check_moe(spec: ModelSpec, cfg: Config) -> None:
-    """The expert split (``parallel.ep``) of an MoE model (docs/moe.md)."""
+    """The expert split (``parallel.ep``) of an MoE model, and routing replay (docs/moe.md)."""
     check_experts(spec, cfg.parallel.ep, cfg.parallel.tp)
+    replay = cfg.rollout.routing_replay
+    if replay != "off" and not spec.num_experts:
+        raise ConfigError(
+            f"rollout.routing_replay={replay} needs a mixture-of-experts model, but "
+            f"{cfg.model.hf_path} is dense (no experts to route): set "
+            "rollout.routing_replay=off."
+        )
+    if replay != "off" and cfg.model.recompute != "none":
+        raise ConfigError(
+            f"rollout.routing_replay={replay} with model.recompute={cfg.model.recompute}: "
+            "the recomputed forward in the backward pass would not see the micro-batch's "
+            "routed experts; set model.recompute=none or rollout.routing_replay=off."
+        )

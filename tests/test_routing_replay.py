@@ -1,0 +1,182 @@
+"""Routing replay (issue 32, docs/moe.md "Routing replay"): vLLM's routed experts captured
+on the CPU engine, carried in the batch, and replayed by megatron's MoE routers.
+
+The end-to-end test runs one colocated tiny-moe engine and the trainer's policy in one
+spawned process. It reads the experts the trainer's MoE layers actually used from the
+routers' own output (``TopKRouter.forward``'s routing map, what the token dispatcher
+receives), not from the replay code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_grpo.config import Config, ConfigError
+from megatron_grpo.config.loader import load_config
+from tests.dist_utils import run_distributed
+from tests.test_moe import moe_spec
+from tests.test_transport_e2e import ENGINE_KW
+
+PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [20, 21, 22]]
+
+
+def _used_experts(policy) -> tuple[list, list]:
+    """Forward hooks on every router: each call's top-k sets, as a bool [tokens, E] map."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    seen: list = []
+    handles = [
+        m.register_forward_hook(lambda mod, inp, out, layer=m.layer_number - 1: seen.append(
+            (layer, out[1].detach().bool().cpu())))
+        for model in policy.models for m in model.modules() if isinstance(m, TopKRouter)
+    ]  # fmt: skip
+    return seen, handles
+
+
+def _as_map(routed: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[tokens, k] expert ids (-1: none) -> (bool [tokens, E] map, valid [tokens])."""
+    valid = routed[:, 0] >= 0
+    m = torch.zeros(routed.shape[0], experts, dtype=torch.bool)
+    m[valid] = torch.zeros(int(valid.sum()), experts).scatter_(1, routed[valid].long(), 1).bool()
+    return m, valid
+
+
+def _expected(batch, packed: bool) -> torch.Tensor:
+    """vLLM's experts in the router's token order: [L, n] flattened, or the rows packed."""
+    r = batch["routed_experts"]
+    if not packed:
+        return r.transpose(0, 1).reshape(-1, *r.shape[2:])
+    lengths = batch["attention_mask"].sum(1).long().tolist()
+    return torch.cat([r[i, :n] for i, n in enumerate(lengths)])
+
+
+def _replay_worker(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
+    from megatron_grpo.distributed import init_distributed
+    from megatron_grpo.layouts.io import load_hf_into_megatron
+    from megatron_grpo.models.spec import load_spec
+    from megatron_grpo.models.tiny import build_hf_model
+    from megatron_grpo.policy.policy import build_policy
+    from megatron_grpo.rollout import RolloutEngine
+    from megatron_grpo.trainer.batch import collate
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    hf = build_hf_model(Path(root) / "tiny_moe", preset="tiny-moe", seed=1)
+    spec = load_spec(hf)
+    eng = RolloutEngine(hf, tp=1, routing_capture=True, **ENGINE_KW)
+    samples = eng.generate(PROMPTS, n=2, max_new_tokens=6, seed=7)
+    eng.shutdown()
+    batch = collate(samples, pad_id=0)
+    ctx = init_distributed(ParallelConfig(backend="gloo"), spec)
+    policy = build_policy(
+        spec, ctx, ModelConfig(hf_path=str(hf), dtype="float32"), OptimConfig(lr=1e-3),
+        init_weights=lambda chunks: load_hf_into_megatron(chunks, hf, spec, ctx),
+        routing_replay=True,
+    )  # fmt: skip
+    out: dict = {"rows": [tuple(s.routed_experts.shape) for s in samples], "batch": batch}
+    seen, _ = _used_experts(policy)
+    slots = policy.routing.slots
+
+    def run(replay: bool, budget: int | None = None) -> torch.Tensor:
+        for s in slots:
+            s.replay = replay
+        seen.clear()
+        logp = policy.compute_logprobs(batch, len(samples), token_budget=budget)["logp"]
+        out.setdefault("used", []).append((replay, budget is not None, list(seen)))
+        return logp
+
+    # the trainer holds vLLM's weights: its routers agree with vLLM's (the alignment check)
+    run(False)
+    out["mismatch_same_weights"] = policy.routing.take_mismatch()
+    # perturbed routers: many routings differ; replay must still use vLLM's experts
+    with torch.no_grad():
+        for name, p in policy.models[0].named_parameters():
+            if name.endswith("mlp.router.weight"):
+                p.add_(torch.randn_like(p), alpha=float(p.abs().mean()) * 3)
+    out["logp_off"] = run(False)
+    out["mismatch_perturbed"] = policy.routing.take_mismatch()
+    out["logp_on"] = run(True)
+    out["logp_on_packed"] = run(True, budget=10_000)
+    out["mismatch_replayed"] = policy.routing.take_mismatch()  # the router's own choice
+    seen.clear()
+    policy.train_step(batch, lambda lp, ent, mb: (-(lp * mb["loss_mask"]).sum(), {}), len(samples))
+    out["used"].append((True, False, list(seen)))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_replay_routes_the_trainer_to_vllms_experts(tmp_path: Path) -> None:
+    """With routing replay the trainer's MoE layers (log-prob pass, padded and packed, and a
+    train step) route every token vLLM forwarded to exactly vLLM's experts, although its
+    routers were perturbed; without replay, log-probs differ from the replayed ones only
+    after the first token whose routing differs."""
+    out = run_distributed(_replay_worker, 1, str(tmp_path), timeout=380.0)[0]
+    batch, experts = out["batch"], 4  # tiny-moe
+    lengths = batch["attention_mask"].sum(1).long().tolist()
+    assert out["rows"] == [(n - 1, 2, 2) for n in lengths]  # prompt + response - 1, layers, k
+    assert out["mismatch_same_weights"] == 0.0  # fp32 CPU: vLLM and megatron route alike
+    assert out["mismatch_perturbed"] > 0.2 and out["mismatch_replayed"] > 0.2
+    # runs: same weights (off), perturbed off, on, on packed, a train step (on)
+    for run, (_, packed, seen) in enumerate(out["used"]):
+        expected = _expected(batch, packed)
+        assert sorted(layer for layer, _ in seen) == [0, 1]  # one micro-batch, two layers
+        agree = []
+        for layer, used in seen:
+            want, valid = _as_map(expected[:, layer], experts)
+            assert used.shape == want.shape
+            agree.append(bool((used[valid] == want[valid]).all()))
+        assert all(agree) == (run != 1), (run, agree)
+    # logp[t] depends on the routing of tokens < t: equal up to each row's first difference
+    r = batch["routed_experts"]
+    off, on = out["logp_off"], out["logp_on"]
+    torch.testing.assert_close(out["logp_on_packed"], on, atol=1e-5, rtol=0)
+    own = [u for _, u in sorted(out["used"][1][2], key=lambda x: x[0])]  # perturbed, no replay
+    n, length = r.shape[:2]
+    differs = torch.zeros(n, length, dtype=torch.bool)
+    for layer, used in enumerate(own):
+        want, valid = _as_map(r[:, :, layer].transpose(0, 1).reshape(-1, 2), experts)
+        diff = (valid & ~(used == want).all(1)).view(length, n).t()
+        differs |= diff
+    first = torch.where(differs.any(1), differs.float().argmax(1), torch.full((n,), length))
+    changed = 0
+    for i in range(n):
+        f = int(first[i])
+        torch.testing.assert_close(on[i, : f + 1], off[i, : f + 1], atol=1e-5, rtol=0)
+        changed += int(((on[i, f + 1 :] - off[i, f + 1 :]).abs() > 1e-4).sum())
+    assert changed > 0
+
+
+# ------------------------------------------------------------------------- refusals
+def test_routing_replay_values(tmp_path: Path) -> None:
+    """YAML's on/off (booleans in YAML 1.1) are the modes; anything else is one line."""
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("rollout:\n  routing_replay: on\n")
+    assert load_config(cfg_file).rollout.routing_replay == "on"
+    assert load_config(None, ["rollout.routing_replay=off"]).rollout.routing_replay == "off"
+    assert load_config(None, ["rollout.routing_replay=measure"]).rollout.routing_replay == "measure"
+    with pytest.raises(ConfigError, match=r"rollout.routing_replay='yes please' is not one of"):
+        load_config(None, ["rollout.routing_replay=yes please"])
+    with pytest.raises(ConfigError, match="needs rollout.placement=colocated"):
+        load_config(None, ["rollout.routing_replay=on", "rollout.placement=disaggregated"])
+
+
+def test_routing_replay_needs_an_moe_model() -> None:
+    import dataclasses
+
+    from megatron_grpo.trainer.preflight import check_moe
+
+    cfg = load_config(None, ["rollout.routing_replay=on"])
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts model") as e:
+        check_moe(dataclasses.replace(moe_spec(), num_experts=0, moe_topk=0), cfg)
+    assert "\n" not in str(e.value)
+    check_moe(moe_spec(), cfg)  # an MoE model replays
+    cfg = load_config(None, ["rollout.routing_replay=measure", "model.recompute=full"])
+    with pytest.raises(ConfigError, match="model.recompute=full"):
+        check_moe(moe_spec(), cfg)
+    assert Config().rollout.routing_replay == "off"
