@@ -180,3 +180,52 @@ def test_routing_replay_needs_an_moe_model() -> None:
     with pytest.raises(ConfigError, match="model.recompute=full"):
         check_moe(moe_spec(), cfg)
     assert Config().rollout.routing_replay == "off"
+
+
+# ------------------------------------------------------------------------- the pieces
+def test_capture_files_rows_by_position_and_keys_samples() -> None:
+    """A request's rows are assembled by position (a recompute after preemption overwrites);
+    a position never forwarded is an error; vLLM's internal ids map back to (request, n)."""
+    import numpy as np
+
+    from megatron_grpo.rollout.routing_capture import RoutingCapture, sample_key
+
+    cap = object.__new__(RoutingCapture)
+    rows = lambda v, n: np.full((n, 2, 2), v, dtype=np.int32)  # noqa: E731
+    cap.rows = {"0_3-ab12cd34": [(0, rows(1, 5)), (5, rows(2, 1)), (3, rows(7, 3))]}
+    got = cap.take()["0_3-ab12cd34"]
+    assert got.dtype == np.uint8 and got[:, 0, 0].tolist() == [1, 1, 1, 7, 7, 7]
+    assert cap.rows == {}
+    cap.rows = {"5-ffffffff": [(0, rows(1, 2)), (3, rows(1, 1))]}
+    with pytest.raises(RuntimeError, match="position 2 was never forwarded"):
+        cap.take()
+    assert sample_key("1_12-0a1b2c3d") == ("12", 1)
+    assert sample_key("12-0a1b2c3d") == ("12", 0)
+
+
+def test_slot_replays_targets_with_the_routers_own_scores() -> None:
+    """Targets replace the router's top-k, scored by its own scores at them; -1 rows keep
+    its choice; both modes count the routings whose expert set differs; under sequence
+    parallelism each TP rank takes its share of the sequence."""
+    from megatron_grpo.policy.routing_replay import RoutingReplay, RoutingSlot
+
+    def topk(scores, k, num_groups=None, group_topk=None):
+        return torch.topk(scores, k=k, dim=1)
+
+    scores = torch.tensor([[0.1, 0.9, 0.5, 0.0], [0.8, 0.1, 0.2, 0.7], [0.3, 0.2, 0.1, 0.4]])
+    slot = RoutingSlot(layer=1, replay=True)
+    slot.target = torch.tensor([[2, 0], [3, 0], [-1, -1]])  # row 1: the same set, reordered
+    probs, idx = slot.get_replay_topk(scores, 2, default_compute_topk=topk)
+    assert idx.tolist() == [[2, 0], [3, 0], [3, 0]]
+    assert torch.equal(probs, torch.tensor([[0.5, 0.1], [0.7, 0.8], [0.4, 0.3]]))
+    assert slot.counts.tolist() == [1, 2]
+    slot.replay = False
+    _, idx = slot.get_replay_topk(scores, 2, default_compute_topk=topk)
+    assert idx.tolist() == [[1, 2], [0, 3], [3, 0]]
+    replay = RoutingReplay([slot], tp_rank=1, sp_size=2)
+    assert replay.take_mismatch() == 2 / 4 and replay.take_mismatch() is None
+    routed = torch.arange(2 * 4 * 2 * 2).view(2, 4, 2, 2)  # [n, L, layers, k]
+    replay.set_targets(routed, packed=False)  # sequence-major, rank 1's half: t = 2, 3
+    assert slot.target.tolist() == [routed[i, t, 1].tolist() for t in (2, 3) for i in (0, 1)]
+    replay.set_targets(None, packed=False)
+    assert slot.target is None

@@ -134,7 +134,7 @@ class RolloutEngine:
             weight_transfer_config=WeightTransferConfig(backend=BACKEND_NAME),
             # The receiver is reached by string RPCs on this extension (no pickled callables,
             # so VLLM_ALLOW_INSECURE_SERIALIZATION stays off).
-            worker_extension_cls="megatron_grpo.rollout.routing_capture.RolloutWorkerExtension",
+            worker_extension_cls="megatron_grpo.rollout.vllm_worker.RolloutWorkerExtension",
         )
         if routing_capture:  # a cached prompt block is not forwarded, so not captured
             kwargs["enable_prefix_caching"] = False

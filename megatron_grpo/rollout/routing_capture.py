@@ -21,8 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from megatron_grpo.bridge.vllm_plugin import ReceiverWorkerExtension
-
 
 class RoutingCapture:
     """The routed experts of every request this worker forwarded since the last ``take``."""
@@ -84,17 +82,21 @@ class RoutingCapture:
 
     def take(self) -> dict[str, np.ndarray]:
         """Each request's rows by vLLM's internal request id, in position order (uint8
-        where the expert ids fit), and forget them."""
+        where the expert ids fit), and forget them. A request vLLM preempted and forwarded
+        again keeps its latest rows (what its later tokens attended to)."""
         out = {}
         for req, parts in self.rows.items():
-            parts.sort(key=lambda p: p[0])
-            pos = 0
-            for start, rows in parts:
-                if start != pos:
-                    raise RuntimeError(f"routing capture of request {req}: positions {pos}.."
-                                       f"{start} were not forwarded (prefix cache?)")  # fmt: skip
-                pos += len(rows)
-            arr = np.concatenate([rows for _, rows in parts])
+            end = max(start + len(rows) for start, rows in parts)
+            arr = np.zeros((end, *parts[0][1].shape[1:]), dtype=parts[0][1].dtype)
+            seen = np.zeros(end, dtype=bool)
+            for start, rows in parts:  # in capture order: a recompute overwrites
+                arr[start : start + len(rows)] = rows
+                seen[start : start + len(rows)] = True
+            if not seen.all():
+                raise RuntimeError(
+                    f"routing capture of request {req}: position {int(np.argmin(seen))} was "
+                    "never forwarded (a prefix-cache hit?)"
+                )
             out[req] = arr.astype(np.uint8 if arr.max(initial=0) < 256 else np.int16)
         self.rows.clear()
         return out
@@ -131,18 +133,3 @@ def routed_rows(routed: dict, request_id: str, index: int, forwarded: int) -> np
             f"experts, expected {forwarded} (prompt + response - 1)."
         )
     return rows
-
-
-class RolloutWorkerExtension(ReceiverWorkerExtension):
-    """The receiver's worker RPCs (bridge/vllm_plugin.py) plus the routing capture's."""
-
-    def mgrpo_capture_routing(self) -> int:
-        """Start capturing routed experts; returns the number of MoE layers."""
-        if getattr(self, "_mgrpo_routing", None) is None:
-            self._mgrpo_routing = RoutingCapture(self.model_runner)
-        return self._mgrpo_routing.num_layers
-
-    def mgrpo_take_routing(self) -> dict[str, tuple[list[int], str, bytes]]:
-        """The captured requests' rows as (shape, dtype, raw bytes) by internal request id."""
-        return {k: (list(a.shape), str(a.dtype), a.tobytes())
-                for k, a in self._mgrpo_routing.take().items()}  # fmt: skip
