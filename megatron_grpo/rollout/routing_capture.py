@@ -28,7 +28,13 @@ class RoutingCapture:
     def __init__(self, runner: Any) -> None:
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1ModelRunner
 
+        if not isinstance(runner, V1ModelRunner):
+            raise ValueError(
+                f"rollout.routing_replay: vLLM runs {type(runner).__name__}, not the V1 model "
+                "runner the capture reads its batch from: set VLLM_USE_V2_MODEL_RUNNER=0."
+            )
         self.runner = runner
         self.rows: dict[str, list[tuple[int, np.ndarray]]] = {}
         self._step: dict[int, np.ndarray] = {}
@@ -44,11 +50,6 @@ class RoutingCapture:
         self.num_layers = max(m.layer_id for m in layers) + 1
         for m in layers:
             m.router.set_capture_fn(lambda ids, layer=m.layer_id: self._capture(layer, ids))
-        if not hasattr(runner, "input_batch"):
-            raise ValueError(
-                f"rollout.routing_replay: vLLM runs {type(runner).__name__}, not the V1 model "
-                "runner the capture reads its batch from: set VLLM_USE_V2_MODEL_RUNNER=0."
-            )
         inner = runner.execute_model
 
         def execute_model(scheduler_output, *args, **kwargs):
