@@ -120,7 +120,6 @@ HAND: list[tuple[str, list[str]]] = [
     ("train: routing replay with a dense model", [*T, "rollout.routing_replay=on"]),
     ("train: routing replay with activation recompute", [*T, "model.hf_path=tiny-moe", "rollout.routing_replay=on", "model.recompute=full"]),
     ("choice not offered", [*T, "rollout.routing_replay=sometimes"]),
-    ("routing replay with disaggregated engines", [*T, "rollout.routing_replay=measure", "rollout.placement=disaggregated"]),
 ]
 # fmt: on
 

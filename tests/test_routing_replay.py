@@ -162,8 +162,6 @@ def test_routing_replay_values(tmp_path: Path) -> None:
     assert load_config(None, ["rollout.routing_replay=measure"]).rollout.routing_replay == "measure"
     with pytest.raises(ConfigError, match=r"rollout.routing_replay='yes please' is not one of"):
         load_config(None, ["rollout.routing_replay=yes please"])
-    with pytest.raises(ConfigError, match="needs rollout.placement=colocated"):
-        load_config(None, ["rollout.routing_replay=on", "rollout.placement=disaggregated"])
 
 
 def test_routing_replay_needs_an_moe_model() -> None:

@@ -213,18 +213,12 @@ class RolloutConfig:
     them); ``measure``: the same capture, the trainer routes by itself, and each step logs
     ``routing_mismatch``, the share of (token, MoE layer) routings where the trainer's
     router chose other experts than vLLM (also logged with ``on``: the router's own choice
-    against vLLM's); ``off``: no capture. Colocated placement only."""
+    against vLLM's); ``off``: no capture."""
 
     def __post_init__(self) -> None:
         if isinstance(self.routing_replay, bool):  # YAML 1.1 reads on/off as booleans
             self.routing_replay = "on" if self.routing_replay else "off"
         _check_choice("rollout.routing_replay", self.routing_replay, ("off", "measure", "on"))
-        if self.routing_replay != "off" and self.placement != "colocated":
-            raise ConfigError(
-                f"rollout.routing_replay={self.routing_replay} needs rollout.placement="
-                f"colocated (got {self.placement}): the disaggregated engines' samples do not "
-                "carry vLLM's routed experts yet; set rollout.routing_replay=off."
-            )
         _check_choice("rollout.placement", self.placement, ("colocated", "disaggregated"))
         _positive("rollout", self, "tp")
         _non_negative("rollout", self, "num_engines")
