@@ -227,3 +227,38 @@ def test_slot_replays_targets_with_the_routers_own_scores() -> None:
     assert slot.target.tolist() == [routed[i, t, 1].tolist() for t in (2, 3) for i in (0, 1)]
     replay.set_targets(None, packed=False)
     assert slot.target is None
+
+
+def test_batch_and_pack_carry_the_experts_position_aligned() -> None:
+    """collate puts sample i's row t at [i, t] (-1 for the last token and padding); a pack
+    concatenates each row's first len tokens like the tokens (-1 for the filler)."""
+    import numpy as np
+
+    from megatron_grpo.policy.batching import packed_micro_batches
+    from megatron_grpo.rollout.engine import Sample
+    from megatron_grpo.trainer.batch import collate
+
+    def sample(p: int, r: int, base: int) -> Sample:
+        rows = np.arange(base, base + (p + r - 1) * 2, dtype=np.uint8).reshape(-1, 1, 2)
+        return Sample(list(range(1, p + 1)), [7] * r, [-0.5] * r, "stop", routed_experts=rows)
+
+    batch = collate([sample(3, 2, 0), sample(2, 1, 100)], pad_id=0)
+    r = batch["routed_experts"]
+    assert r.shape == (2, 5, 1, 2) and r.dtype == torch.int16
+    assert r[0, :4, 0].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]] and r[0, 4].tolist() == [
+        [-1, -1]
+    ]
+    assert r[1, :2, 0].tolist() == [[100, 101], [102, 103]] and (r[1, 2:] == -1).all()
+    (_, _, _, pack), = packed_micro_batches(batch, token_budget=100, multiple=5)  # fmt: skip
+    assert pack.input_ids.shape[1] == 10 and pack.routed_experts.shape == (10, 1, 2)
+    assert torch.equal(pack.routed_experts[:5], r[0]) and torch.equal(
+        pack.routed_experts[5:8], r[1, :3]
+    )
+    assert (pack.routed_experts[8:] == -1).all()  # the filler document
+    assert set(pack.tensors()) >= {"input_ids", "routed_experts"}
+    assert (
+        "routed_experts"
+        not in packed_micro_batches({k: v for k, v in batch.items() if k != "routed_experts"}, 100)[
+            0
+        ][3].tensors()
+    )
