@@ -124,6 +124,9 @@ HAND: list[tuple[str, list[str]]] = [
     ("train: ep does not divide the experts", [*T, "model.hf_path=tiny-moe", "parallel.ep=3", "parallel.dp=3", "rollout.tp=1", "grpo.prompts_per_step=9"]),
     ("train: ep does not divide dp", [*T, "model.hf_path=tiny-moe", "parallel.ep=2", "parallel.tp=2", "parallel.dp=1", "rollout.tp=1"]),
     ("train: tp > 1 with an MoE model, no sequence parallelism", [*T, "model.hf_path=tiny-moe", "parallel.tp=2", "rollout.tp=1"]),
+    ("train: routing replay with a dense model", [*T, "rollout.routing_replay=on"]),
+    ("train: routing replay with activation recompute", [*T, "model.hf_path=tiny-moe", "rollout.routing_replay=on", "model.recompute=full"]),
+    ("choice not offered", [*T, "rollout.routing_replay=sometimes"]),
 ]
 # fmt: on
 

@@ -179,6 +179,35 @@ def test_malformed_and_truncated_messages_are_one_clear_line(case):
     assert why in msg and "\n" not in msg, msg
 
 
+def test_samples_carry_their_routed_experts():
+    """rollout.routing_replay: each sample's [prompt + response - 1, layers, k] experts travel
+    as one raw uint8 (or int16) array; a count that does not add up is refused."""
+    import dataclasses
+
+    import numpy as np
+
+    batch = [dataclasses.replace(s, routed_experts=np.arange(
+        (len(s.prompt_ids) + len(s.response_ids) - 1) * 4, dtype=np.uint8).reshape(-1, 2, 2))
+        for s in SAMPLES]  # fmt: skip
+    raw = messages.samples(batch)
+    got = decode(raw, "res/0/0", "engine 0", ("samples",)).body
+    for a, b in zip(got, batch):
+        assert np.array_equal(a.routed_experts, b.routed_experts)
+        assert (a.prompt_ids, a.response_ids, a.logprobs) == (
+            b.prompt_ids,
+            b.response_ids,
+            b.logprobs,
+        )
+    assert (
+        len(raw) - len(messages.samples(SAMPLES)) < sum(r.routed_experts.size for r in batch) + 80
+    )
+    n = struct.unpack_from("<Q", raw, len(MAGIC))[0]
+    header = json.loads(raw[len(MAGIC) + 8 : len(MAGIC) + 8 + n])
+    header["arrays"][3][2] -= 1  # one expert id short (the routed array comes last)
+    with pytest.raises(BadMessage, match="routed experts, expected"):
+        decode(_frame(header, raw[len(MAGIC) + 8 + n : -1]), "res/0/0", "e", ("samples",))
+
+
 @pytest.mark.parametrize(
     "body, arrays, why",
     [

@@ -241,8 +241,19 @@ class RolloutConfig:
     With sync.mode=adaptive the next sync is not known in advance: a window reaches at most
     sync.min_interval steps past the last sync (no sync can come sooner), and past that the
     steps are generated one at a time, after the decision of the step before."""
+    routing_replay: Literal["off", "measure", "on"] = "off"
+    """MoE models only (docs/moe.md, "Routing replay"). ``on``: vLLM returns the experts it
+    routed every token to, the samples carry them, and the trainer's log-prob passes and
+    train steps route each token to those experts (the router's own probabilities at
+    them); ``measure``: the same capture, the trainer routes by itself, and each step logs
+    ``routing_mismatch``, the share of (token, MoE layer) routings where the trainer's
+    router chose other experts than vLLM (also logged with ``on``: the router's own choice
+    against vLLM's); ``off``: no capture."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.routing_replay, bool):  # YAML 1.1 reads on/off as booleans
+            self.routing_replay = "on" if self.routing_replay else "off"
+        _check_choice("rollout.routing_replay", self.routing_replay, ("off", "measure", "on"))
         _check_choice("rollout.placement", self.placement, ("colocated", "disaggregated"))
         _positive("rollout", self, "tp")
         _non_negative("rollout", self, "num_engines")

@@ -35,6 +35,7 @@ def step_row(
     gpu_memory: Any = None,
     drift: float | None = None,
     ratio_parts: Mapping[str, float] | None = None,
+    routing_mismatch: float | None = None,
 ) -> StepMetrics:
     """Step ``step``'s row. ``version``: the policy version that sampled its batch; ``adv``:
     ``algorithms.advantages``' result (``keep``, ``metrics``); ``train``: one dict per
@@ -42,7 +43,9 @@ def step_row(
     when the step synced, else None; ``times``: ``PhaseTimer.times()``; ``drift``: the
     step's agreed drift of pi_k from alpha (``GRPOTrainer.measure_drift``), if measured;
     ``ratio_parts``: grpo.score_alpha's staleness and numerics metrics
-    (``algorithms.staleness.decomposition_metrics``), if measured."""
+    (``algorithms.staleness.decomposition_metrics``), if measured; ``routing_mismatch``:
+    the share of MoE routings where the trainer's router chose other experts than vLLM
+    (``rollout.routing_replay``), if measured."""
 
     def mean(key: str) -> float | None:
         vals = [m[key] for m in train if key in m]
@@ -59,6 +62,8 @@ def step_row(
             extra[key] = times[key]
     extra.update({k: v for k in _TRAIN_EXTRAS if (v := mean(k)) is not None})
     extra.update(ratio_parts or {})
+    if routing_mismatch is not None:
+        extra["routing_mismatch"] = routing_mismatch
     if sync_report is not None:
         extra.update(sync_seconds=sync_report.seconds, sync_minimal_bytes=sync_report.minimal_bytes,
                      sync_wire_bytes=sync_report.wire_bytes)  # fmt: skip

@@ -81,6 +81,9 @@ def summarize(
     out["drift_mean"] = _mean(drifts)
     out["drift_max"] = max(drifts) if drifts else None
     out.update(_ratio_parts(rows))
+    mismatch = _values(rows, "routing_mismatch")
+    out["routing_mismatch_mean"] = _mean(mismatch)
+    out["routing_mismatch_max"] = max(mismatch) if mismatch else None
 
     # Mean seconds per step of each phase; time_sync counts 0 on steps that did not sync.
     phase_means: dict[str, float | None] = {}
@@ -185,6 +188,10 @@ def format_summary(s: Mapping[str, Any]) -> str:
                      f"{s['drift_mean']:.3g}, max {s['drift_max']:.3g}")  # fmt: skip
     if parts := _ratio_parts_line(s):
         lines.append(parts)
+    if s.get("routing_mismatch_mean") is not None:
+        lines.append(f"MoE routings where the trainer's router differs from vLLM's "
+                     f"(rollout.routing_replay): mean {s['routing_mismatch_mean']:.3g}, max "
+                     f"{s['routing_mismatch_max']:.3g}")  # fmt: skip
     sv = s["sync_every_v_saving"]
     what = "sync every v" if s.get("sync_mode", "fixed") == "fixed" else "adaptive sync"
     if "note" in sv:

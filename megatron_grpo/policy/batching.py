@@ -130,11 +130,19 @@ class PackedRows:
     """long [N]: its position in the row."""
     src: torch.Tensor
     """long [N]: its position in the pack."""
+    routed_experts: torch.Tensor | None = None
+    """int [T, MoE layers, top-k]: vLLM's experts of each token of the pack, -1 for none
+    (the filler, each row's last token); None without routing replay
+    (policy/routing_replay.py)."""
 
-    TENSORS = ("input_ids", "cu_seqlens", "positions", "rows", "cols", "src")
+    TENSORS = ("input_ids", "cu_seqlens", "positions", "rows", "cols", "src", "routed_experts")
 
     @classmethod
-    def build(cls, ids: torch.Tensor, lengths: list[int], multiple: int = 1) -> PackedRows:
+    def build(
+        cls, ids: torch.Tensor, lengths: list[int], multiple: int = 1,
+        routed: torch.Tensor | None = None,
+    ) -> PackedRows:  # fmt: skip
+        """``routed``: the rows' [n, L, layers, k] experts, packed like their tokens."""
         docs = [ids[i, :n] for i, n in enumerate(lengths)]
         total = sum(lengths)
         size = -(-max(total, 2) // multiple) * multiple
@@ -157,15 +165,16 @@ class PackedRows:
             rows=cat([torch.full((n - 1,), i) for i, n, _ in scored]),
             cols=cat([torch.arange(1, n) for _, n, _ in scored]),
             src=cat([torch.arange(s + 1, s + n) for _, n, s in scored]),
+            routed_experts=None if routed is None else _pack_routed(routed, lengths, size),
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The pack's tensors by field name (what moves to the device)."""
-        return {k: getattr(self, k) for k in self.TENSORS}
+        return {k: getattr(self, k) for k in self.TENSORS if getattr(self, k) is not None}
 
     def on(self, moved: dict[str, torch.Tensor]) -> PackedRows:
         """This pack with its tensors replaced by ``moved`` (``tensors()`` on the device)."""
-        return dataclasses.replace(self, **{k: moved[k] for k in self.TENSORS})
+        return dataclasses.replace(self, **{k: moved[k] for k in self.TENSORS if k in moved})
 
     def packed_seq_params(self, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
         """megatron's ``PackedSeqParams`` of this pack (its tensors where they are), with two
@@ -192,6 +201,17 @@ class PackedRows:
         return out.index_put((self.rows, self.cols), packed[0, self.src])
 
 
+def _pack_routed(routed: torch.Tensor, lengths: list[int], size: int) -> torch.Tensor:
+    """[n, L, layers, k] -> [size, layers, k]: each row's first ``lengths[i]`` tokens end to
+    end, -1 for the filler."""
+    out = routed.new_full((size, *routed.shape[2:]), -1)
+    at = 0
+    for i, n in enumerate(lengths):
+        out[at : at + n] = routed[i, :n]
+        at += n
+    return out
+
+
 def packed_micro_batches(
     batch: StepBatch, token_budget: int, multiple: int = 1
 ) -> list[tuple[slice, int, StepBatch, PackedRows]]:
@@ -216,7 +236,8 @@ def packed_micro_batches(
     out = []
     for rows in groups:
         length = max(lengths[rows])
-        pack = PackedRows.build(batch["input_ids"][rows], lengths[rows], multiple)
+        routed = batch["routed_experts"][rows] if "routed_experts" in batch else None
+        pack = PackedRows.build(batch["input_ids"][rows], lengths[rows], multiple, routed)
         out.append((rows, length, _slice_rows(batch, rows, length), pack))
     return out
 

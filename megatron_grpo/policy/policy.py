@@ -32,6 +32,7 @@ from megatron_grpo.policy.optimizer import (
     setup_training,
 )
 from megatron_grpo.policy.rope import PackedRope
+from megatron_grpo.policy.routing_replay import RoutingReplay
 from megatron_grpo.policy.scoring import Scoring
 from megatron_grpo.policy.transfer import to_device
 
@@ -53,6 +54,7 @@ class Policy:
         *,
         total_steps: int = 1,
         temperature: float = 1.0,
+        routing_replay: bool = False,
     ) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -79,6 +81,10 @@ class Policy:
             tp_group=ctx.tp_group,
         )
         self.trainable = optim_cfg is not None
+        # MoE routers' hook for vLLM's experts (a batch's routed_experts): replayed, or only
+        # compared with the router's own choice (policy.routing_replay; None when dense)
+        self.routing_replay = routing_replay
+        self.routing = RoutingReplay.install(self.models, ctx, replay=routing_replay)
         self._forward_backward = get_forward_backward_func()
         self.nan_steps_in_row = 0
         # Sequence parallelism splits every micro-batch's sequence dim over the TP ranks.
@@ -168,6 +174,9 @@ class Policy:
 
         def step(data_iterator, model):
             mb, pack = self._to_device(*next(data_iterator))
+            if self.routing is not None:  # this micro-batch's vLLM experts, on every stage
+                routed = mb.get("routed_experts") if pack is None else pack.routed_experts
+                self.routing.set_targets(routed, packed=pack is not None)
             out = self._model_forward(model, mb, pack)
 
             def reduce(out):
@@ -191,7 +200,9 @@ class Policy:
         moved = to_device(tensors, self.ctx.device)
         mb = {k: moved.get(f"mb.{k}", v) for k, v in mb.items()}
         if pack is not None:
-            pack = pack.on({k: moved[f"pack.{k}"] for k in pack.TENSORS})
+            pack = pack.on(
+                {k: t for k in pack.TENSORS if (t := moved.get(f"pack.{k}")) is not None}
+            )
         return mb, pack
 
     def _logp_entropy(self, out, input_ids: torch.Tensor):
@@ -256,8 +267,10 @@ class Policy:
         that many real tokens (``micro_batch_size`` is then not used); the last pipeline
         stage computes them and broadcasts to the others.
         """
-        # the pass reads only the tokens (and the mask that gives each row's length)
-        batch = {k: batch[k] for k in ("input_ids", "attention_mask") if k in batch}
+        # the pass reads only the tokens (and the mask that gives each row's length), and
+        # vLLM's experts of each token where the batch carries them
+        keys = ("input_ids", "attention_mask", "routed_experts")
+        batch = {k: batch[k] for k in keys if k in batch}
         mbs = self._split(batch, micro_batch_size, token_budget)
         ids = batch["input_ids"]
         for m in self.models:
@@ -401,7 +414,8 @@ class Policy:
     def make_reference(self) -> Policy:
         """A forward-only copy of this policy's current weights (pi_ref). Reset it later with
         ``ref.copy_weights_from(policy)``."""
-        ref = build_policy(self.spec, self.ctx, self.model_cfg, None, temperature=self.temperature)
+        ref = build_policy(self.spec, self.ctx, self.model_cfg, None, temperature=self.temperature,
+                           routing_replay=self.routing_replay)  # fmt: skip
         ref.copy_weights_from(self)
         return ref
 
@@ -415,18 +429,19 @@ def build_policy(
     init_weights: Callable[[list], None] | None = None,
     total_steps: int = 1,
     temperature: float = 1.0,
+    routing_replay: bool = False,
 ) -> Policy:
     """Build the model chunks, fill them with ``init_weights(chunks)`` (e.g.
     ``partial(load_hf_into_megatron, hf_dir=..., spec=spec, ctx=ctx)``) BEFORE the optimizer
     copies them, and wrap them for training when ``optim_cfg`` is given (forward-only
     otherwise). ``total_steps`` sets the length of the cosine schedule; ``temperature`` the T
-    its log-probs are computed at (logits / T; ``rollout.temperature`` in training)."""
+    its log-probs are computed at (logits / T; ``rollout.temperature`` in training);
+    ``routing_replay`` routes MoE tokens to the batch's ``routed_experts`` (vLLM's)."""
     models = build_model(spec, ctx, model_cfg)
     if init_weights is not None:
         init_weights(models)
-    return Policy(
-        models, ctx, spec, model_cfg, optim_cfg, total_steps=total_steps, temperature=temperature
-    )
+    return Policy(models, ctx, spec, model_cfg, optim_cfg, total_steps=total_steps,
+                  temperature=temperature, routing_replay=routing_replay)  # fmt: skip
 
 
 __all__ = ["StepBatch", "LRSchedule", "LossFn", "Policy", "build_policy"]

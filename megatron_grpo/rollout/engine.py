@@ -81,6 +81,10 @@ class Sample:
     """``"length"`` (hit ``max_new_tokens``) or ``"stop"`` (EOS or a stop token)."""
     weight_version: str | None = None
     """The weight version (``RolloutEngine.weight_version``) the engine held when sampling."""
+    routed_experts: Any = None
+    """With ``routing_capture``: the experts vLLM routed each forwarded token to, a numpy
+    array [prompt + response - 1, MoE layers, top-k] (row t: token t; the last response
+    token is never forwarded; rollout/routing_capture.py). None otherwise."""
 
 
 class RolloutEngine:
@@ -103,6 +107,7 @@ class RolloutEngine:
         logprobs_mode: LogprobsMode = "raw",
         dtype: str | None = None,
         keep_weight_copies: bool = False,
+        routing_capture: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         from vllm import LLM
@@ -130,8 +135,10 @@ class RolloutEngine:
             weight_transfer_config=WeightTransferConfig(backend=BACKEND_NAME),
             # The receiver is reached by string RPCs on this extension (no pickled callables,
             # so VLLM_ALLOW_INSECURE_SERIALIZATION stays off).
-            worker_extension_cls="megatron_grpo.bridge.vllm_plugin.ReceiverWorkerExtension",
+            worker_extension_cls="megatron_grpo.rollout.vllm_worker.RolloutWorkerExtension",
         )
+        if routing_capture:  # a cached prompt block is not forwarded, so not captured
+            kwargs["enable_prefix_caching"] = False
         kwargs.update(memory_kwargs(on_gpu, placement, gpu_memory_utilization, cpu_kv_cache_gb))
         if placement == "colocated":
             self.replica_index = external_launcher_replica(tp)
@@ -151,6 +158,9 @@ class RolloutEngine:
             self.llm.llm_engine.engine_core._finalizer.detach()
         if keep_weight_copies:
             self.llm.collective_rpc("mgrpo_set_keep_copies", args=(True,))
+        self.routing_capture = routing_capture
+        if routing_capture:
+            self.llm.collective_rpc("mgrpo_capture_routing")
 
     @classmethod
     def from_config(
@@ -160,6 +170,7 @@ class RolloutEngine:
         ``softmax(logits / rollout.temperature)``), which the policy matches by dividing its
         logits by the same T (policy/policy.py)."""
         kwargs.setdefault("logprobs_mode", "processed")
+        kwargs.setdefault("routing_capture", cfg.routing_replay != "off")
         return cls(
             model_path,
             placement=cfg.placement,
@@ -225,6 +236,11 @@ class RolloutEngine:
                 )
             )
         outputs = self.llm.generate(requests, params, use_tqdm=False)
+        routed = None
+        if self.routing_capture:  # rank 0's: every TP rank routes alike
+            from megatron_grpo.rollout.routing_capture import routed_rows, take_routed
+
+            routed = take_routed(self.llm)
         version = str(self._version)
         samples: list[Sample] = []
         for req, out in zip(requests, outputs):
@@ -237,9 +253,12 @@ class RolloutEngine:
                     )
                 lps = [step[tok].logprob for tok, step in zip(ids, comp.logprobs)]
                 reason = "length" if comp.finish_reason == "length" else "stop"
-                samples.append(
-                    Sample(req["prompt_token_ids"], ids, lps, reason, weight_version=version)
-                )
+                sample = Sample(req["prompt_token_ids"], ids, lps, reason, weight_version=version)
+                if routed is not None:
+                    sample.routed_experts = routed_rows(
+                        routed, out.request_id, comp.index, len(ids) + len(sample.prompt_ids) - 1
+                    )
+                samples.append(sample)
         return samples
 
     def prompt_logprobs(self, seqs: Sequence[Sequence[int]]) -> list[list[float]]:

@@ -1,7 +1,8 @@
 """What the processes of the disaggregated placement say to each other over the control
 channel (rollout/control.py): data, never code. A message is one frame, JSON (its kind and
 body) then raw little-endian int64/float64 arrays (the samples' token ids and log-probs), decoded
-into the project's own types and checked on arrival (keys, types, lengths). Anything else,
+into the project's own types and checked on arrival (keys, types, lengths); with routing
+replay the samples' routed experts follow as one uint8 or int16 array. Anything else,
 a pickle included, is refused with one line naming the key and the peer; nothing in a message
 is ever called or imported. Why, and what the rendezvous port exposes: docs/launch.md.
 """
@@ -24,7 +25,7 @@ MAX_MESSAGE_BYTES = 1 << 30
 samples costs 16 bytes per response token (int64 id, float64 log-prob) plus 8 per prompt
 token, so 1 GiB is ~60M sampled tokens per engine per step."""
 _LEN = struct.Struct("<Q")
-_ARRAY_CODES = {"int64": "q", "float64": "d"}
+_ARRAY_CODES = {"int64": "q", "float64": "d", "uint8": "B", "int16": "h"}
 _FIX = (
     "the peer runs another megatron-grpo version, or something other than this job wrote to "
     "the rendezvous store: keep its port private (docs/launch.md, 'The rendezvous port')"
@@ -96,9 +97,13 @@ SCHEMAS: dict[str, Any] = {
         "response_len": [int],
         "finish_reason": [str],
         "weight_version": [Opt(str)],
+        "routed_shape": Opt([int]),
     },  # fmt: skip
 }
 _SAMPLE_ARRAYS = (("prompt_ids", "int64"), ("response_ids", "int64"), ("logprobs", "float64"))
+_ROUTED_DTYPES = ("uint8", "int16")
+"""``Sample.routed_experts`` (rollout.routing_replay): every sample's [prompt + response - 1,
+layers, top-k] rows end to end, ``routed_shape`` = [layers, top-k] in the body."""
 
 
 def _check(value: Any, schema: Any, path: str) -> str | None:
@@ -180,7 +185,13 @@ def samples(batch: list[Sample]) -> bytes:
         "response_ids": [t for s in batch for t in s.response_ids],
         "logprobs": [float(x) for s in batch for x in s.logprobs],
     }
-    return _frame("samples", body, [(n, d, flat[n]) for n, d in _SAMPLE_ARRAYS])
+    arrays = [(n, d, flat[n]) for n, d in _SAMPLE_ARRAYS]
+    if batch and batch[0].routed_experts is not None:
+        rows = [s.routed_experts for s in batch]
+        body["routed_shape"] = list(rows[0].shape[1:])
+        dtype = "uint8" if all(r.dtype.name == "uint8" for r in rows) else "int16"
+        arrays.append(("routed_experts", dtype, [int(x) for r in rows for x in r.reshape(-1)]))
+    return _frame("samples", body, arrays)
 
 
 # ------------------------------------------------------------------------------ decode
@@ -249,6 +260,12 @@ def _no_constant(name: str) -> None:
 def _arrays(specs: list, blob: bytes, kind: str) -> dict[str, list]:
     """The raw arrays after the header, by name: exactly those ``kind`` carries."""
     want = list(_SAMPLE_ARRAYS) if kind == "samples" else []
+    if (
+        kind == "samples"
+        and len(specs) == 4
+        and list(specs[3][:2]) in (["routed_experts", d] for d in _ROUTED_DTYPES)
+    ):
+        want.append(tuple(specs[3][:2]))
     if [tuple(s[:2]) for s in specs] != want or any(len(s) != 3 for s in specs):
         raise BadMessage(f"arrays {[s[:2] for s in specs]}, expected {[list(w) for w in want]}")
     out, pos = {}, 0
@@ -270,7 +287,8 @@ def _arrays(specs: list, blob: bytes, kind: str) -> dict[str, list]:
 
 def _samples(body: dict, arrays: dict[str, list]) -> list[Sample]:
     n = len(body["prompt_len"])
-    if any(len(body[k]) != n for k in body):
+    routed = _routed(body, arrays)
+    if any(len(body[k]) != n for k in body if k != "routed_shape"):
         raise BadMessage(f"samples: lengths differ { ({k: len(v) for k, v in body.items()}) }")
     for k, total in (("prompt_len", "prompt_ids"), ("response_len", "response_ids")):
         if any(x < 0 for x in body[k]) or sum(body[k]) != len(arrays[total]):
@@ -287,5 +305,23 @@ def _samples(body: dict, arrays: dict[str, list]) -> list[Sample]:
         out.append(Sample(arrays["prompt_ids"][p : p + pl], arrays["response_ids"][r : r + rl],
                           arrays["logprobs"][r : r + rl], body["finish_reason"][i],
                           weight_version=body["weight_version"][i]))  # fmt: skip
+        if routed is not None:
+            out[-1].routed_experts, routed = routed[: pl + rl - 1], routed[pl + rl - 1 :]
         p, r = p + pl, r + rl
     return out
+
+
+def _routed(body: dict, arrays: dict[str, list]):
+    """The samples' routed-experts rows end to end, [rows, layers, top-k] (numpy), or None."""
+    shape = body.get("routed_shape")
+    if shape is None and "routed_experts" not in arrays:
+        return None
+    import numpy as np
+
+    rows = sum(pl + rl - 1 for pl, rl in zip(body["prompt_len"], body["response_len"]))
+    if shape is None or len(shape) != 2 or min(shape) < 1 or "routed_experts" not in arrays:
+        raise BadMessage(f"samples: routed_shape {shape} without routed_experts, or the reverse")
+    if len(arrays["routed_experts"]) != rows * shape[0] * shape[1]:
+        raise BadMessage(f"samples: {len(arrays['routed_experts'])} routed experts, expected "
+                         f"{rows} rows x {shape[0]} layers x {shape[1]}")  # fmt: skip
+    return np.asarray(arrays["routed_experts"], dtype=np.int16).reshape(rows, *shape)

@@ -18,7 +18,8 @@ from megatron_grpo.rollout.engine import Sample
 def collate(samples: Sequence[Sample], pad_id: int) -> StepBatch:
     """Stack samples into ``input_ids``, ``attention_mask``, ``loss_mask``, ``rollout_logp``
     ([N, L], L the longest prompt + response), ``response_len`` and ``truncated`` ([N]; True
-    where the response hit max_new_tokens, ``finish_reason == "length"``)."""
+    where the response hit max_new_tokens, ``finish_reason == "length"``), and when the
+    samples carry vLLM's routed experts, ``routed_experts`` (``routed_experts``)."""
     n = len(samples)
     length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     ids = torch.full((n, length), pad_id, dtype=torch.long)
@@ -35,7 +36,7 @@ def collate(samples: Sequence[Sample], pad_id: int) -> StepBatch:
         attn[i, : p + r] = 1
         loss_mask[i, p : p + r] = 1
         resp_len[i] = r
-    return {
+    batch = {
         "input_ids": ids,
         "attention_mask": attn,
         "loss_mask": loss_mask,
@@ -43,6 +44,21 @@ def collate(samples: Sequence[Sample], pad_id: int) -> StepBatch:
         "response_len": resp_len,
         "truncated": torch.tensor([s.finish_reason == "length" for s in samples]),
     }
+    if samples and samples[0].routed_experts is not None:
+        batch["routed_experts"] = routed_experts(samples, length)
+    return batch
+
+
+def routed_experts(samples: Sequence[Sample], length: int) -> torch.Tensor:
+    """vLLM's experts per token, position-aligned: int16 [N, L, MoE layers, top-k], -1 where
+    vLLM forwarded no token (each row's last token, padding): the router's own choice there
+    (policy/routing_replay.py)."""
+    layers, k = samples[0].routed_experts.shape[1:]
+    out = torch.full((len(samples), length, layers, k), -1, dtype=torch.int16)
+    for i, s in enumerate(samples):
+        rows = torch.from_numpy(s.routed_experts.astype("int16"))
+        out[i, : rows.shape[0]] = rows
+    return out
 
 
 def select(batch: StepBatch, rows: slice | torch.Tensor) -> StepBatch:

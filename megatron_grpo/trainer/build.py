@@ -82,6 +82,7 @@ def build_trainer(
         init_weights=partial(load_hf_into_megatron, hf_dir=hf_dir, spec=spec, ctx=ctx),
         total_steps=optimizer_steps,
         temperature=cfg.rollout.temperature,  # log-probs of softmax(logits / T), as sampled
+        routing_replay=cfg.rollout.routing_replay == "on",  # vLLM's experts (docs/moe.md)
     )  # fmt: skip
     ref = policy.make_reference() if g.kl_coef > 0 else None
     keep_served = cfg.checkpoint.exact_resume and cfg.sync.can_lag

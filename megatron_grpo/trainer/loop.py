@@ -127,6 +127,7 @@ class GRPOTrainer:
             adv = self.group_advantages(rewards, kl_seq, step)
             with timer.phase("train"):
                 train, drift, ratio_parts = self.train_on(batch, adv, step)
+            routing = self.routing_mismatch()
             sync_report = eval_metrics = None
             if self.schedule.due(step, drift):
                 with timer.phase("sync"), self._bounded(f"the weight sync of step {step}"):
@@ -143,6 +144,7 @@ class GRPOTrainer:
                 timer.times(), time.perf_counter() - t_step, eval_metrics=eval_metrics,
                 sync_verify=getattr(self.sender, "last_verify", None),
                 gpu_memory=self.memory.take_boundaries(), drift=drift, ratio_parts=ratio_parts,
+                routing_mismatch=routing,
             ))  # fmt: skip
             if self.checkpointer.after_step(step, self.loop_state(step)):
                 return {"preempted": True, "step": step}
@@ -234,6 +236,14 @@ class GRPOTrainer:
                     )
                 )
         return out, drift, ratio_parts
+
+    def routing_mismatch(self) -> float | None:
+        """With rollout.routing_replay: the share of (token, MoE layer) routings in this
+        step's log-prob passes and train steps where the policy's router chose other experts
+        than vLLM (policy/routing_replay.py); the same on every rank."""
+        if self.cfg.rollout.routing_replay == "off" or self.policy.routing is None:
+            return None
+        return self.policy.routing.take_mismatch()
 
     def split_ratio(self, pi_logp, shard, step: int) -> dict[str, float]:
         """grpo.score_alpha: alpha's log-probs on the trainer (``shard["alpha_logp"]``) and

@@ -54,7 +54,8 @@ def check_run(cfg: Config, world_size: int) -> int:
 
 
 def check_moe(spec: ModelSpec, cfg: Config) -> None:
-    """The expert split (``parallel.ep``) of an MoE model, and its TP (docs/moe.md)."""
+    """The expert split (``parallel.ep``) of an MoE model, its TP, and routing replay
+    (docs/moe.md)."""
     par = cfg.parallel
     check_experts(spec, par.ep, par.tp)
     if spec.is_moe and par.tp > 1 and not par.sequence_parallel:
@@ -74,3 +75,16 @@ def check_moe(spec: ModelSpec, cfg: Config) -> None:
                 f"rollout.tp({cfg.rollout.tp}) does not divide the model's {key}({width}): "
                 "every vLLM rank holds 1/tp of each expert; pick a rollout.tp that divides it."
             )
+    replay = cfg.rollout.routing_replay
+    if replay != "off" and not spec.num_experts:
+        raise ConfigError(
+            f"rollout.routing_replay={replay} needs a mixture-of-experts model, but "
+            f"{cfg.model.hf_path} is dense (no experts to route): set "
+            "rollout.routing_replay=off."
+        )
+    if replay != "off" and cfg.model.recompute != "none":
+        raise ConfigError(
+            f"rollout.routing_replay={replay} with model.recompute={cfg.model.recompute}: "
+            "the recomputed forward in the backward pass would not see the micro-batch's "
+            "routed experts; set model.recompute=none or rollout.routing_replay=off."
+        )
