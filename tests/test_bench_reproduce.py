@@ -9,9 +9,9 @@ import json
 import pytest
 
 from megatron_grpo.bench.common import trailing_mean
-from megatron_grpo.bench.reproduce import ReproduceArgs, check_configs, estimate_s
-from megatron_grpo.bench.reproduce_claims import CLAIMS, plan_runs
-from megatron_grpo.bench.reproduce_stats import (
+from megatron_grpo.bench.reproduce.claims import CLAIMS, plan_runs
+from megatron_grpo.bench.reproduce.run import ReproduceArgs, check_configs, estimate_s
+from megatron_grpo.bench.reproduce.stats import (
     INCONCLUSIVE,
     NOT_REPRODUCED,
     REPRODUCED,
@@ -108,7 +108,7 @@ def test_paired_seeds_cancel_what_the_seed_does_to_both_variants():
 
 
 def test_claim_table_and_figure(tmp_path):
-    from megatron_grpo.bench.report_reproduce import plot_claim, reproduce_markdown
+    from megatron_grpo.bench.reproduce.report import plot_claim, reproduce_markdown
 
     claim = CLAIMS[4]
     up = {1: [0.2, 0.5, 0.8, 0.9], 2: [0.4, 0.5, 0.8, 0.9]}
@@ -153,7 +153,7 @@ def test_bench_reproduce_end_to_end(tmp_path):
 
 
 def test_report_from_json_reanalyzes_saved_curves(tmp_path):
-    from megatron_grpo.bench.reproduce import report_from_json
+    from megatron_grpo.bench.reproduce.run import report_from_json
 
     runs, run_of = plan_runs([4])
     curve = {"1": [0.2, 0.4, 0.6], "2": [0.3, 0.5, 0.7]}  # JSON keys: strings

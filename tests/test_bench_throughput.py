@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megatron_grpo.bench.throughput import ThroughputArgs, analyze_run, compare, train_command
+from megatron_grpo.bench.throughput.run import ThroughputArgs, analyze_run, compare, train_command
 from tests._bench_helpers import run_bench
 
 
@@ -88,7 +88,7 @@ def test_bench_throughput_end_to_end(tmp_path):
 
 
 def test_rounds_are_pooled_and_ratios_are_also_taken_round_by_round():
-    from megatron_grpo.bench.throughput import analyze_rounds
+    from megatron_grpo.bench.throughput.run import analyze_rounds
 
     slow = [{**_row(k, True), "time_step": 4.8} for k in (1, 2, 3)]  # a round under load
     fast = [_row(k, True) for k in (1, 2, 3)]
@@ -105,7 +105,7 @@ def test_rounds_are_pooled_and_ratios_are_also_taken_round_by_round():
 
 
 def test_sync_table_reports_gb_per_s_against_raw():
-    from megatron_grpo.bench.report import sync_markdown
+    from megatron_grpo.bench.throughput.report import sync_markdown
 
     d = dict(bytes=2 * 10**9, wire_bytes=10**9, seconds=4.0, transport_s=2.0)
     res = dict(model="m", model_params=1e6, train_tp=2, train_pp=1, train_dp=1, rollout_tp=1,
@@ -131,7 +131,7 @@ def test_ahead_pairs_carry_their_override_and_their_speedup_over_serial(tmp_path
         ThroughputArgs(vs=[4], steps=5, aheads=[0, 0])
     with pytest.raises(ValueError, match="rollout.ahead"):
         ThroughputArgs(vs=[4], steps=5, overrides=["rollout.ahead=2"])
-    from megatron_grpo.bench.throughput import analyze_rounds
+    from megatron_grpo.bench.throughput.run import analyze_rounds
 
     serial = analyze_rounds([[_row(k, k == 4) for k in (1, 2, 3, 4, 5)]], 4, 1)
     fast = [dict(_row(k, k == 4), time_step=1.2) for k in (1, 2, 3, 4, 5)]
@@ -143,7 +143,7 @@ def test_ahead_pairs_carry_their_override_and_their_speedup_over_serial(tmp_path
 
 
 def test_pinning_splits_the_cores_and_refuses_a_bad_list(monkeypatch):
-    from megatron_grpo.bench.throughput import pin_env
+    from megatron_grpo.bench.throughput.run import pin_env
     from megatron_grpo.rollout.server import pin_role
 
     assert pin_env([1, 0]) == {
@@ -156,7 +156,7 @@ def test_pinning_splits_the_cores_and_refuses_a_bad_list(monkeypatch):
 
 
 def test_ahead_prediction_comes_from_the_serial_runs_phases():
-    from megatron_grpo.bench.throughput import analyze_rounds, predicted_ahead_speedup
+    from megatron_grpo.bench.throughput.run import analyze_rounds, predicted_ahead_speedup
 
     serial = analyze_rounds([[_row(k, k % 4 == 0) for k in range(1, 9)]], 4, 4)
     # R = 1.1, T = 0.7 + other 0.2 = 0.9, S = 0.4 (from _row); disaggregated window:

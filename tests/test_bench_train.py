@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_grpo.bench.train_batch import make_batch, micro_batches, one_sequence
-from megatron_grpo.bench.train_measure import (
+from megatron_grpo.bench.train.batch import make_batch, micro_batches, one_sequence
+from megatron_grpo.bench.train.measure import (
     PEAK_BF16_TFLOPS,
     flop_params,
     known_peak_tflops,

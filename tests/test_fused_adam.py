@@ -30,7 +30,7 @@ STEPS = 3
 def _train(hf_dir, ctx, dist_opt: str, fused: str) -> dict:
     from functools import partial
 
-    from megatron_grpo.bench.op_count import OpCounter
+    from megatron_grpo.bench.ops.count import OpCounter
     from megatron_grpo.layouts.io import load_hf_into_megatron
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.policy import build_policy
@@ -124,7 +124,7 @@ def test_set_fused_adam_holds_after_loading_a_state_of_the_other_setting():
     load calls ``set_fused_adam`` again (policy/checkpoint_state.py), which keeps the step."""
     from types import SimpleNamespace
 
-    from megatron_grpo.bench.op_count import OpCounter
+    from megatron_grpo.bench.ops.count import OpCounter
     from megatron_grpo.policy.optimizer import set_fused_adam
 
     def adam():

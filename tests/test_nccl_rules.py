@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 def _exchange(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from megatron_grpo.bench.raw import RawTransfer
+    from megatron_grpo.bench.sync.raw import RawTransfer
     from tests.nccl_rules import NcclRuleError
 
     peer = 1 - rank

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_grpo.bench.op_count import OpCounter, SyncCounter
-from megatron_grpo.bench.ops import BenchOpsArgs, budget_for_packs, format_table, run_bench_ops
+from megatron_grpo.bench.ops.count import OpCounter, SyncCounter
+from megatron_grpo.bench.ops.run import BenchOpsArgs, budget_for_packs, format_table, run_bench_ops
 from megatron_grpo.policy.transfer import to_device
 
 BUDGET = json.loads((Path(__file__).parent / "op_budget.json").read_text())

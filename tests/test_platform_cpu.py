@@ -147,7 +147,7 @@ def test_every_replaced_call_is_listed_in_patches_with_the_file_it_answers(platf
 
 # A TorchFunctionMode that only counts calls and passes each one through unchanged
 # (``bench ops``' host-sync counter) redirects nothing.
-COUNTING_MODES = {"bench/op_count.py"}
+COUNTING_MODES = {"bench/ops/count.py"}
 
 
 def test_no_cuda_hacks_elsewhere():

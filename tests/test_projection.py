@@ -1,4 +1,4 @@
-"""The projection's algebra (bench/projection.py): calibration, ratios, bytes. No timings."""
+"""The projection's algebra (bench/projection/model.py): calibration, ratios, bytes. No timings."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from megatron_grpo.bench.projection import (
+from megatron_grpo.bench.projection.model import (
     PAPER_IT_S,
     Assumptions,
     calibrate,
@@ -78,7 +78,7 @@ def test_check_on_a_measured_throughput_result():
 
 @pytest.mark.timeout(300)
 def test_plan_bytes_of_the_7b_layouts():
-    from megatron_grpo.bench.projection import plan_bytes, project
+    from megatron_grpo.bench.projection.model import plan_bytes, project
 
     b = plan_bytes(Assumptions())
     # bf16 Qwen2.5-7B (untied lm_head): 7.615e9 params -> 15.23 GB per copy.
@@ -105,7 +105,7 @@ def test_plan_bytes_of_the_7b_layouts():
 
 # ------------------------------------------------------------------------------ rollout.ahead
 def test_window_time_matches_the_hand_derived_limits():
-    from megatron_grpo.bench.window_schedule import window_time
+    from megatron_grpo.bench.projection.window_schedule import window_time
 
     r, t, s, v = 2.0, 3.0, 5.0, 4
     assert window_time(r, t, s, v, 0, "disaggregated") == v * (r + t) + s  # serial
@@ -121,7 +121,7 @@ def test_window_time_matches_the_hand_derived_limits():
 
 
 def test_seven_b_prediction_uses_the_paper_calibration_and_gains_only_for_v_above_1():
-    from megatron_grpo.bench.projection import seven_b_disaggregated
+    from megatron_grpo.bench.projection.model import seven_b_disaggregated
 
     p = seven_b_disaggregated(vs=(1, 4))
     assert p["rollout_s"] + p["train_s"] == pytest.approx(1 / 0.02828 - p["sync_s"])
@@ -133,13 +133,13 @@ def test_seven_b_prediction_uses_the_paper_calibration_and_gains_only_for_v_abov
 
 
 def test_qwen3_30b_a3b_sync_bytes_are_its_hand_counted_parameters():
-    """``bench project --moe`` (bench/projection_moe.py): the parameter count of Qwen3-30B-A3B
+    """``bench project --moe`` (bench/projection/moe.py): the parameter count of Qwen3-30B-A3B
     counted by hand, and the bytes of one sync into a vLLM TP=8 engine with vLLM's own expert
     parallelism: every parameter once, plus what vLLM holds on every rank (router, norms, and
     at TP=8 > 4 KV heads each KV head twice); all of it in-process, since vLLM EP rank r
     holds the experts trainer EP rank r holds."""
-    from megatron_grpo.bench.projection_moe import MoESyncAssumptions, moe_sync_projection
-    from megatron_grpo.bench.projection_table import format_moe_sync
+    from megatron_grpo.bench.projection.moe import MoESyncAssumptions, moe_sync_projection
+    from megatron_grpo.bench.projection.table import format_moe_sync
 
     h, layers, experts, width, heads, kv_heads, hd, vocab = 2048, 48, 128, 768, 32, 4, 128, 151936
     attention = 2 * h * heads * hd + 2 * h * kv_heads * hd + 2 * hd  # q, o; k, v; q/k norm

@@ -14,8 +14,8 @@ import torch
 from megatron_grpo.algorithms import aggregation as agg
 from megatron_grpo.algorithms import staleness as S
 from megatron_grpo.algorithms.policy_loss import build_policy_loss
-from megatron_grpo.bench.report import _score_alpha_lines
-from megatron_grpo.bench.throughput import analyze_run
+from megatron_grpo.bench.throughput.report import _score_alpha_lines
+from megatron_grpo.bench.throughput.run import analyze_run
 from megatron_grpo.config.schema import ConfigError, GRPOConfig
 from megatron_grpo.metrics.summary import format_summary, summarize
 
@@ -241,7 +241,7 @@ def test_the_kept_copy_scores_bitwise_like_the_policy(tiny_dir):
 
 
 def test_bench_reproduce_claim_6_compares_adaptive_by_staleness():
-    from megatron_grpo.bench.reproduce_claims import plan_runs
+    from megatron_grpo.bench.reproduce.claims import plan_runs
 
     runs, run_of = plan_runs([5, 6])
     by = {r.name: r for r in runs}

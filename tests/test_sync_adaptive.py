@@ -196,7 +196,7 @@ def test_summary_counts_the_syncs_made_and_the_mean_interval():
 
 # ------------------------------------------------------------------------------ plan, project
 def test_plan_and_projection_take_an_observed_mean_interval():
-    from megatron_grpo.bench.projection import project, throughput_ratio
+    from megatron_grpo.bench.projection.model import project, throughput_ratio
     from megatron_grpo.dry_run import PlanError, build_launch_plan
     from megatron_grpo.models.shapes import resolve_spec
 
@@ -285,9 +285,9 @@ def test_drift_picture_only_for_runs_that_measured_drift(tmp_path):
 
 # ------------------------------------------------------------------------------ bench claim 5
 def test_claim_5_holds_the_syncs_equal_and_reports_them():
-    from megatron_grpo.bench.report_reproduce import intervals_since_sync, reproduce_markdown
-    from megatron_grpo.bench.reproduce_claims import CLAIMS, matched_sync_interval, plan_runs
-    from megatron_grpo.bench.reproduce_stats import analyze_claim
+    from megatron_grpo.bench.reproduce.claims import CLAIMS, matched_sync_interval, plan_runs
+    from megatron_grpo.bench.reproduce.report import intervals_since_sync, reproduce_markdown
+    from megatron_grpo.bench.reproduce.stats import analyze_claim
 
     runs, run_of = plan_runs([5])
     by = {r.name: r for r in runs}

@@ -112,7 +112,7 @@ def run_ops(args: argparse.Namespace) -> int:
     and on CUDA the profiler's kernel launches and synchronizations. Counts are
     deterministic: the suite holds the tiny figures to tests/op_budget.json. Prints a table,
     writes JSON (docs/benchmarks.md, "bench ops")."""
-    from megatron_grpo.bench.ops import BenchOpsArgs, format_table, run_bench_ops
+    from megatron_grpo.bench.ops.run import BenchOpsArgs, format_table, run_bench_ops
 
     return _measure(args, BenchOpsArgs, run_bench_ops, format_table)
 
@@ -171,9 +171,9 @@ def run_train(args: argparse.Namespace) -> int:
     and --max-len, right-padded): useful tokens/s, MFU, peak memory, their ratio, the
     log-prob difference of the two on the same weights, and (on GPU) the longest sequence
     each side trains. Prints a table, writes JSON (docs/benchmarks.md)."""
-    from megatron_grpo.bench.train import run_bench_train
-    from megatron_grpo.bench.train_args import BenchTrainArgs
-    from megatron_grpo.bench.train_table import format_table
+    from megatron_grpo.bench.train.args import BenchTrainArgs
+    from megatron_grpo.bench.train.run import run_bench_train
+    from megatron_grpo.bench.train.table import format_table
 
     return _measure(args, BenchTrainArgs, run_bench_train, format_table)
 
@@ -263,7 +263,7 @@ def run_reproduce(args: argparse.Namespace) -> int:
     and writes claim<N>.png (claim 5 also claim5_sync.png: drift and interval), reproduce.json
     and reproduce.md (table and verdict per claim) into --out-dir. Prints the estimated wall time first."""
     from megatron_grpo.bench.common import BenchRunFailed
-    from megatron_grpo.bench.reproduce import (
+    from megatron_grpo.bench.reproduce.run import (
         ReproduceArgs,
         check_configs,
         report_from_json,
@@ -303,8 +303,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     amortized per step. The first --warmup steps of every run are excluded. Writes JSON, two
     PNG plots and a markdown table into --out-dir."""
     from megatron_grpo.bench.common import BenchRunFailed, config_nproc
-    from megatron_grpo.bench.report import format_table
-    from megatron_grpo.bench.throughput import (
+    from megatron_grpo.bench.throughput.report import format_table
+    from megatron_grpo.bench.throughput.run import (
         ThroughputArgs,
         default_config,
         run_bench_throughput,
@@ -332,10 +332,10 @@ def run_project(args: argparse.Namespace) -> int:
     Calibrates step_time = T_other + S/v on the paper's two throughputs, computes the
     bridge's and the baseline's bytes per sync from the static plan, and predicts the
     v=1..20 throughput ratio for each sync-cost scenario. GPU-free, seconds."""
-    from megatron_grpo.bench.projection import Assumptions, calibrate_from_throughput, project
-    from megatron_grpo.bench.projection_table import format_projection, print_moe_sync
+    from megatron_grpo.bench.projection.model import Assumptions, calibrate_from_throughput, project
+    from megatron_grpo.bench.projection.table import format_projection, print_moe_sync
 
-    if args.moe:  # instead: one MoE sync from the static plan (bench/projection_moe.py)
+    if args.moe:  # instead: one MoE sync from the static plan (bench/projection/moe.py)
         return print_moe_sync(args.json_out)
     try:
         p = project(Assumptions(trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp),
@@ -353,7 +353,7 @@ def run_project(args: argparse.Namespace) -> int:
             print(f"  v={r['v']:>3}: predicted {r['predicted_ratio']:.3f}, "
                   f"measured {r['measured_ratio']:.3f}")  # fmt: skip
     if args.plot:
-        from megatron_grpo.bench.report import plot_projection
+        from megatron_grpo.bench.throughput.report import plot_projection
 
         print(f"wrote {plot_projection(p, args.plot)}")
     if args.json_out:
@@ -367,9 +367,9 @@ def run_sync(args: argparse.Namespace) -> int:
     Spawns lcm(tp*pp, rollout-tp) local ranks, each a Megatron trainer rank hosting one
     colocated vLLM TP rank; runs the bridge, the baseline and a raw flat transfer of the
     same bytes over the same gloo group; prints a table, writes JSON."""
-    from megatron_grpo.bench.sync import run_bench_sync
-    from megatron_grpo.bench.sync_args import BenchSyncArgs
-    from megatron_grpo.bench.sync_summary import format_table
+    from megatron_grpo.bench.sync.args import BenchSyncArgs
+    from megatron_grpo.bench.sync.run import run_bench_sync
+    from megatron_grpo.bench.sync.summary import format_table
     from megatron_grpo.cli.errors import exit_on_user_error
 
     with exit_on_user_error():

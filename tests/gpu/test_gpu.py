@@ -338,7 +338,7 @@ def test_bench_ops_on_cuda(ctx, figures):
     packed RoPE run here on CUDA. Issue 30's goal: at most 2 host syncs per micro-batch plus
     a constant per step."""
     needs_cuda()
-    from megatron_grpo.bench.ops import BenchOpsArgs, run_bench_ops
+    from megatron_grpo.bench.ops.run import BenchOpsArgs, run_bench_ops
 
     res = run_bench_ops(BenchOpsArgs(device="cuda"), ctx)
     mbs = res["batch"]["micro_batches"]

@@ -247,9 +247,9 @@ def test_hf_packed_side_on_cuda(ctx, device, figures):
     and trains a step; Liger-Kernel's RMSNorm / SwiGLU / RoPE are applied where installed
     (the figure says whether they were)."""
     needs_cuda()
-    from megatron_grpo.bench.train_args import BenchTrainArgs
-    from megatron_grpo.bench.train_batch import add_loss_inputs, grpo_loss_fn, make_batch
-    from megatron_grpo.bench.train_sides import HFSide, ProjectSide
+    from megatron_grpo.bench.train.args import BenchTrainArgs
+    from megatron_grpo.bench.train.batch import add_loss_inputs, grpo_loss_fn, make_batch
+    from megatron_grpo.bench.train.sides import HFSide, ProjectSide
 
     spec = preset_spec("tiny")
     args = BenchTrainArgs(rows=8, prompt_len=32, min_len=8, max_len=64, dtype="bfloat16")

@@ -16,7 +16,7 @@ def test_fused_adam_is_in_use_on_cuda(ctx, figures):
     ``fused_adam=off`` (torch's foreach) one step from the same weights differs in rounding
     only."""
     needs_cuda()
-    from megatron_grpo.bench.op_count import OpCounter
+    from megatron_grpo.bench.ops.count import OpCounter
     from megatron_grpo.policy.optimizer import torch_adams
 
     spec, on = _policy(ctx, "tiny", "bfloat16")

@@ -1,4 +1,4 @@
-"""``bench reproduce``'s analysis (the command: ``bench/reproduce.py``, whose docstring
+"""``bench reproduce``'s analysis (the command: ``bench/reproduce/run.py``, whose docstring
 says how a verdict is decided): pure functions of the reward curves, no process, no file --
 per-seed figures, their mean and spread over seeds, the verdict of one comparison and of a
 claim."""
@@ -11,7 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 from megatron_grpo.bench.common import trailing_mean
-from megatron_grpo.bench.reproduce_claims import Claim
+from megatron_grpo.bench.reproduce.claims import Claim
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
 

@@ -1,4 +1,4 @@
-"""One spawned rank of ``bench sync`` (the command: ``bench/sync.py``): the Megatron policy
+"""One spawned rank of ``bench sync`` (the command: ``bench/sync/run.py``): the Megatron policy
 and (``sink`` vllm) the colocated engine, then the direct bridge per bucket size, the
 baseline, vLLM's own load from a fresh directory (``vllm-fresh``) and the raw transfer, each
 timed and the first of each checked."""
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_grpo.bench.raw import RawTransfer
-from megatron_grpo.bench.sync_args import BenchSyncArgs
+from megatron_grpo.bench.sync.args import BenchSyncArgs
+from megatron_grpo.bench.sync.raw import RawTransfer
 from megatron_grpo.bridge.accounting import SyncReport
 from megatron_grpo.bridge.baseline import BaselineSync
 from megatron_grpo.bridge.checksum import checksum

@@ -1,4 +1,4 @@
-"""``bench train``'s two sides (the command: ``bench/train.py``): the project's ``Policy``
+"""``bench train``'s two sides (the command: ``bench/train/run.py``): the project's ``Policy``
 and the plain Hugging Face baseline, behind the same four calls (``num_parameters``,
 ``logprobs``, ``train_step``, ``close``)."""
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from megatron_grpo.bench.train_args import BenchTrainArgs
-from megatron_grpo.bench.train_batch import micro_batches
+from megatron_grpo.bench.train.args import BenchTrainArgs
+from megatron_grpo.bench.train.batch import micro_batches
 from megatron_grpo.config.schema import KernelsConfig, ModelConfig, OptimConfig
 from megatron_grpo.layouts import hf as hf_names
 from megatron_grpo.layouts import megatron as mg_names

@@ -1,4 +1,4 @@
-"""``bench train``'s console table (the command: ``bench/train.py``)."""
+"""``bench train``'s console table (the command: ``bench/train/run.py``)."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ really receive new weights for the checks to pass:
 - vLLM's read-back checksums equal those of the shards delivered (``bridge.verify``);
 - vLLM's prompt logprobs match the Megatron policy's on fixed sequences.
 
-The parts: ``sync_args`` (the arguments and the model), ``sync_rank`` (one spawned rank's
-measurements and checks) and ``sync_summary`` (the result over the ranks, the table).
+The parts: ``sync.args`` (the arguments and the model), ``sync.rank`` (one spawned rank's
+measurements and checks) and ``sync.summary`` (the result over the ranks, the table).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-from megatron_grpo.bench.sync_args import BenchSyncArgs, resolve_model
-from megatron_grpo.bench.sync_rank import bench_rank
-from megatron_grpo.bench.sync_summary import summarize
+from megatron_grpo.bench.sync.args import BenchSyncArgs, resolve_model
+from megatron_grpo.bench.sync.rank import bench_rank
+from megatron_grpo.bench.sync.summary import summarize
 from megatron_grpo.config import ConfigError
 from megatron_grpo.distributed import spawn
 from megatron_grpo.models.spec import check_heads, load_spec

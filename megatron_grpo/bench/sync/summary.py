@@ -1,12 +1,12 @@
 """``bench sync``'s summary of its ranks' figures and checks, and its console table (the
-command: ``bench/sync.py``)."""
+command: ``bench/sync/run.py``)."""
 
 from __future__ import annotations
 
 import statistics
 from pathlib import Path
 
-from megatron_grpo.bench.sync_args import BenchSyncArgs
+from megatron_grpo.bench.sync.args import BenchSyncArgs
 from megatron_grpo.models.spec import load_spec
 
 MiB = 1 << 20

@@ -1,6 +1,6 @@
 """The schedule model of one sync window under ``rollout.ahead`` (rollout/ahead.py): when the
 engines generate and the trainer trains, step by step, for any ahead and placement. Pure
-Python; ``bench project`` (bench/projection.py), ``bench throughput``'s prediction and the
+Python; ``bench project`` (bench/projection/model.py), ``bench throughput``'s prediction and the
 report's timeline use it (docs/benchmarks.md §5).
 
 What generating a window's batches ahead buys. With R the

@@ -1,4 +1,4 @@
-"""``bench train``'s GRPO batch (the command: ``bench/train.py``): the seeded right-padded
+"""``bench train``'s GRPO batch (the command: ``bench/train/run.py``): the seeded right-padded
 batch both sides run, the loss inputs its first log-prob pass gives it, its padded
 micro-batches, and the one-sequence batch of the longest-sequence search."""
 

@@ -1,4 +1,4 @@
-"""Plots and markdown for ``bench reproduce`` (the command: ``bench/reproduce.py``): a
+"""Plots and markdown for ``bench reproduce`` (the command: ``bench/reproduce/run.py``): a
 claim's reward curves, claim 5's drift and interval figure, the per-claim tables and
 verdicts (matplotlib's Agg canvas through ``metrics.plots._save``)."""
 

@@ -1,6 +1,6 @@
 """``megatron-grpo bench reproduce``: the source papers' claims, at tiny-model scale, with seeds.
 
-Design: docs/reproduction.md, "How bench reproduce runs (bench/reproduce.py)".
+Design: docs/reproduction.md, "How bench reproduce runs (bench/reproduce/run.py)".
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from megatron_grpo.bench.common import (
     run_logged,
     train_argv,
 )
-from megatron_grpo.bench.report_reproduce import write_reproduce_report
-from megatron_grpo.bench.reproduce_claims import CLAIMS, matched_sync_interval, plan_runs
-from megatron_grpo.bench.reproduce_stats import analyze_claim, mean_std, seed_figures
+from megatron_grpo.bench.reproduce.claims import CLAIMS, matched_sync_interval, plan_runs
+from megatron_grpo.bench.reproduce.report import write_reproduce_report
+from megatron_grpo.bench.reproduce.stats import analyze_claim, mean_std, seed_figures
 from megatron_grpo.config import load_config
 from megatron_grpo.metrics.logger import read_metrics
 

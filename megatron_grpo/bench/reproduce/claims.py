@@ -1,4 +1,4 @@
-"""``bench reproduce``'s claims (the command: ``bench/reproduce.py``; docs/reproduction.md):
+"""``bench reproduce``'s claims (the command: ``bench/reproduce/run.py``; docs/reproduction.md):
 each names the variants of the training job it compares, the comparisons and a reward
 threshold; ``plan_runs`` collapses the variants the claims share into one run each."""
 

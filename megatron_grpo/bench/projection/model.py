@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from megatron_grpo.bench.window_schedule import schedule_step_time
+from megatron_grpo.bench.projection.window_schedule import schedule_step_time
 from megatron_grpo.bridge.plan import build_plan, plan_report
 from megatron_grpo.distributed.placement import colocated_engines
 from megatron_grpo.layouts.megatron import MegatronLayout

@@ -37,8 +37,8 @@ from megatron_grpo.bench.common import (
     run_logged,
     train_argv,
 )
-from megatron_grpo.bench.report import write_throughput_report
-from megatron_grpo.bench.window_schedule import schedule_step_time
+from megatron_grpo.bench.projection.window_schedule import schedule_step_time
+from megatron_grpo.bench.throughput.report import write_throughput_report
 from megatron_grpo.config import load_config
 from megatron_grpo.metrics.logger import read_metrics
 from megatron_grpo.rollout.server import PIN_ENV

@@ -1,4 +1,4 @@
-"""``bench sync``'s arguments and the model they name (the command: ``bench/sync.py``)."""
+"""``bench sync``'s arguments and the model they name (the command: ``bench/sync/run.py``)."""
 
 from __future__ import annotations
 

@@ -40,9 +40,9 @@ included; ``mfu_with_attention`` adds them), peak memory (``torch.cuda.max_memor
 since the end of the warm-up; None on CPU). And per side, the longest single sequence that
 trains: lengths 1024, 2048, ... up to ``search_cap``, stopping at the first CUDA OOM.
 
-The parts: ``train_args`` (the arguments, device and spec), ``train_batch`` (the batch),
-``train_sides`` (the sides), ``train_measure`` (timing, MFU, the length search, parity)
-and ``train_table`` (the console table); this module runs them in order.
+The parts: ``train.args`` (the arguments, device and spec), ``train.batch`` (the batch),
+``train.sides`` (the sides), ``train.measure`` (timing, MFU, the length search, parity)
+and ``train.table`` (the console table); this module runs them in order.
 
 Imports: torch, transformers, megatron-core and the project's own modules, none of vLLM,
 ``datasets`` or ``math-verify`` (tests/test_bench_train.py runs the command with them blocked).
@@ -55,9 +55,9 @@ import dataclasses
 import torch
 
 from megatron_grpo.bench.common import machine_info, package_versions
-from megatron_grpo.bench.train_args import BenchTrainArgs, bench_spec, resolve_device
-from megatron_grpo.bench.train_batch import grpo_loss_fn, make_batch, micro_batches
-from megatron_grpo.bench.train_measure import (
+from megatron_grpo.bench.train.args import BenchTrainArgs, bench_spec, resolve_device
+from megatron_grpo.bench.train.batch import grpo_loss_fn, make_batch, micro_batches
+from megatron_grpo.bench.train.measure import (
     GIB,
     flop_params,
     free_memory,
@@ -66,7 +66,7 @@ from megatron_grpo.bench.train_measure import (
     peak_tflops,
     rate_ratio,
 )
-from megatron_grpo.bench.train_sides import HFSide, ProjectSide
+from megatron_grpo.bench.train.sides import HFSide, ProjectSide
 from megatron_grpo.config.schema import ModelConfig, ParallelConfig
 from megatron_grpo.distributed import destroy_distributed, init_distributed
 from megatron_grpo.models.spec import ModelSpec

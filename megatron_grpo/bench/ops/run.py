@@ -3,7 +3,7 @@ policy ask of the device, counted (docs/benchmarks.md, "bench ops").
 
 For a preset (``tiny`` by default; any preset on a GPU) and a seeded GRPO batch cut into
 ``packs`` packed micro-batches, in bf16 (fp32 main weights, as on a GPU): the ATen ops
-dispatched (``bench.op_count.OpCounter``) in total, per layer per micro-batch (the ops of a
+dispatched (``bench.ops.count.OpCounter``) in total, per layer per micro-batch (the ops of a
 2-layer model of the preset's shape less those of a 1-layer one, over the micro-batches),
 the top ops and source sites; the host-sync-prone calls by site (``SyncCounter``); and on
 CUDA the kernel launches and stream/device synchronizations of ``torch.profiler``. Each
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from megatron_grpo.bench.common import package_versions
-from megatron_grpo.bench.op_count import OpCounter, SyncCounter
-from megatron_grpo.bench.train_args import bench_spec, resolve_device
-from megatron_grpo.bench.train_batch import add_loss_inputs, grpo_loss_fn, make_batch
+from megatron_grpo.bench.ops.count import OpCounter, SyncCounter
+from megatron_grpo.bench.train.args import bench_spec, resolve_device
+from megatron_grpo.bench.train.batch import add_loss_inputs, grpo_loss_fn, make_batch
 from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
 from megatron_grpo.distributed import destroy_distributed, init_distributed
 from megatron_grpo.models.shapes import preset_spec

@@ -9,7 +9,7 @@ gives the bytes per sync, split into in-process copies and cross-process sends, 
 busiest rank's share; the wire time is that rank's cross-process bytes at NVLink4 speed
 plus its in-process bytes at HBM copy speed (the rule of ``projection.direct_wire_s``), a
 lower bound: no vLLM reload, post-processing or cache reset. GPU-free, seconds. The text
-report: ``projection_table.format_moe_sync``.
+report: ``projection/table.py format_moe_sync``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from megatron_grpo.bench.projection import GB, Assumptions
+from megatron_grpo.bench.projection.model import GB, Assumptions
 from megatron_grpo.bridge.plan import build_plan, plan_report
 from megatron_grpo.distributed.placement import colocated_engines
 from megatron_grpo.layouts.megatron import MegatronLayout

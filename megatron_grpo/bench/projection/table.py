@@ -1,4 +1,4 @@
-"""``bench project``'s text reports (the models: ``projection.py``, ``projection_moe.py``)."""
+"""``bench project``'s text reports (the models: ``projection/model.py``, ``projection/moe.py``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from megatron_grpo.bench.projection import GB, GiB
-from megatron_grpo.bench.projection_moe import moe_sync_projection
+from megatron_grpo.bench.projection.model import GB, GiB
+from megatron_grpo.bench.projection.moe import moe_sync_projection
 
 
 def format_projection(p: Mapping[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""``bench train``'s measurement (the command: ``bench/train.py``): FLOPs per token and the
+"""``bench train``'s measurement (the command: ``bench/train/run.py``): FLOPs per token and the
 device's peak, timed phases, tokens/s and MFU, the longest-sequence search, one side's
 figures and the log-prob parity of the two."""
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from megatron_grpo.bench.train_args import SEARCH_START, BenchTrainArgs
-from megatron_grpo.bench.train_batch import add_loss_inputs, one_sequence
+from megatron_grpo.bench.train.args import SEARCH_START, BenchTrainArgs
+from megatron_grpo.bench.train.batch import add_loss_inputs, one_sequence
 from megatron_grpo.models.spec import ModelSpec
 
 GIB = float(1 << 30)

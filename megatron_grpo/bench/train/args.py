@@ -1,5 +1,5 @@
 """``bench train``'s arguments and the setup they decide: the device and the model spec
-(the command: ``bench/train.py``)."""
+(the command: ``bench/train/run.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.policy.model_builder import resolve_dtype
 
 SIDES = ("project", "hf", "hf-packed")
-"""``bench train``'s sides (bench/train_sides.py)."""
+"""``bench train``'s sides (bench/train/sides.py)."""
 
 SEARCH_START = 1024
 """First length of the largest-sequence search; it doubles from there."""

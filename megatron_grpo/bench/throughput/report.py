@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_grpo.bench.window_schedule import window_events
+from megatron_grpo.bench.projection.window_schedule import window_events
 from megatron_grpo.metrics.plots import _save
 
 PHASE_COLORS = {

@@ -7,7 +7,7 @@ random stream, but the logits of a request may still depend on what else is in t
 fraction of responses that come out token-identical, serial (one call per step) vs one call
 for the window, on the tiny model.
 
-    PYTHONPATH=$PWD python -m megatron_grpo.bench.ahead_identity --steps 4 --prompts 8 --group 8
+    PYTHONPATH=$PWD python -m megatron_grpo.bench.throughput.ahead_identity --steps 4 --prompts 8 --group 8
 """
 
 from __future__ import annotations
