@@ -118,6 +118,14 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def columns(cells: Sequence[Any], widths: Sequence[int], sep: str = "") -> str:
+    """One line of a bench command's console table, the one formatter they share: each cell
+    right-aligned in its width, a negative width left-aligned (the label column)."""
+    return sep.join(
+        str(c).ljust(-w) if w < 0 else str(c).rjust(w) for c, w in zip(cells, widths, strict=True)
+    )
+
+
 def write_json(res: Mapping[str, Any], path: str | os.PathLike) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(res, indent=2, default=str))

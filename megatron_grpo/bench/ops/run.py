@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megatron_grpo.bench.common import package_versions
+from megatron_grpo.bench.common import columns, package_versions
 from megatron_grpo.bench.ops.count import OpCounter, SyncCounter
 from megatron_grpo.bench.train.args import bench_spec, resolve_device
 from megatron_grpo.bench.train.batch import add_loss_inputs, grpo_loss_fn, make_batch
@@ -191,6 +191,9 @@ def run_bench_ops(args: BenchOpsArgs, ctx=None) -> dict:
     }
 
 
+OPS_WIDTHS = (-9, 9, 13, 11)
+
+
 def format_table(res: dict) -> str:
     """The console table of ``run_bench_ops``'s result."""
     b = res["batch"]
@@ -201,16 +204,15 @@ def format_table(res: dict) -> str:
         f"batch: {b['rows']} rows, {b['tokens']} tokens in {b['micro_batches']} packs "
         f"(budget {b['token_budget']})",
         "",
-        f"{'phase':<9} {'ATen ops':>9} {'per layer/mb':>13} {'host syncs':>11}"
-        f"{'  CUDA launches / syncs' if res['device'] == 'cuda' else ''}",
+        columns(("phase", "ATen ops", "per layer/mb", "host syncs"), OPS_WIDTHS, " ")
+        + ("  CUDA launches / syncs" if res["device"] == "cuda" else ""),
     ]
     for phase, c in res["phases"].items():
         cuda = c.get("cuda")
         extra = f"  {cuda['kernel_launches']:>13} / {cuda['host_syncs']}" if cuda else ""
-        lines.append(
-            f"{phase:<9} {c['ops']['total']:>9} {c['ops']['per_layer_per_micro_batch']:>13.1f} "
-            f"{c['syncs']['total']:>11}{extra}"
-        )
+        cells = (phase, c["ops"]["total"], f"{c['ops']['per_layer_per_micro_batch']:.1f}",
+                 c["syncs"]["total"])  # fmt: skip
+        lines.append(columns(cells, OPS_WIDTHS, " ") + extra)
     for phase, c in res["phases"].items():
         for what, title in (("by_name", "top ops"), ("by_site", "top sites")):
             lines += ["", f"{phase}: {title}"]

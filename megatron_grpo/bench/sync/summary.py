@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from megatron_grpo.bench.common import columns
 from megatron_grpo.bench.sync.args import BenchSyncArgs
 from megatron_grpo.models.spec import load_spec
 
@@ -139,13 +140,14 @@ def fresh_summary(per_rank: list[dict]) -> dict:
     }
 
 
+SYNC_WIDTHS = (-22, 10, 10, 9, 8, 8, 8, 8, 8)
+
+
 def _method_row(name: str, d: dict) -> str:
     """One method's line: bytes, wire bytes, seconds and the phases."""
-    return (
-        f"{name:<22}{d['bytes'] / MiB:>10.2f}{d['wire_bytes'] / MiB:>10.2f}{d['seconds']:>9.4f}"
-        f"{d['pack_s']:>8.4f}{d['transfer_s']:>8.4f}{d['unpack_s']:>8.4f}{d['load_s']:>8.4f}"
-        f"{d['finish_s']:>8.4f}"
-    )
+    cells = [name, f"{d['bytes'] / MiB:.2f}", f"{d['wire_bytes'] / MiB:.2f}", f"{d['seconds']:.4f}"]
+    cells += [f"{d[k]:.4f}" for k in ("pack_s", "transfer_s", "unpack_s", "load_s", "finish_s")]
+    return columns(cells, SYNC_WIDTHS)
 
 
 def format_table(res: dict) -> str:
@@ -156,8 +158,20 @@ def format_table(res: dict) -> str:
         f"{res['rollout_tp']} x{res['world'] // res['rollout_tp']} engines, sink={res['sink']}, "
         f"median of {res['repeats']}",
         f"minimal bytes: {res['minimal_bytes'] / MiB:.2f} MiB",
-        f"{'method':<22}{'MiB moved':>10}{'wire MiB':>10}{'seconds':>9}{'pack':>8}{'xfer':>8}"
-        f"{'unpack':>8}{'load':>8}{'finish':>8}",
+        columns(
+            (
+                "method",
+                "MiB moved",
+                "wire MiB",
+                "seconds",
+                "pack",
+                "xfer",
+                "unpack",
+                "load",
+                "finish",
+            ),
+            SYNC_WIDTHS,
+        ),  # fmt: skip
     ]
 
     for b, d in res["direct_by_bucket"].items():

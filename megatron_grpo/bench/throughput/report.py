@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from megatron_grpo.bench.common import columns
 from megatron_grpo.bench.projection.window_schedule import window_events
 from megatron_grpo.metrics.plots import _save
 
@@ -98,11 +99,12 @@ def format_table(res: Mapping[str, Any]) -> str:
     lines = [
         f"bench throughput: {res['args']['steps']} steps per run, first "
         f"{res['args']['warmup']} excluded; ratios to v={res['reference_v']}",
-        "".join(title.rjust(width) for title, _, width in CONSOLE_COLUMNS),
+        columns([title for title, _, _ in CONSOLE_COLUMNS], [w for _, _, w in CONSOLE_COLUMNS]),
     ]
     for r in res["runs"]:
         f = _figures(r)
-        lines.append("".join(f[key].rjust(width) for _, key, width in CONSOLE_COLUMNS))
+        lines.append(columns([f[key] for _, key, _ in CONSOLE_COLUMNS],
+                             [w for _, _, w in CONSOLE_COLUMNS]))  # fmt: skip
     lines += _score_alpha_lines(res["runs"])
     return "\n".join(lines)
 

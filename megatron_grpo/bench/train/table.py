@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from megatron_grpo.bench.common import columns
+
+PHASE_WIDTHS = (9, 11, 9, 11)
+"""A phase's columns: seconds, tokens/s, MFU, peak GiB."""
+
 
 def _packing(budget: int | None) -> str:
     return f"packed, {budget:,} tokens per micro-batch" if budget else "padded rows"
@@ -16,11 +21,9 @@ def _phase_cells(d: dict) -> str:
     if d.get("oom"):
         return f"{'CUDA OOM':>40}"
     mfu = None if d["mfu"] is None else 100 * d["mfu"]
-    return (
-        f"{d['median_s']:>9.4f}{d['useful_tokens_per_s']:>11,.0f}"
-        f"{_num(mfu, '.1f') + ('%' if mfu is not None else ''):>9}"
-        f"{_num(d['peak_gib'], '.2f'):>11}"
-    )
+    cells = (f"{d['median_s']:.4f}", f"{d['useful_tokens_per_s']:,.0f}",
+             _num(mfu, ".1f") + ("%" if mfu is not None else ""), _num(d["peak_gib"], ".2f"))  # fmt: skip
+    return columns(cells, PHASE_WIDTHS)
 
 
 def format_table(res: dict) -> str:
@@ -38,9 +41,10 @@ def format_table(res: dict) -> str:
         f"{_packing(b.get('hf_packed_micro_batch_tokens'))}); median of "
         f"{res['steps']} after {res['warmup']} warm-up",
         f"{'':<18}{'train step':^40}{'log-prob pass':^40}",
-        f"{'side':<18}"
-        + f"{'s':>9}{'tok/s':>11}{'MFU 6N':>9}{'peak GiB':>11}"
-        + f"{'s':>9}{'tok/s':>11}{'MFU 2N':>9}{'peak GiB':>11}",
+        columns(
+            ("side", "s", "tok/s", "MFU 6N", "peak GiB", "s", "tok/s", "MFU 2N", "peak GiB"),
+            (-18, *PHASE_WIDTHS, *PHASE_WIDTHS),
+        ),  # fmt: skip
     ]
 
     for name, s in res["sides"].items():
