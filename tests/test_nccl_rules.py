@@ -9,14 +9,13 @@ trainer's collective call sites and the raw yardstick obey it.
   (``tests/test_transport.py``, ``p2p_rules`` fixture).
 - Devices: with the groups created as the GPU run creates them, every collective the
   trainer issues on CPU tensors (``Preemption.agreed``, ``compute_global_normalizers``,
-  ``_dp_logprobs``) must be served. Under the old rule (every group ``nccl``) each of them
+  ``dp_logprobs``) must be served. Under the old rule (every group ``nccl``) each of them
   raises, which is what a first multi-rank GPU run hit.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -109,13 +108,10 @@ def _call_sites(rank: int, world: int) -> dict:
     from megatron_grpo.config.schema import ParallelConfig
     from megatron_grpo.distributed import destroy_distributed, init_distributed
     from megatron_grpo.trainer.checkpointer import Preemption
-    from megatron_grpo.trainer.loop import GRPOTrainer
+    from megatron_grpo.trainer.logprobs import dp_logprobs
     from tests.nccl_rules import NcclRuleError
 
     ctx = init_distributed(ParallelConfig(tp=1, pp=1, backend="gloo"))
-    trainer = SimpleNamespace(
-        ctx=ctx, cfg=SimpleNamespace(grpo=SimpleNamespace(micro_batch_size=2)), token_budget=None
-    )
     preemption = Preemption()  # this rank process's own signal handlers
     preemption.requested = rank == 1
     batch = {"input_ids": torch.arange(12).view(4, 3), "loss_mask": torch.ones(4, 3)}
@@ -124,7 +120,7 @@ def _call_sites(rank: int, world: int) -> dict:
         "compute_global_normalizers": lambda: compute_global_normalizers(
             torch.ones(2, 3), group=ctx.dp_group
         ),
-        "_dp_logprobs": lambda: GRPOTrainer._dp_logprobs(trainer, _CpuLogprobPolicy(), batch),
+        "dp_logprobs": lambda: dp_logprobs(_CpuLogprobPolicy(), batch, ctx, 2, None),
     }
     out = {}
     for name, fn in sites.items():
@@ -154,4 +150,4 @@ def test_trainer_collectives_are_served_by_their_groups(rule, monkeypatch):
         norm = r["compute_global_normalizers"][1]
         assert float(norm["global_num_tokens"]) == 12 and float(norm["global_num_seqs"]) == 4
         full = torch.arange(12).view(4, 3).float() * 0.5  # each DP rank's rows, gathered
-        assert torch.equal(r["_dp_logprobs"][1], full)
+        assert torch.equal(r["dp_logprobs"][1], full)

@@ -221,13 +221,13 @@ def test_plan_and_projection_take_an_observed_mean_interval():
 
 # ------------------------------------------------------------------------------ agreement
 def _drift_on_rank(rank: int, world_size: int, dp: int, init_file: str) -> float:
-    """``GRPOTrainer.measure_drift`` on a gloo world: with dp=2 each rank holds its own half
+    """``trainer.logprobs.measure_drift`` on a gloo world: with dp=2 each rank holds its own half
     of a batch; with dp=1 (TP-like ranks) the same batch up to a rounding difference."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
 
-    from megatron_grpo.trainer.loop import GRPOTrainer
+    from megatron_grpo.trainer.logprobs import measure_drift
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size)  # fmt: skip
@@ -238,10 +238,9 @@ def _drift_on_rank(rank: int, world_size: int, dp: int, init_file: str) -> float
     else:
         logp = logp + 1e-6 * rank  # ranks that should agree, but differ in the last digits
     ctx = SimpleNamespace(dp=dp, dp_group=dist.group.WORLD, world_size=world_size)
-    trainer = SimpleNamespace(ctx=ctx)
     shard = {"rollout_logp": alpha, "response_mask": mask}
     try:
-        return GRPOTrainer.measure_drift(trainer, logp, shard)
+        return measure_drift(logp, shard, ctx)
     finally:
         dist.destroy_process_group()
 

@@ -67,6 +67,16 @@ def sampling_args(
 class RolloutFailure(RuntimeError):
     """The vLLM engine failed during a rollout; the message names the last checkpoint."""
 
+    @classmethod
+    def during(cls, step: int, error: BaseException, latest: Any, run_dir: Any) -> RolloutFailure:
+        """Step ``step``'s rollout failed with ``error``; ``latest``: the last checkpoint."""
+        where = f"the last checkpoint {latest} is intact" if latest else "no checkpoint yet"
+        return cls(
+            f"vLLM engine failed during the rollout of step {step} ({type(error).__name__}: "
+            f"{error}); {where}. Fix the cause, then continue with `megatron-grpo train "
+            f"--resume --run-dir {run_dir}`."
+        )
+
 
 RolloutFactory = Callable[
     [Config, DisaggregatedWorld | None, ParallelContext, Path, Policy], tuple[Rollout, WeightSender]

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_grpo.algorithms.shaping import overlong_filter_keep
 from megatron_grpo.algorithms.step_batch import StepBatch
 from megatron_grpo.rollout.engine import Sample
 
@@ -59,6 +60,19 @@ def routed_experts(samples: Sequence[Sample], length: int) -> torch.Tensor:
         rows = torch.from_numpy(s.routed_experts.astype("int16"))
         out[i, : rows.shape[0]] = rows
     return out
+
+
+def attach_advantages(batch: StepBatch, adv, overlong_filter: bool) -> None:
+    """Put the advantage step's results into ``batch``: ``advantages`` [N]; ``response_mask``,
+    every response token (grpo.loss_normalizer=all counts these); ``loss_mask`` keeping only
+    the samples the advantage step kept and, with ``overlong_filter`` (DAPO), not those cut
+    at max_new_tokens."""
+    batch["advantages"] = adv.advantages.reshape(-1)
+    batch["response_mask"] = batch["loss_mask"]
+    keep = adv.keep.reshape(-1, 1).float()
+    if overlong_filter:
+        keep = keep * overlong_filter_keep(batch["truncated"]).reshape(-1, 1).float()
+    batch["loss_mask"] = batch["loss_mask"] * keep
 
 
 def select(batch: StepBatch, rows: slice | torch.Tensor) -> StepBatch:

@@ -157,3 +157,17 @@ class Checkpointer:
         say_rank0(self.ctx, f"resumed from {latest} (step {st.step}, vLLM serves step "
                   f"{st.policy_version})")  # fmt: skip
         return st, served
+
+
+def loop_state_of(trainer: Any, step: int) -> LoopState:
+    """What a save after step ``step`` records of the loop (a ``GRPOTrainer``): the served
+    version, the data position of the consumed steps (not the prefetched), the layout."""
+    version, ctx = trainer.policy_version, trainer.ctx
+    return LoopState(
+        step=step, policy_version=version, sync_phase=step - version,
+        data_state=trainer.window.data_state(),
+        extra={"layout": {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp},
+               "weight_syncs": trainer.sender.syncs,
+               # the schedule's state is policy_version; kept to show which mode ran
+               "sync_schedule": {"mode": trainer.schedule.mode}},
+    )  # fmt: skip

@@ -4,7 +4,7 @@
 ``k % v == 0``. ``adaptive`` (issue 25) syncs after step k when k - policy_version reached
 ``sync.min_interval`` and the step's drift exceeds ``sync.max_drift``, or when it reached
 ``sync.max_interval`` (``algorithms.drift.adaptive_sync_due``). The drift a decision reads
-is the value every rank agreed on (``trainer.loop.GRPOTrainer.measure_drift``), so every
+is the value every rank agreed on (``trainer.logprobs.measure_drift``), so every
 rank decides the same; the schedule's only state is ``policy_version``, the step of the last
 sync (the one place the loop keeps it), which a resume restores, so a resumed run decides as
 an uninterrupted one does.
