@@ -17,7 +17,7 @@ from megatron_grpo.trainer import checkpointer as checkpointer_module
 from megatron_grpo.trainer import loop
 from megatron_grpo.trainer.build import window_buffer
 from megatron_grpo.trainer.checkpointer import Checkpointer
-from megatron_grpo.trainer.memory import ColocatedMemory
+from megatron_grpo.trainer.colocated_memory import ColocatedMemory
 
 
 class FakeEngine:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_grpo.config.schema import ConfigError, ParallelConfig
-from megatron_grpo.policy.batching import micro_batches as _micro_batches
+from megatron_grpo.policy.micro_batches import micro_batches as _micro_batches
 from megatron_grpo.rollout.server import engine_devices
 
 

@@ -181,7 +181,7 @@ def _ep_worker(rank, world_size, ep, models, batch, aux_loss=0.0, dist_opt="auto
     from megatron_grpo.layouts import gather_hf_state_dict, load_hf_into_megatron
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.policy import build_policy
-    from megatron_grpo.policy.batching import check_expert_ranks_agree
+    from megatron_grpo.policy.micro_batches import check_expert_ranks_agree
 
     ctx = init_distributed(ParallelConfig(ep=ep, pp=pp), seed=1)
     out = {}

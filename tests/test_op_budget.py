@@ -76,7 +76,7 @@ def test_budget_for_packs_gives_that_many_packs():
     lengths = [30, 10, 25, 5, 40, 12, 8, 20]
     for packs in (1, 2, 3, 5, 8):
         budget = budget_for_packs(lengths, packs)
-        from megatron_grpo.policy.batching import packed_micro_batches
+        from megatron_grpo.policy.micro_batches import packed_micro_batches
 
         ids = torch.ones(len(lengths), max(lengths), dtype=torch.long)
         mask = (torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]).float()

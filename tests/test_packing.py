@@ -1,4 +1,4 @@
-"""Packed micro-batches under a token budget (``policy/batching.py`` ``packed_micro_batches``).
+"""Packed micro-batches under a token budget (``policy/micro_batches.py`` ``packed_micro_batches``).
 
 - Splitting: consecutive rows up to the budget, a row longer than the budget alone, the pack
   padded to a multiple of tp with a filler document, and ``PackedRows.unpack`` putting every
@@ -17,7 +17,7 @@ from functools import partial
 import pytest
 import torch
 
-from megatron_grpo.policy.batching import PackedRows, packed_micro_batches
+from megatron_grpo.policy.micro_batches import PackedRows, packed_micro_batches
 from tests.dist_utils import run_distributed
 
 LOGP_TOL = 1e-5

@@ -24,7 +24,7 @@ from megatron_grpo.dry_run.budget import (
 from megatron_grpo.dry_run.memory import GIB, activation_bytes
 from megatron_grpo.models.spec import spec_from_hf_config
 from megatron_grpo.models.tiny import hf_config_dict
-from megatron_grpo.policy.batching import micro_batch_token_budget
+from megatron_grpo.policy.micro_batches import micro_batch_token_budget
 
 REPO = Path(__file__).resolve().parents[1]
 CFG_1P5B = REPO / "configs" / "r1-distill-qwen-1.5b-deepscaler.yaml"

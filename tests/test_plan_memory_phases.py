@@ -1,4 +1,4 @@
-"""``megatron-grpo plan`` models the colocated loop's memory dance (trainer/memory.py): every
+"""``megatron-grpo plan`` models the colocated loop's memory dance (trainer/colocated_memory.py): every
 shipped GPU config fits an 80 GiB GPU with the loop's real behaviour, the phases move by
 exactly what the offload and sleep keys move, and a config that would not fit is refused
 with one line (exit 2)."""

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megatron_grpo.config.schema import ConfigError, OptimConfig
-from megatron_grpo.policy.batching import micro_batches
 from megatron_grpo.policy.logprob import token_logprobs, vocab_parallel_logprob_entropy
 from megatron_grpo.policy.lr_schedule import LRSchedule
+from megatron_grpo.policy.micro_batches import micro_batches
 from tests.dist_utils import run_distributed
 
 VOCAB, PADDED = 10, 16  # 6 padding columns, like megatron's padded vocabulary

@@ -63,7 +63,7 @@ def _replay_worker(rank: int, world: int, root: str) -> dict:
     from megatron_grpo.models.tiny import build_hf_model
     from megatron_grpo.policy.policy import build_policy
     from megatron_grpo.rollout import RolloutEngine
-    from megatron_grpo.trainer.batch import collate
+    from megatron_grpo.trainer.collate import collate
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     hf = build_hf_model(Path(root) / "tiny_moe", preset="tiny-moe", seed=1)
@@ -234,9 +234,9 @@ def test_batch_and_pack_carry_the_experts_position_aligned() -> None:
     concatenates each row's first len tokens like the tokens (-1 for the filler)."""
     import numpy as np
 
-    from megatron_grpo.policy.batching import packed_micro_batches
+    from megatron_grpo.policy.micro_batches import packed_micro_batches
     from megatron_grpo.rollout.engine import Sample
-    from megatron_grpo.trainer.batch import collate
+    from megatron_grpo.trainer.collate import collate
 
     def sample(p: int, r: int, base: int) -> Sample:
         rows = np.arange(base, base + (p + r - 1) * 2, dtype=np.uint8).reshape(-1, 1, 2)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_grpo.policy.attention import varlen_attention_cpu
-from megatron_grpo.policy.batching import PackedRows
+from megatron_grpo.policy.micro_batches import PackedRows
 from megatron_grpo.policy.optimizer import _foreach_l2_norm, _foreach_scale
 from megatron_grpo.policy.rope import PackedRope, apply_rope
 

@@ -1,10 +1,10 @@
-"""``trainer.batch.collate``: the per-sample flags the loop's overlong filter reads."""
+"""``trainer.collate.collate``: the per-sample flags the loop's overlong filter reads."""
 
 from __future__ import annotations
 
 from megatron_grpo.algorithms.shaping import overlong_filter_keep
 from megatron_grpo.rollout.engine import Sample
-from megatron_grpo.trainer.batch import collate
+from megatron_grpo.trainer.collate import collate
 
 
 def test_collate_marks_truncated_responses():

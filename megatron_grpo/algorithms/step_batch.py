@@ -20,7 +20,7 @@ class StepBatch(TypedDict, total=False):
     """One step's batch (or a DP shard, mini-batch or micro-batch of it)."""
 
     input_ids: Tensor
-    """``[B, L]`` long: prompt + response, right-padded (trainer/batch.py ``collate``)."""
+    """``[B, L]`` long: prompt + response, right-padded (trainer/collate.py ``collate``)."""
     attention_mask: Tensor
     """``[B, L]``: 1 on real tokens; trims each micro-batch to its longest row."""
     loss_mask: Tensor

@@ -3,7 +3,7 @@
 - :mod:`.plan`: which slices go where (``SyncPlan``, computed once from the layouts);
 - :mod:`.transport`: executes a plan with flat buckets, point to point (``Transport``), on
   :mod:`.schedule` (which operations each rank runs, in what order), :mod:`.p2p` (the
-  point-to-point engine and the plan handshake) and :mod:`.packing` (batched bucket copies);
+  point-to-point engine and the plan handshake) and :mod:`.buckets` (batched bucket copies);
 - :mod:`.accounting`: bytes and seconds of a sync (``SyncStats``, ``SyncReport``);
 - :mod:`.baseline`: the anchors' gather-and-broadcast path, measured the same way;
 - :mod:`.checksum` / :mod:`.verify`: exact checksums, and the checks of a sync (with

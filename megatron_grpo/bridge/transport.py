@@ -1,7 +1,7 @@
 """Executes a ``SyncPlan``: every vLLM rank receives exactly its own shards, point to point,
 from the trainer ranks that hold the pieces. ``Transport`` holds one rank's static state and
 buffers, ``_Sync`` runs one sync; the schedule is ``bridge.schedule``, the point-to-point
-engine ``bridge.p2p``, the bucket copies ``bridge.packing``. Why it cannot deadlock under
+engine ``bridge.p2p``, the bucket copies ``bridge.buckets``. Why it cannot deadlock under
 NCCL's ordering, and how it overlaps: docs/bridge.md, "Transport".
 """
 
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.bridge.accounting import SyncStats, link_key
+from megatron_grpo.bridge.buckets import Packer, copy_batched
 from megatron_grpo.bridge.p2p import Header, Op, PointToPoint, plan_fingerprint
-from megatron_grpo.bridge.packing import Packer, copy_batched
 from megatron_grpo.bridge.plan import SyncPlan
 from megatron_grpo.bridge.schedule import Bucket, SyncError, build_schedule, pair_order, slice_shape
 

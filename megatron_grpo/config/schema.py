@@ -158,7 +158,7 @@ class ParallelConfig:
     yet (that needs the batch sliced per CP rank and log-probs gathered back)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (requires tp > 1; GPU). Micro-batches are then padded
-    to a multiple of tp tokens (``policy/batching.py`` ``micro_batches``)."""
+    to a multiple of tp tokens (``policy/micro_batches.py`` ``micro_batches``)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend. ``auto``: nccl when CUDA is present, else gloo."""
     timeout_s: float = 600.0
@@ -219,7 +219,7 @@ class RolloutConfig:
     sleep_between_rollouts: bool = True
     """GPU colocated only: vLLM sleeps after each generation and wakes (weights before the
     weight sync, KV cache before the next generation) so the trainer has the GPU while it
-    trains (trainer/memory.py). false: vLLM's reservation stays while the trainer trains."""
+    trains (trainer/colocated_memory.py). false: vLLM's reservation stays while the trainer trains."""
     sleep_level: int = 1
     """vLLM sleep level: 1 offloads its weights to CPU memory and drops the KV cache; 2 drops
     the weights too (less CPU memory; every step's weight sync refills them, so it needs

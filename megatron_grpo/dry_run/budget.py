@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from megatron_grpo.config.schema import Config
 from megatron_grpo.dry_run.memory import GIB, activation_bytes, estimate_memory
 from megatron_grpo.models.spec import ModelSpec
-from megatron_grpo.policy.batching import micro_batch_token_budget
+from megatron_grpo.policy.micro_batches import micro_batch_token_budget
 
 BUDGET_MULTIPLE = 256
 """``auto`` budgets bounded by memory are a multiple of this many tokens."""

@@ -14,7 +14,7 @@ from megatron_grpo.config.schema import Config
 from megatron_grpo.layouts import megatron as mg
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.models.spec import ModelSpec, megatron_padded_vocab
-from megatron_grpo.policy.batching import micro_batch_token_budget
+from megatron_grpo.policy.micro_batches import micro_batch_token_budget
 from megatron_grpo.policy.scoring import scoring_bytes
 
 GIB = 1 << 30
@@ -83,7 +83,7 @@ def attention_score_bytes(spec: ModelSpec, cfg: Config, rows: int, recompute: bo
 
 def micro_batch_tokens(cfg: Config, budget: int | None = None) -> int:
     """Tokens one micro-batch holds at most (module docstring, ``n``): ``budget`` (packed),
-    else the budget without a memory model (``policy.batching.micro_batch_token_budget``)."""
+    else the budget without a memory model (``policy.micro_batches.micro_batch_token_budget``)."""
     s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     if not cfg.grpo.pack_sequences:
         return s * cfg.grpo.micro_batch_size

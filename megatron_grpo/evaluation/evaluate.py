@@ -24,7 +24,7 @@ from megatron_grpo.rewards import build_reward
 from megatron_grpo.rollout.colocated import build_colocated
 from megatron_grpo.rollout.engine import Sample
 from megatron_grpo.rollout.interface import sampling_args
-from megatron_grpo.trainer.batch import collate
+from megatron_grpo.trainer.collate import collate
 
 
 @dataclass

@@ -84,7 +84,7 @@ class StepMetrics:
     skipped_nan: bool = False
     """True when the step was skipped because the loss or the grad norm was not finite."""
     gpu_memory: dict[str, dict[str, float]] | None = None
-    """GPU memory at each phase boundary of the step (trainer/memory.py): boundary name ->
+    """GPU memory at each phase boundary of the step (trainer/colocated_memory.py): boundary name ->
     ``allocated_gib``, ``reserved_gib`` and ``peak_gib`` (peak allocated since the previous
     boundary). Boundaries: rollout_start, rollout_end, train_start, train_end, sync_start.
     None (null) on CPU."""

@@ -109,7 +109,7 @@ class TrainerOffload:
 
     ``optimizer``: the optimizer state, fp32 masters and gradient buffers; ``params``: the
     model weights. The colocated loop holds one of each so that the weights can stay for
-    the weight sync after the optimizer state has left (trainer/memory.py)."""
+    the weight sync after the optimizer state has left (trainer/colocated_memory.py)."""
 
     def __init__(self, policy, optimizer: bool = True, params: bool = False) -> None:
         if not policy.trainable:

@@ -2,7 +2,7 @@
 
 The batch and loss contracts (right-padded rows, position-aligned log-probs, the
 temperature, and why megatron's own gradient rescaling is undone here) are in
-docs/architecture-policy.md, "The policy's contracts". Micro-batches (``policy.batching``):
+docs/architecture-policy.md, "The policy's contracts". Micro-batches (``policy.micro_batches``):
 ``micro_batch_size`` padded rows, or rows packed end to end under a token budget;
 ``loss_fn`` sees padded [n, L] rows either way.
 """
@@ -21,10 +21,10 @@ from megatron_grpo.algorithms.step_batch import LossFn, StepBatch
 from megatron_grpo.config.schema import ConfigError, ModelConfig, OptimConfig
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec
-from megatron_grpo.policy.batching import PackedRows, check_expert_ranks_agree, split_batch
 from megatron_grpo.policy.checkpoint_state import load_sharded_state, sharded_state
 from megatron_grpo.policy.kernels import resolve_transformer_impl
 from megatron_grpo.policy.lr_schedule import LRSchedule
+from megatron_grpo.policy.micro_batches import PackedRows, check_expert_ranks_agree, split_batch
 from megatron_grpo.policy.model_builder import build_model, padded_vocab_size
 from megatron_grpo.policy.optimizer import (
     clip_gradients,

@@ -39,8 +39,8 @@ from megatron_grpo.rollout.ahead import AheadRollout
 from megatron_grpo.rollout.interface import Rollout, RolloutFactory, build_rollout, sampling_args
 from megatron_grpo.rollout.server import DisaggregatedWorld, join_world, serve
 from megatron_grpo.trainer.checkpointer import Checkpointer, Preemption
+from megatron_grpo.trainer.colocated_memory import ColocatedMemory
 from megatron_grpo.trainer.loop import GRPOTrainer
-from megatron_grpo.trainer.memory import ColocatedMemory
 from megatron_grpo.trainer.preflight import check_run
 from megatron_grpo.trainer.sync_schedule import SyncSchedule
 from megatron_grpo.trainer.validation import Validator

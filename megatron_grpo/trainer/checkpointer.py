@@ -30,7 +30,7 @@ from megatron_grpo.config.schema import CheckpointConfig
 from megatron_grpo.distributed import ParallelContext
 from megatron_grpo.metrics.console import say_rank0
 from megatron_grpo.policy import Policy
-from megatron_grpo.trainer.memory import ColocatedMemory
+from megatron_grpo.trainer.colocated_memory import ColocatedMemory
 from megatron_grpo.trainer.watchdog import bounded
 
 log = logging.getLogger("megatron_grpo.trainer")

@@ -18,7 +18,7 @@ from megatron_grpo.algorithms.kl import get_kl_estimator
 from megatron_grpo.algorithms.staleness import decomposition_metrics, decomposition_sums
 from megatron_grpo.algorithms.step_batch import StepBatch
 from megatron_grpo.distributed import ParallelContext
-from megatron_grpo.trainer.batch import dp_shard
+from megatron_grpo.trainer.collate import dp_shard
 
 
 def dp_logprobs(policy, batch: StepBatch, ctx: ParallelContext, micro_batch_size: int,

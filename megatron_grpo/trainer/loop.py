@@ -44,10 +44,10 @@ from megatron_grpo.metrics.row import step_row
 from megatron_grpo.policy import Policy
 from megatron_grpo.rollout.ahead import AheadRollout
 from megatron_grpo.rollout.interface import Rollout, RolloutFailure
-from megatron_grpo.trainer.batch import attach_advantages, collate, dp_shard, mini_batches
 from megatron_grpo.trainer.checkpointer import Checkpointer, loop_state_of
+from megatron_grpo.trainer.collate import attach_advantages, collate, dp_shard, mini_batches
+from megatron_grpo.trainer.colocated_memory import ColocatedMemory
 from megatron_grpo.trainer.logprobs import StepLogprobs
-from megatron_grpo.trainer.memory import ColocatedMemory
 from megatron_grpo.trainer.sync_schedule import SyncSchedule
 from megatron_grpo.trainer.validation import Validator
 from megatron_grpo.trainer.watchdog import bounded

@@ -16,7 +16,7 @@ stands where ``rollout.engine.RolloutEngine`` stands in a colocated run:
   samples per prompt, prompt-major, one seed per request, the sampled token's log-prob
   under ``softmax(logits / T)`` (vLLM's ``processed_logprobs``);
 - it sleeps and wakes like vLLM's sleep mode (weights to the host and back), so
-  ``trainer.memory.ColocatedMemory`` runs its whole dance around it on a GPU.
+  ``trainer.colocated_memory.ColocatedMemory`` runs its whole dance around it on a GPU.
 
 Sampling recomputes the whole sequence for every new token (no KV cache): the suite's
 responses are a few tokens long.

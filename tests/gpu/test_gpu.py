@@ -119,7 +119,7 @@ def test_distributed_optimizer_step(ctx, device, figures):
 def test_offload_reload(ctx, device, figures):
     """Offload -> reload -> train is bit-identical to never offloading; the first offload
     against a steady one. The offload is built before the first step, as the trainer builds
-    it with the run (trainer/memory.py), so its pinned host buffers are allocated ahead
+    it with the run (trainer/colocated_memory.py), so its pinned host buffers are allocated ahead
     (policy/offload.py) while the steps run."""
     from collections import Counter
 

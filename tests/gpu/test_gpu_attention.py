@@ -1,5 +1,5 @@
 """Issue 22 on one GPU: the SDPA core attention (``policy.attention``) and packed micro-batches
-(``policy.batching``) in bf16 on CUDA, and ``plan``'s peak for a long packed sequence.
+(``policy.micro_batches``) in bf16 on CUDA, and ``plan``'s peak for a long packed sequence.
 
 - ``test_sdpa_attention_bf16_vs_unfused``: the same weights with ``model.local_attention``
   sdpa and unfused, in bf16, each against an fp32 reference: SDPA's log-prob and gradient

@@ -29,7 +29,7 @@ from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
 from megatron_grpo.distributed import destroy_distributed, init_distributed
 from megatron_grpo.models.shapes import preset_spec
 from megatron_grpo.models.spec import ModelSpec
-from megatron_grpo.policy.batching import packed_micro_batches
+from megatron_grpo.policy.micro_batches import packed_micro_batches
 from megatron_grpo.policy.policy import build_policy
 
 
@@ -75,7 +75,7 @@ class BenchOpsArgs:
 
 def budget_for_packs(lengths: list[int], packs: int) -> int:
     """The smallest token budget that packs rows of ``lengths``, in order, into at most
-    ``packs`` micro-batches (``policy.batching.packed_micro_batches``'s greedy rule)."""
+    ``packs`` micro-batches (``policy.micro_batches.packed_micro_batches``'s greedy rule)."""
 
     def count(budget: int) -> int:
         n, tokens = 1, 0

@@ -16,9 +16,9 @@ from megatron_grpo.layouts import megatron as mg_names
 from megatron_grpo.layouts.io import gather_hf_state_dict
 from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.models.tiny import hf_config_dict
-from megatron_grpo.policy.batching import PackedRows, packed_micro_batches
 from megatron_grpo.policy.kernels import resolve_kernels, use_liger
 from megatron_grpo.policy.logprob import token_logprobs
+from megatron_grpo.policy.micro_batches import PackedRows, packed_micro_batches
 from megatron_grpo.policy.policy import build_policy
 
 

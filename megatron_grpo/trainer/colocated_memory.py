@@ -1,6 +1,6 @@
 """The colocated memory dance: one GPU shared by the trainer and its vLLM rank, in turns.
 
-Design: docs/rollout.md, "The phases (trainer/memory.py)".
+Design: docs/rollout.md, "The phases (trainer/colocated_memory.py)".
 """
 
 from __future__ import annotations
