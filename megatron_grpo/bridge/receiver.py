@@ -123,12 +123,19 @@ class ShardReceiver:
 
     # -- index of the logical (loadable) parameters
     def _build_index(self) -> None:
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
         # remove_duplicate=False: vLLM's FusedMoE also registers the MoE block's router
         # (``mlp.gate``) as ``mlp.experts.gate`` (models/qwen3_moe.py ``FusedMoEFactory(
         # gate=self.gate)``), and ``named_parameters`` may report it under that name.
         modules = dict(self.model.named_modules(remove_duplicate=False))
+        self._index_params(modules)
+        self._find_tied(modules)
+        self._index_direct_modules()
+
+    def _index_params(self, modules: dict[str, torch.nn.Module]) -> None:
+        """``params``, ``slots`` and ``slot_counts``: each parameter's logical (loadable)
+        shape, from the metadata vLLM recorded at build, a fused expert split in slots."""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
         for name, live in self.model.named_parameters():  # tied duplicates are dropped
             prefix, _, attr = name.rpartition(".")
             module = modules[prefix]
@@ -141,7 +148,10 @@ class ShardReceiver:
                     self.slots[f"{name}.{e}"] = e
                 continue
             self.params[name] = (module, attr, tuple(ref.shape), ref.dtype)
-        # Modules that share a parameter with another module (tied lm_head): vLLM's reload
+
+    def _find_tied(self, modules: dict[str, torch.nn.Module]) -> None:
+        """``_tied``: the processed modules that share a parameter with another module."""
+        # A tied lm_head: vLLM's reload
         # loads and processes only the owner (reload/__init__.py, "Limitations 2"), but on
         # CPU the tied lm_head keeps its own packed GEMM copy made at start
         # (vocab_parallel_embedding.py: UnquantizedEmbeddingMethod.process_weights_after_
@@ -156,6 +166,10 @@ class ShardReceiver:
                 if getattr(module, "quant_method", None) is not None:
                     self._tied.append((prefix, module))
             seen.add(id(p))
+
+    def _index_direct_modules(self) -> None:
+        """``by_prefix``, ``module_of`` and ``direct``: the direct path's view of the model,
+        which modules are re-processed after a load, which parameters are repacked."""
         self.by_prefix: dict[str, DirectModule] = {}
         """The direct path's view of each module, by its prefix."""
         self.module_of: dict[str, tuple[DirectModule, torch.nn.Module, str, bool]] = {}

@@ -320,6 +320,31 @@ def _context_from_megatron(
     )
 
 
+def _init_megatron(parallel: ParallelConfig, seed: int) -> None:
+    """Megatron's parallel groups (any previous ones destroyed) and its RNG streams."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        distributed_timeout_minutes=max(1, math.ceil(parallel.timeout_s / 60)),
+        # No extra gloo groups, on either backend: every group is created with the run's
+        # backend string, "cpu:gloo,cuda:nccl" on GPU (process_group_backend), so CPU tensors
+        # already have a gloo path, and the optimizer takes megatron's pg_collection, with
+        # which it refuses gloo groups (policy/optimizer.py _build_optimizer).
+        create_gloo_process_groups=False,
+    )
+    # Megatron's layers fork the "model-parallel-rng" stream (tensor_parallel/random.py);
+    # it must exist before any model is built.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
 def init_distributed(
     parallel: ParallelConfig,
     spec: ModelSpec | None = None,
@@ -341,9 +366,6 @@ def init_distributed(
     sizes everything from the default group, ``megatron/core/parallel_state.py``), DDP and
     checkpoint barriers see exactly the trainer ranks, unchanged.
     """
-    from megatron.core import parallel_state as mpu
-    from megatron.core import tensor_parallel
-
     if not torch.cuda.is_available():
         apply_cpu_platform()
 
@@ -363,25 +385,7 @@ def init_distributed(
         device = torch.device("cpu")
 
     _init_process_group(pg_backend, timeout, rank, world_size, store)
-    if mpu.model_parallel_is_initialized():
-        mpu.destroy_model_parallel()
-    mpu.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tp,
-        pipeline_model_parallel_size=parallel.pp,
-        virtual_pipeline_model_parallel_size=parallel.vpp,
-        context_parallel_size=parallel.cp,
-        expert_model_parallel_size=parallel.ep,
-        distributed_timeout_minutes=max(1, math.ceil(parallel.timeout_s / 60)),
-        # No extra gloo groups, on either backend: every group is created with the run's
-        # backend string, "cpu:gloo,cuda:nccl" on GPU (process_group_backend), so CPU tensors
-        # already have a gloo path, and the optimizer takes megatron's pg_collection, with
-        # which it refuses gloo groups (policy/optimizer.py _build_optimizer).
-        create_gloo_process_groups=False,
-    )
-    # Megatron's layers fork the "model-parallel-rng" stream (tensor_parallel/random.py);
-    # it must exist before any model is built.
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
+    _init_megatron(parallel, seed)
     return _context_from_megatron(parallel, rank, world_size, local_rank, dp, device, backend)
 
 

@@ -111,8 +111,17 @@ class LaunchPlan:
         return f"{sleep}, trainer_offload={r.trainer_offload}"
 
     def table(self, max_links: int = 16) -> str:
-        r, mem = self.ranks, self.memory
-        lines = [
+        """The plan as ``megatron-grpo plan`` prints it."""
+        lines = self._layout_lines()
+        lines += ["", "memory per GPU (GiB)", *self._memory_lines()]
+        lines += ["", *self._sync_lines(max_links)]
+        lines += [f"warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+    def _layout_lines(self) -> list[str]:
+        """The model, cluster, placement, trainer layout, micro-batch and vLLM engines."""
+        r = self.ranks
+        return [
             f"model        {self.model}: {_count(self.spec.num_parameters)} parameters, "
             f"{self.dtype}",
             f"cluster      {self.nodes} node(s) x {self.gpus_per_node} GPU(s) = world "
@@ -126,11 +135,13 @@ class LaunchPlan:
             f"vLLM         {len(r.engines)} engine(s) of tp={self.rollout_tp}: "
             + "; ".join(_ranges(e) for e in r.engines[:8])
             + (" ..." if len(r.engines) > 8 else ""),
-            "",
-            "memory per GPU (GiB)",
         ]
+
+    def _memory_lines(self) -> list[str]:
+        """Each role's memory components and peak, the colocated phases, the KV cache."""
+        mem = self.memory
         roles = list(mem.per_role.values())
-        lines.append(f"  {'component':<14}" + "".join(f"{m.role:>15}" for m in roles))
+        lines = [f"  {'component':<14}" + "".join(f"{m.role:>15}" for m in roles)]
         for key in roles[0].components:
             lines.append(
                 f"  {key:<14}" + "".join(f"{m.components[key] / GIB:>15.2f}" for m in roles)
@@ -148,6 +159,10 @@ class LaunchPlan:
             f"({mem.sequences_per_engine} sequences x {self.max_model_len} tokens); "
             f"reserved {_gib(mem.kv_cache_reserved)}"
         )
+        return lines
+
+    def _sync_lines(self, max_links: int) -> list[str]:
+        """The bridge plan's bytes per sync and its ``max_links`` largest links."""
         s = self.sync
         if self.sync_interval:
             every = f"every {self.sync_interval:g} steps"
@@ -155,8 +170,8 @@ class LaunchPlan:
         else:
             every = "adaptive: --mean-interval gives the bytes per step"
             per_step = ""
-        lines += ["", f"weight sync (bridge plan, {every})"]
-        lines += [
+        lines = [
+            f"weight sync (bridge plan, {every})",
             f"  per sync {_gib(s.bytes_per_sync)}: in-process {_gib(s.in_process_bytes)}, "
             f"cross-process {_gib(s.cross_process_bytes)}, cross-node "
             f"{_gib(self.cross_node_sync_bytes)}, busiest sender {_gib(s.max_sent)}{per_step}",
@@ -177,9 +192,7 @@ class LaunchPlan:
             lines.append(f"  link {src:>3} -> {dst:<3} {n / GIB:8.3f} GiB  {kind}")
         if len(links) > max_links:
             lines.append(f"  ... {len(links) - max_links} smaller links (see --json)")
-        for w in self.warnings:
-            lines.append(f"warning: {w}")
-        return "\n".join(lines)
+        return lines
 
 
 def _count(n: int) -> str:

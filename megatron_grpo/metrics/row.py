@@ -9,6 +9,7 @@ verification fields, the pass rate from the task scores (docs/metrics.md).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -47,28 +48,15 @@ def step_row(
     the share of MoE routings where the trainer's router chose other experts than vLLM
     (``rollout.routing_replay``), if measured."""
 
-    def mean(key: str) -> float | None:
-        vals = [m[key] for m in train if key in m]
-        return sum(vals) / len(vals) if vals else None
-
+    mean = partial(_train_mean, train)
     lengths = [len(s.response_ids) for s in samples]
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     task_scores = reward_info["task_scores"]
-    extra = {k: v for k, v in reward_info.items() if k not in ("reward_mean", "task_scores")}
-    extra.update({f"adv_{k}": v for k, v in adv.metrics.items()})
-    extra.update(eval_metrics or {})  # validation of this step (eval.interval), if any
-    for key in ("time_eval", "time_score_alpha"):  # validation; alpha's pass (in time_train)
-        if key in times:
-            extra[key] = times[key]
-    extra.update({k: v for k in _TRAIN_EXTRAS if (v := mean(k)) is not None})
+    extra = _reward_and_train_extras(reward_info, adv, train, times, eval_metrics)
     extra.update(ratio_parts or {})
     if routing_mismatch is not None:
         extra["routing_mismatch"] = routing_mismatch
-    if sync_report is not None:
-        extra.update(sync_seconds=sync_report.seconds, sync_minimal_bytes=sync_report.minimal_bytes,
-                     sync_wire_bytes=sync_report.wire_bytes)  # fmt: skip
-        extra.update({f"sync_{k}_s": v for k, v in sync_report.breakdown.items()})
-        extra.update(sync_verify or {})  # sync.verify
+    extra.update(_sync_extras(sync_report, sync_verify))
     return StepMetrics(
         step=step,
         reward_mean=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
@@ -88,3 +76,43 @@ def step_row(
         skipped_nan=any(m.get("skipped") for m in train),
         gpu_memory=gpu_memory, extra=extra,
     )  # fmt: skip
+
+
+def _train_mean(train: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """``key``'s mean over the optimizer steps that reported it; None when none did."""
+    vals = [m[key] for m in train if key in m]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _reward_and_train_extras(
+    reward_info: Mapping[str, Any],
+    adv: Any,
+    train: Sequence[Mapping[str, Any]],
+    times: Mapping[str, float],
+    eval_metrics: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The first of the row's ``extra`` fields: the reward's own metrics, the advantages'
+    (``adv_*``), validation, the eval / score_alpha times, the train steps' extras."""
+    extra = {k: v for k, v in reward_info.items() if k not in ("reward_mean", "task_scores")}
+    extra.update({f"adv_{k}": v for k, v in adv.metrics.items()})
+    extra.update(eval_metrics or {})  # validation of this step (eval.interval), if any
+    for key in ("time_eval", "time_score_alpha"):  # validation; alpha's pass (in time_train)
+        if key in times:
+            extra[key] = times[key]
+    extra.update({k: v for k in _TRAIN_EXTRAS if (v := _train_mean(train, k)) is not None})
+    return extra
+
+
+def _sync_extras(sync_report: Any, sync_verify: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The sync's bytes, breakdown and verification (``sync.verify``); {} when the step did
+    not sync."""
+    if sync_report is None:
+        return {}
+    extra = {
+        "sync_seconds": sync_report.seconds,
+        "sync_minimal_bytes": sync_report.minimal_bytes,
+        "sync_wire_bytes": sync_report.wire_bytes,
+    }
+    extra.update({f"sync_{k}_s": v for k, v in sync_report.breakdown.items()})
+    extra.update(sync_verify or {})
+    return extra

@@ -67,16 +67,7 @@ def summarize(
     out["reward_last"] = _mean(rewards[-w:]) if w else None
 
     synced = [r for r in rows if r.get("synced")]
-    sync_times = _values(synced, "time_sync")
-    sync_bytes = _values(synced, "sync_bytes")
-    out["num_syncs"] = len(synced)
-    out["sync_bytes_total"] = int(sum(sync_bytes))
-    out["sync_time_total_s"] = sum(sync_times)
-    out["sync_time_mean_s"] = _mean(sync_times)
-    out["sync_bytes_mean"] = _mean(sync_bytes)
-    # Steps per sync actually made: v in fixed mode (up to the run's ragged end), the
-    # observed mean interval in adaptive mode (what `plan --mean-interval` takes).
-    out["mean_sync_interval"] = n / len(synced) if synced else None
+    out.update(_sync_stats(rows, synced))
     drifts = _values(rows, "drift")
     out["drift_mean"] = _mean(drifts)
     out["drift_max"] = max(drifts) if drifts else None
@@ -84,42 +75,76 @@ def summarize(
     mismatch = _values(rows, "routing_mismatch")
     out["routing_mismatch_mean"] = _mean(mismatch)
     out["routing_mismatch_max"] = max(mismatch) if mismatch else None
-
-    # Mean seconds per step of each phase; time_sync counts 0 on steps that did not sync.
-    phase_means: dict[str, float | None] = {}
-    for phase in PHASES:
-        key = f"time_{phase}"
-        if phase == "sync":
-            phase_means[phase] = (sum(sync_times) / n) if sync_times else None
-        else:
-            phase_means[phase] = _mean(_values(rows, key))
-    phase_means["step"] = _mean(step_times)
-    out["phase_time_mean_s"] = phase_means
+    out["phase_time_mean_s"] = _phase_means(rows, _values(synced, "time_sync"), step_times)
 
     lags = _values(rows, "lag")
     out["lag_mean"] = _mean(lags)
     out["lag_max"] = int(max(lags)) if lags else None
     out["skipped_nan"] = sum(1 for r in rows if r.get("skipped_nan"))
     out["tokens_per_s_mean"] = _mean(_values(rows, "tokens_per_s"))
-
-    # What syncing every v saved against syncing every step (see the module docstring).
-    avoided = n - len(synced)
-    saving: dict[str, Any] = {"avoided_syncs": avoided}
-    if out["sync_time_mean_s"] is None or not step_times:
-        saving["note"] = "no timed sync or no time_step in this run: nothing to estimate from"
-    else:
-        saved_s = avoided * out["sync_time_mean_s"]
-        actual_s = sum(step_times)
-        every_step_s = actual_s + saved_s
-        saving.update(
-            saved_time_s=saved_s,
-            saved_bytes=int(avoided * (out["sync_bytes_mean"] or 0)),
-            steps_per_s=n / actual_s if actual_s > 0 else None,
-            steps_per_s_if_every_step=n / every_step_s if every_step_s > 0 else None,
-            throughput_ratio=every_step_s / actual_s if actual_s > 0 else None,
-        )
-    out["sync_every_v_saving"] = saving
+    out["sync_every_v_saving"] = _sync_every_v_saving(
+        n, len(synced), out["sync_time_mean_s"], out["sync_bytes_mean"], step_times
+    )
     return out
+
+
+def _sync_stats(
+    rows: Sequence[Mapping[str, Any]], synced: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The syncs the run made (its ``synced`` rows): how many, their bytes and seconds."""
+    sync_times = _values(synced, "time_sync")
+    sync_bytes = _values(synced, "sync_bytes")
+    return {
+        "num_syncs": len(synced),
+        "sync_bytes_total": int(sum(sync_bytes)),
+        "sync_time_total_s": sum(sync_times),
+        "sync_time_mean_s": _mean(sync_times),
+        "sync_bytes_mean": _mean(sync_bytes),
+        # Steps per sync actually made: v in fixed mode (up to the run's ragged end), the
+        # observed mean interval in adaptive mode (what `plan --mean-interval` takes).
+        "mean_sync_interval": len(rows) / len(synced) if synced else None,
+    }
+
+
+def _phase_means(
+    rows: Sequence[Mapping[str, Any]], sync_times: Sequence[float], step_times: Sequence[float]
+) -> dict[str, float | None]:
+    """Mean seconds per step of each phase; time_sync counts 0 on steps that did not sync."""
+    n = len(rows)
+    phase_means: dict[str, float | None] = {}
+    for phase in PHASES:
+        if phase == "sync":
+            phase_means[phase] = (sum(sync_times) / n) if sync_times else None
+        else:
+            phase_means[phase] = _mean(_values(rows, f"time_{phase}"))
+    phase_means["step"] = _mean(step_times)
+    return phase_means
+
+
+def _sync_every_v_saving(
+    n: int,
+    num_syncs: int,
+    sync_time_mean_s: float | None,
+    sync_bytes_mean: float | None,
+    step_times: Sequence[float],
+) -> dict[str, Any]:
+    """What syncing every v saved against syncing every step (see the module docstring)."""
+    avoided = n - num_syncs
+    saving: dict[str, Any] = {"avoided_syncs": avoided}
+    if sync_time_mean_s is None or not step_times:
+        saving["note"] = "no timed sync or no time_step in this run: nothing to estimate from"
+        return saving
+    saved_s = avoided * sync_time_mean_s
+    actual_s = sum(step_times)
+    every_step_s = actual_s + saved_s
+    saving.update(
+        saved_time_s=saved_s,
+        saved_bytes=int(avoided * (sync_bytes_mean or 0)),
+        steps_per_s=n / actual_s if actual_s > 0 else None,
+        steps_per_s_if_every_step=n / every_step_s if every_step_s > 0 else None,
+        throughput_ratio=every_step_s / actual_s if actual_s > 0 else None,
+    )
+    return saving
 
 
 def _ratio_parts(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,28 +69,9 @@ def build_trainer(
     spec = load_spec(hf_dir)
     sub_world = world.trainer_world() if world is not None else {}  # the trainer ranks only
     ctx = init_distributed(cfg.parallel, spec, seed=cfg.seed, **sub_world)
-    if ctx.rank == 0:
-        print(format_config(cfg), flush=True)
-    say_rank0(ctx, f"model {hf_dir} ({spec.family}, {spec.num_parameters:,} params); "
-              f"world {ctx.world_size}: tp={ctx.tp} pp={ctx.pp} dp={ctx.dp}, {num_engines} "
-              f"vLLM engine(s) of tp={cfg.rollout.tp}, {_schedule_text(cfg)}")  # fmt: skip
+    _say_run(cfg, ctx, hf_dir, spec, num_engines)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    g = cfg.grpo
-    batch = g.prompts_per_step * g.group_size
-    optimizer_steps = cfg.steps * g.sgd_iterations * (batch // (g.mini_batch_size or batch))
-    policy = build_policy(
-        spec, ctx, cfg.model, cfg.optim,
-        init_weights=partial(load_hf_into_megatron, hf_dir=hf_dir, spec=spec, ctx=ctx),
-        total_steps=optimizer_steps,
-        temperature=cfg.rollout.temperature,  # log-probs of softmax(logits / T), as sampled
-        routing_replay=cfg.rollout.routing_replay == "on",  # vLLM's experts (docs/moe.md)
-    )  # fmt: skip
-    ref = policy.make_reference() if g.kl_coef > 0 else None
-    keep_served = cfg.checkpoint.exact_resume and cfg.sync.can_lag
-    served = policy.make_reference() if keep_served else None
-    alpha = None  # grpo.score_alpha: the weights vLLM serves, on the trainer (the served copy)
-    if g.score_alpha and cfg.sync.can_lag:
-        alpha = served if served is not None else policy.make_reference()
+    policy, ref, served, alpha = _build_policies(cfg, spec, ctx, hf_dir)
     budget = gpu_token_budget(spec, cfg, ctx)
     say_rank0(ctx, f"micro-batches: {budget.line()}")
     t0 = time.perf_counter()
@@ -103,8 +85,7 @@ def build_trainer(
     prompts = build_prompt_source(cfg.data, tokenizer)
     scorer = GroupScorer.from_config(cfg, reward_fn, tokenizer)
     schedule = SyncSchedule.from_config(cfg.sync)
-    window = window_buffer(cfg, prompts, rollout, memory, tokenizer.eos_token_id, scorer,
-                           schedule)  # fmt: skip
+    window = window_buffer(cfg, prompts, rollout, memory, tokenizer.eos_token_id, scorer, schedule)
     validator = Validator(cfg, tokenizer, reward_fn) if cfg.eval.interval else None
     resumed = checkpointer.resume() if resume else None
     logger = MetricsLogger(
@@ -114,8 +95,8 @@ def build_trainer(
     )  # fmt: skip
     trainer = GRPOTrainer(
         cfg=cfg, ctx=ctx, tokenizer=tokenizer, policy=policy, ref=ref, rollout=rollout,
-        sender=sender, schedule=schedule, window=window, advantage_fn=build_advantage_fn(g),
-        loss_fn=make_loss_fn(g, cfg.rollout.max_new_tokens), memory=memory,
+        sender=sender, schedule=schedule, window=window, advantage_fn=build_advantage_fn(cfg.grpo),
+        loss_fn=make_loss_fn(cfg.grpo, cfg.rollout.max_new_tokens), memory=memory,
         checkpointer=checkpointer, logger=logger, timer=PhaseTimer.for_device(ctx.device),
         validator=validator, alpha=alpha, budget=budget,
         closers=[logger.close, reward_fn.close, rollout.shutdown, destroy_distributed],
@@ -124,6 +105,48 @@ def build_trainer(
     if ctx.rank == 0:  # only once the run really starts (a failed start leaves none)
         save_config(cfg, cfg.run_dir)
     return trainer
+
+
+def _say_run(
+    cfg: Config, ctx: ParallelContext, hf_dir: Path, spec: ModelSpec, engines: int
+) -> None:
+    """Rank 0 prints the resolved config, then the model, the layout and the sync schedule."""
+    if ctx.rank == 0:
+        print(format_config(cfg), flush=True)
+    say_rank0(
+        ctx,
+        f"model {hf_dir} ({spec.family}, {spec.num_parameters:,} params); "
+        f"world {ctx.world_size}: tp={ctx.tp} pp={ctx.pp} dp={ctx.dp}, {engines} "
+        f"vLLM engine(s) of tp={cfg.rollout.tp}, {_schedule_text(cfg)}",
+    )
+
+
+def _build_policies(
+    cfg: Config, spec: ModelSpec, ctx: ParallelContext, hf_dir: Path
+) -> tuple[Policy, Policy | None, Policy | None, Policy | None]:
+    """The policy, warm-started from ``hf_dir``, and its copies: pi_ref (grpo.kl_coef > 0),
+    the served copy (exact resume of a lagging sync) and alpha (grpo.score_alpha: the
+    weights vLLM serves, on the trainer; the served copy when there is one)."""
+    g = cfg.grpo
+    batch = g.prompts_per_step * g.group_size
+    optimizer_steps = cfg.steps * g.sgd_iterations * (batch // (g.mini_batch_size or batch))
+    policy = build_policy(
+        spec,
+        ctx,
+        cfg.model,
+        cfg.optim,
+        init_weights=partial(load_hf_into_megatron, hf_dir=hf_dir, spec=spec, ctx=ctx),
+        total_steps=optimizer_steps,
+        temperature=cfg.rollout.temperature,  # log-probs of softmax(logits / T), as sampled
+        routing_replay=cfg.rollout.routing_replay == "on",  # vLLM's experts (docs/moe.md)
+    )
+    ref = policy.make_reference() if g.kl_coef > 0 else None
+    keep_served = cfg.checkpoint.exact_resume and cfg.sync.can_lag
+    served = policy.make_reference() if keep_served else None
+    alpha = None
+    if g.score_alpha and cfg.sync.can_lag:
+        alpha = served if served is not None else policy.make_reference()
+    return policy, ref, served, alpha
 
 
 def gpu_token_budget(spec: ModelSpec, cfg: Config, ctx: ParallelContext) -> TokenBudget:

@@ -310,8 +310,10 @@ def project(
     a = a or Assumptions()
     if mean_interval is not None:
         if not mean_interval >= 1:
-            raise ValueError(f"--mean-interval {mean_interval}: an interval is >= 1 step (give "
-                             "summary.json's mean_sync_interval of an adaptive run).")  # fmt: skip
+            raise ValueError(
+                f"--mean-interval {mean_interval}: an interval is >= 1 step (give "
+                "summary.json's mean_sync_interval of an adaptive run)."
+            )
         vs = sorted({*vs, mean_interval})
     (va, xa), (vb, xb) = a.paper_it_s
     t_other, s_paper = calibrate(xa, va, xb, vb)
@@ -322,18 +324,7 @@ def project(
             sync_interval: throughput_ratio(t_other, sc.sync_s, sync_interval)
             for sync_interval in vs
         }
-    by_layout = []
-    for tp, pp in layouts:
-        la = Assumptions(**{**asdict(a), "trainer_tp": tp, "trainer_pp": pp})
-        lb = b if (tp, pp) == (a.trainer_tp, a.trainer_pp) else plan_bytes(la)
-        d = direct_wire_s(lb, a.nvlink_GBps, a.hbm_copy_GBps)
-        bw = baseline_wire_s(lb, a.nvlink_GBps, a.hbm_copy_GBps)
-        by_layout.append({
-            "trainer_tp": tp, "trainer_pp": pp, "trainer_dp": a.gpus // (tp * pp),
-            "bytes": lb.to_dict(), "direct_wire_s": d, "baseline_wire_s": bw,
-            "direct_ratio_v10": throughput_ratio(t_other, d, 10),
-            "baseline_ratio_v10": throughput_ratio(t_other, bw, 10),
-        })  # fmt: skip
+    by_layout = [_layout_projection(a, b, t_other, tp, pp) for tp, pp in layouts]
     return {
         "assumptions": asdict(a),
         "calibration": {
@@ -346,7 +337,7 @@ def project(
                 va: 1 / step_time(t_other, s_paper, va),
                 vb: 1 / step_time(t_other, s_paper, vb),
             },
-        },  # fmt: skip
+        },
         "bytes": b.to_dict(),
         "scenarios": [asdict(s) for s in scenarios],
         "layouts": by_layout,
@@ -359,6 +350,27 @@ def project(
             "S_needed_for_1.10x_at_v10": sync_s_for_ratio(t_other, 1.10, 10),
             "S_needed_for_1.35x_at_v10": sync_s_for_ratio(t_other, 1.35, 10),
         },
+    }
+
+
+def _layout_projection(
+    a: Assumptions, b: PlanBytes, t_other: float, tp: int, pp: int
+) -> dict[str, Any]:
+    """Trainer layout ``tp`` x ``pp``: its bytes per sync, the direct bridge's and the
+    baseline's wire seconds, and their throughput ratios at v=10."""
+    la = Assumptions(**{**asdict(a), "trainer_tp": tp, "trainer_pp": pp})
+    lb = b if (tp, pp) == (a.trainer_tp, a.trainer_pp) else plan_bytes(la)
+    d = direct_wire_s(lb, a.nvlink_GBps, a.hbm_copy_GBps)
+    bw = baseline_wire_s(lb, a.nvlink_GBps, a.hbm_copy_GBps)
+    return {
+        "trainer_tp": tp,
+        "trainer_pp": pp,
+        "trainer_dp": a.gpus // (tp * pp),
+        "bytes": lb.to_dict(),
+        "direct_wire_s": d,
+        "baseline_wire_s": bw,
+        "direct_ratio_v10": throughput_ratio(t_other, d, 10),
+        "baseline_ratio_v10": throughput_ratio(t_other, bw, 10),
     }
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +12,28 @@ from megatron_grpo.bench.projection.moe import moe_sync_projection
 
 
 def format_projection(p: Mapping[str, Any]) -> str:
+    """``bench project``'s report: the calibration and bytes, the scenarios' ratios per v, the
+    trainer layouts, rollout.ahead's 7B schedule, and the gap to the paper's S."""
+    out = _calibration_lines(p) + [""] + _scenario_lines(p) + [""] + _layout_lines(p["layouts"])
+    sch = p.get("schedule_7b_disaggregated")
+    if sch:
+        out += ["", *_ahead_schedule_lines(sch)]
+    g = p["gap"]
+    out += [
+        "",
+        f"Gap: the paper's S is {g['paper_S_over_verl_nccl']:.0f}x verl's NCCL sync and "
+        f"{g['paper_S_over_direct_wire']:.0f}x the bridge's NVLink wire time; 1.10x at v=10 "
+        f"needs S >= {g['S_needed_for_1.10x_at_v10']:.2f} s, 1.35x needs "
+        f"{g['S_needed_for_1.35x_at_v10']:.2f} s.",
+    ]
+    return "\n".join(out)
+
+
+def _calibration_lines(p: Mapping[str, Any]) -> list[str]:
+    """S and T_other solved from the paper's two measured it/s, and the bytes per sync."""
     c, a, b = p["calibration"], p["assumptions"], p["bytes"]
     (va, xa), (vb, xb) = a["paper_it_s"]
-    vs = p["vs"]
-    out = [
+    return [
         f"Calibration ({a['model']}, {a['gpus']}xH100, vLLM TP={a['rollout_tp']} colocated):",
         f"  1/{xa} = {1 / xa:.3f} s = T_other + S/{va}",
         f"  1/{xb} = {1 / xb:.3f} s = T_other + S/{vb}",
@@ -29,7 +47,13 @@ def format_projection(p: Mapping[str, Any]) -> str:
         f"busiest rank {b['direct_busiest_rank'] / GiB:.2f} GiB cross); baseline "
         f"{b['baseline_total'] / GiB:.2f} GiB (gather {b['baseline_gather_into_root'] / GiB:.2f}"
         f" + broadcast wire {b['baseline_broadcast_wire'] / GiB:.2f} + root in-process)",
-        "",
+    ]
+
+
+def _scenario_lines(p: Mapping[str, Any]) -> list[str]:
+    """Each scenario's S and its throughput ratio at every v."""
+    vs = p["vs"]
+    out = [
         f"{'scenario':<46}{'S (s)':>9}"
         + "".join(f"{f'v={sync_interval:g}':>8}" for sync_interval in vs),
     ]
@@ -39,12 +63,20 @@ def format_projection(p: Mapping[str, Any]) -> str:
             + "".join(f"{s['ratios'][sync_interval]:>8.4f}" for sync_interval in vs)
         )
     if p.get("mean_interval") is not None:
-        out.append(f"(v={p['mean_interval']:g}: the observed mean interval of an adaptive run, "
-                   "--mean-interval; T_other + S / mean interval)")  # fmt: skip
-    out.append("")
-    out.append(f"{'trainer layout':<18}{'direct GiB':>11}{'busiest':>9}{'baseline GiB':>13}"
-               f"{'direct s':>10}{'base s':>9}{'dir v10':>9}{'base v10':>9}")  # fmt: skip
-    for lay in p["layouts"]:
+        out.append(
+            f"(v={p['mean_interval']:g}: the observed mean interval of an adaptive run, "
+            "--mean-interval; T_other + S / mean interval)"
+        )
+    return out
+
+
+def _layout_lines(layouts: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Bytes and wire seconds per trainer layout, direct bridge against the baseline."""
+    out = [
+        f"{'trainer layout':<18}{'direct GiB':>11}{'busiest':>9}{'baseline GiB':>13}"
+        f"{'direct s':>10}{'base s':>9}{'dir v10':>9}{'base v10':>9}"
+    ]
+    for lay in layouts:
         lb = lay["bytes"]
         out.append(
             f"TP{lay['trainer_tp']} PP{lay['trainer_pp']} DP{lay['trainer_dp']:<9}"
@@ -53,30 +85,24 @@ def format_projection(p: Mapping[str, Any]) -> str:
             f"{lay['baseline_wire_s']:>9.4f}{lay['direct_ratio_v10']:>9.4f}"
             f"{lay['baseline_ratio_v10']:>9.4f}"
         )
-    sch = p.get("schedule_7b_disaggregated")
-    if sch:
-        out += [
-            "",
-            f"rollout.ahead, 7B disaggregated on 2 nodes (vLLM node + trainer node; R = "
-            f"{sch['rollout_s']:.2f} s, T = {sch['train_s']:.2f} s: T_other split "
-            f"{sch['rollout_share']:.0%} rollout, an assumption; S = {sch['sync_s']:.2f} s):",
-            f"{'v':>4}{'serial s/step':>15}{'ahead s/step':>14}{'serial it/s':>13}"
-            f"{'ahead it/s':>12}{'speedup':>9}",
-        ]
-        for row in sch["rows"]:
-            out.append(
-                f"{row['v']:>4}{row['serial_step_s']:>15.2f}{row['ahead_step_s']:>14.2f}"
-                f"{row['serial_it_s']:>13.4f}{row['ahead_it_s']:>12.4f}{row['speedup']:>9.3f}"
-            )
-    g = p["gap"]
-    out += [
-        "",
-        f"Gap: the paper's S is {g['paper_S_over_verl_nccl']:.0f}x verl's NCCL sync and "
-        f"{g['paper_S_over_direct_wire']:.0f}x the bridge's NVLink wire time; 1.10x at v=10 "
-        f"needs S >= {g['S_needed_for_1.10x_at_v10']:.2f} s, 1.35x needs "
-        f"{g['S_needed_for_1.35x_at_v10']:.2f} s.",
+    return out
+
+
+def _ahead_schedule_lines(sch: Mapping[str, Any]) -> list[str]:
+    """rollout.ahead's 7B disaggregated schedule: serial against ahead, per v."""
+    out = [
+        f"rollout.ahead, 7B disaggregated on 2 nodes (vLLM node + trainer node; R = "
+        f"{sch['rollout_s']:.2f} s, T = {sch['train_s']:.2f} s: T_other split "
+        f"{sch['rollout_share']:.0%} rollout, an assumption; S = {sch['sync_s']:.2f} s):",
+        f"{'v':>4}{'serial s/step':>15}{'ahead s/step':>14}{'serial it/s':>13}"
+        f"{'ahead it/s':>12}{'speedup':>9}",
     ]
-    return "\n".join(out)
+    for row in sch["rows"]:
+        out.append(
+            f"{row['v']:>4}{row['serial_step_s']:>15.2f}{row['ahead_step_s']:>14.2f}"
+            f"{row['serial_it_s']:>13.4f}{row['ahead_it_s']:>12.4f}{row['speedup']:>9.3f}"
+        )
+    return out
 
 
 def format_moe_sync(p: Mapping[str, Any]) -> str:

@@ -171,7 +171,7 @@ def format_table(res: dict) -> str:
                 "finish",
             ),
             SYNC_WIDTHS,
-        ),  # fmt: skip
+        ),
     ]
 
     for b, d in res["direct_by_bucket"].items():
@@ -198,16 +198,20 @@ def format_table(res: dict) -> str:
         f"{res['direct']['bytes'] == res['minimal_bytes']}   verified: {res['verified']} "
         f"(transfer bit-exact: {res['verified_transfer']})"
     )
-    for r, c in enumerate(res["checks"]):
-        d = c.get("direct", {})
-        bits = [f"rank {r}: shards_ok={d.get('shards_ok')}"]
-        if "checksums" in d:
-            bits.append(f"checksums {d['checksums']['checked']} ok={d['checksums']['ok']}")
-        if "parity" in d:
-            bits.append(f"parity max|dlogp| direct={d['parity']['max_abs_diff']:.2e}")
-        if "parity_before_direct" in c:
-            bits.append(f"(before sync {c['parity_before_direct']['max_abs_diff']:.2e})")
-        if "parity" in c.get("baseline", {}):
-            bits.append(f"baseline={c['baseline']['parity']['max_abs_diff']:.2e}")
-        lines.append("  " + ", ".join(bits))
+    lines += [_rank_checks_line(r, c) for r, c in enumerate(res["checks"])]
     return "\n".join(lines)
+
+
+def _rank_checks_line(r: int, c: dict) -> str:
+    """Rank ``r``'s verification: shards, checksums, log-prob parity before and after."""
+    d = c.get("direct", {})
+    bits = [f"rank {r}: shards_ok={d.get('shards_ok')}"]
+    if "checksums" in d:
+        bits.append(f"checksums {d['checksums']['checked']} ok={d['checksums']['ok']}")
+    if "parity" in d:
+        bits.append(f"parity max|dlogp| direct={d['parity']['max_abs_diff']:.2e}")
+    if "parity_before_direct" in c:
+        bits.append(f"(before sync {c['parity_before_direct']['max_abs_diff']:.2e})")
+    if "parity" in c.get("baseline", {}):
+        bits.append(f"baseline={c['baseline']['parity']['max_abs_diff']:.2e}")
+    return "  " + ", ".join(bits)

@@ -120,6 +120,48 @@ def apply_liger(model, device: torch.device, choice: str) -> bool:
     return True
 
 
+def _hf_model(
+    spec: ModelSpec, state: dict, device: torch.device, dtype: torch.dtype, attention: str
+):
+    """A ``transformers`` causal LM of ``spec`` on ``device`` with the project's weights
+    ``state`` (an HF state dict) loaded; raises when the two disagree on a name."""
+    import transformers
+
+    cfg = hf_config_dict(
+        {
+            "architecture": spec.architecture,
+            "hidden_size": spec.hidden_size,
+            "num_hidden_layers": spec.num_layers,
+            "num_attention_heads": spec.num_heads,
+            "num_key_value_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "intermediate_size": spec.ffn_hidden_size,
+            "tie_word_embeddings": spec.tie_word_embeddings,
+            "rope_theta": spec.rope_theta,
+            "rms_norm_eps": spec.rms_norm_eps,
+            "max_position_embeddings": spec.max_position_embeddings,
+        },
+        vocab_size=spec.vocab_size,
+    )
+    config = transformers.AutoConfig.for_model(
+        **{k: v for k, v in cfg.items() if k != "architectures"}
+    )
+    config.architectures = cfg["architectures"]
+    config.use_cache = False
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention, dtype=dtype
+        )
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied_head = [hf_names.LM_HEAD] if spec.tie_word_embeddings else []
+    if unexpected or [k for k in missing if k not in tied_head]:
+        raise ValueError(
+            f"HF model and the project's weights disagree: missing {missing[:4]}, "
+            f"unexpected {unexpected[:4]}"
+        )
+    return model
+
+
 class HFSide:
     """A plain ``transformers`` causal LM of the same spec, SDPA attention, AdamW (``hf``);
     with ``packed_budget`` the same model with padding removed (``hf-packed``): rows packed
@@ -135,8 +177,6 @@ class HFSide:
         args: BenchTrainArgs,
         packed_budget: int | None = None,
     ) -> None:
-        import transformers
-
         self.spec, self.args, self.device = spec, args, device
         self.packed_budget = packed_budget
         self.name = "hf" if packed_budget is None else "hf-packed"
@@ -144,38 +184,7 @@ class HFSide:
         if packed_budget is not None:
             _register_varlen_attention()
             attention = VARLEN_ATTENTION
-        cfg = hf_config_dict(
-            {
-                "architecture": spec.architecture,
-                "hidden_size": spec.hidden_size,
-                "num_hidden_layers": spec.num_layers,
-                "num_attention_heads": spec.num_heads,
-                "num_key_value_heads": spec.num_kv_heads,
-                "head_dim": spec.head_dim,
-                "intermediate_size": spec.ffn_hidden_size,
-                "tie_word_embeddings": spec.tie_word_embeddings,
-                "rope_theta": spec.rope_theta,
-                "rms_norm_eps": spec.rms_norm_eps,
-                "max_position_embeddings": spec.max_position_embeddings,
-            },
-            vocab_size=spec.vocab_size,
-        )
-        config = transformers.AutoConfig.for_model(
-            **{k: v for k, v in cfg.items() if k != "architectures"}
-        )
-        config.architectures = cfg["architectures"]
-        config.use_cache = False
-        with torch.device(device):
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation=attention, dtype=dtype
-            )
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        tied_head = [hf_names.LM_HEAD] if spec.tie_word_embeddings else []
-        if unexpected or [k for k in missing if k not in tied_head]:
-            raise ValueError(
-                f"HF model and the project's weights disagree: missing {missing[:4]}, "
-                f"unexpected {unexpected[:4]}"
-            )
+        model = _hf_model(spec, state, device, dtype, attention)
         if args.recompute == "full":
             model.gradient_checkpointing_enable()
         self.liger = packed_budget is not None and apply_liger(model, device, args.liger)

@@ -28,58 +28,10 @@ def _phase_cells(d: dict) -> str:
 
 def format_table(res: dict) -> str:
     """The console table of a ``bench train`` result."""
-    b, spec = res["batch"], res["spec"]
-    peak = res["peak_tflops"]
-    lines = [
-        f"bench train: {res['preset']} ({res['sides']['project']['num_parameters'] / 1e6:.1f}M "
-        f"params, {spec['num_layers']} layers), {res['device_name']}, {res['dtype']}, peak "
-        f"{_num(peak, '.0f')} TFLOP/s",
-        f"batch: {b['rows']} rows, prompts ~{b['prompt_len']}, responses {b['min_len']}.."
-        f"{b['max_len']} (seed {b['seed']}): {b['useful_tokens']:,} useful tokens, "
-        f"{b['padded_tokens']:,} padded; micro-batch {b['micro_batch_size']} rows (project: "
-        f"{_packing(b['project_micro_batch_tokens'])}; hf-packed: "
-        f"{_packing(b.get('hf_packed_micro_batch_tokens'))}); median of "
-        f"{res['steps']} after {res['warmup']} warm-up",
-        f"{'':<18}{'train step':^40}{'log-prob pass':^40}",
-        columns(
-            ("side", "s", "tok/s", "MFU 6N", "peak GiB", "s", "tok/s", "MFU 2N", "peak GiB"),
-            (-18, *PHASE_WIDTHS, *PHASE_WIDTHS),
-        ),  # fmt: skip
-    ]
-
-    for name, s in res["sides"].items():
-        label = name + (" +liger" if s.get("liger") else "")
-        lines.append(f"{label:<18}" + _phase_cells(s["train"]) + _phase_cells(s["logprob"]))
-    for name in res["sides"]:
-        r = res["ratio"].get(name) if name != "project" else None
-        if r:
-            lines.append(
-                f"{'project/' + name:<18}{_num(r['train'], '.2f') + 'x tokens/s':>40}"
-                f"{_num(r['logprob'], '.2f') + 'x tokens/s':>40}"
-            )
+    lines = _heading_lines(res) + _side_lines(res)
     if res["search"]:
-        parts = []
-        for name, s in res["sides"].items():
-            ls = s["largest_trainable"]
-            fail = [t["length"] for t in ls["tried"] if not t["ok"]]
-            ok = [t for t in ls["tried"] if t["ok"]]
-            at = f" ({ok[-1]['peak_gib']:.1f} GiB)" if ok and ok[-1]["peak_gib"] else ""
-            end = f", {fail[0]:,} OOM" if fail else f", cap {ls['cap']:,}"
-            parts.append(f"{name} {_num(ls['largest'], ',')}{at}{end}")
-        lines.append("largest sequence that trains: " + "; ".join(parts))
-    par = res["logprob_parity"] or {}
-    if "max_abs_diff" in par:
-        lines.append(
-            f"log-prob parity on the same initial weights: max |diff| "
-            f"{par['max_abs_diff']:.2e}, mean {par['mean_abs_diff']:.2e} over "
-            f"{par['tokens']:,} tokens"
-        )
-    packed = par.get("hf-packed_vs_hf")
-    if packed:
-        lines.append(
-            f"hf-packed vs hf log-probs: max |diff| {packed['max_abs_diff']:.2e}, mean "
-            f"{packed['mean_abs_diff']:.2e} (padding removed, same weights)"
-        )
+        lines.append(_largest_trainable_line(res["sides"]))
+    lines += _parity_lines(res["logprob_parity"] or {})
     fs = {n: s.get("first_step") for n, s in res["sides"].items()}
     if all(fs.values()):
         lines.append(
@@ -94,3 +46,71 @@ def format_table(res: dict) -> str:
         "(JSON: mfu_with_attention)"
     )
     return "\n".join(lines)
+
+
+def _heading_lines(res: dict) -> list[str]:
+    """What ran (model, device, batch, packing, steps) and the column headings."""
+    b, spec = res["batch"], res["spec"]
+    return [
+        f"bench train: {res['preset']} ({res['sides']['project']['num_parameters'] / 1e6:.1f}M "
+        f"params, {spec['num_layers']} layers), {res['device_name']}, {res['dtype']}, peak "
+        f"{_num(res['peak_tflops'], '.0f')} TFLOP/s",
+        f"batch: {b['rows']} rows, prompts ~{b['prompt_len']}, responses {b['min_len']}.."
+        f"{b['max_len']} (seed {b['seed']}): {b['useful_tokens']:,} useful tokens, "
+        f"{b['padded_tokens']:,} padded; micro-batch {b['micro_batch_size']} rows (project: "
+        f"{_packing(b['project_micro_batch_tokens'])}; hf-packed: "
+        f"{_packing(b.get('hf_packed_micro_batch_tokens'))}); median of "
+        f"{res['steps']} after {res['warmup']} warm-up",
+        f"{'':<18}{'train step':^40}{'log-prob pass':^40}",
+        columns(
+            ("side", "s", "tok/s", "MFU 6N", "peak GiB", "s", "tok/s", "MFU 2N", "peak GiB"),
+            (-18, *PHASE_WIDTHS, *PHASE_WIDTHS),
+        ),
+    ]
+
+
+def _side_lines(res: dict) -> list[str]:
+    """One row per side (both phases), then each side's tokens/s against the project's."""
+    lines = []
+    for name, s in res["sides"].items():
+        label = name + (" +liger" if s.get("liger") else "")
+        lines.append(f"{label:<18}" + _phase_cells(s["train"]) + _phase_cells(s["logprob"]))
+    for name in res["sides"]:
+        r = res["ratio"].get(name) if name != "project" else None
+        if r:
+            lines.append(
+                f"{'project/' + name:<18}{_num(r['train'], '.2f') + 'x tokens/s':>40}"
+                f"{_num(r['logprob'], '.2f') + 'x tokens/s':>40}"
+            )
+    return lines
+
+
+def _largest_trainable_line(sides: dict) -> str:
+    """``--search``: each side's largest sequence that trains, and where it ran out."""
+    parts = []
+    for name, s in sides.items():
+        ls = s["largest_trainable"]
+        fail = [t["length"] for t in ls["tried"] if not t["ok"]]
+        ok = [t for t in ls["tried"] if t["ok"]]
+        at = f" ({ok[-1]['peak_gib']:.1f} GiB)" if ok and ok[-1]["peak_gib"] else ""
+        end = f", {fail[0]:,} OOM" if fail else f", cap {ls['cap']:,}"
+        parts.append(f"{name} {_num(ls['largest'], ',')}{at}{end}")
+    return "largest sequence that trains: " + "; ".join(parts)
+
+
+def _parity_lines(par: dict) -> list[str]:
+    """The sides' log-prob agreement on the same weights (and hf-packed against hf)."""
+    lines = []
+    if "max_abs_diff" in par:
+        lines.append(
+            f"log-prob parity on the same initial weights: max |diff| "
+            f"{par['max_abs_diff']:.2e}, mean {par['mean_abs_diff']:.2e} over "
+            f"{par['tokens']:,} tokens"
+        )
+    packed = par.get("hf-packed_vs_hf")
+    if packed:
+        lines.append(
+            f"hf-packed vs hf log-probs: max |diff| {packed['max_abs_diff']:.2e}, mean "
+            f"{packed['mean_abs_diff']:.2e} (padding removed, same weights)"
+        )
+    return lines
