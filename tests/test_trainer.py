@@ -106,34 +106,6 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
     assert_same_rows(a, b)
 
 
-@pytest.mark.timeout(300)
-def test_world_that_does_not_fit_is_one_clear_line_before_the_warm_start(tmp_path):
-    # One process spawns the ranks a layout needs (tp*pp*dp = 2 here), but rollout.tp=4
-    # cannot be placed on them: refused before any rank starts or any model is built.
-    rc, out = train(tmp_path / "r", "parallel.tp=2", "parallel.dp=1", "rollout.tp=4", *FAST,
-                    timeout=200)  # fmt: skip
-    assert rc == 2
-    assert out.strip().splitlines()[-1].startswith("error: rollout.tp(4) does not divide "
-                                                   "the world size 2")  # fmt: skip
-    assert "Traceback" not in out and not (tmp_path / "r" / "hf_model").exists()
-
-
-@pytest.mark.timeout(300)
-def test_missing_data_file_is_one_clear_line(tmp_path):
-    rc, out = train(tmp_path / "r", "data.source=/nonexistent/train.jsonl", "reward.name=gsm8k",
-                    *FAST, timeout=200)  # fmt: skip
-    assert rc != 0
-    assert "/nonexistent/train.jsonl" in out
-    assert "Traceback" not in out
-
-
-@pytest.mark.timeout(300)
-def test_resume_without_checkpoint_says_so(tmp_path):
-    rc, out = train(tmp_path / "r", "--resume", "--steps", "2", *FAST, timeout=200)
-    assert rc == 2
-    assert "no complete checkpoint" in out and "Traceback" not in out
-
-
 # The engine raises on its 4th rollout, as a crashed EngineCore does. (Guarded: megatron's
 # checkpoint writer spawns a process that re-imports this script.)
 ENGINE_DIES = """
