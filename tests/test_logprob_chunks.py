@@ -81,6 +81,7 @@ def _tp2_worker(rank: int, world: int):
     return [torch.equal(a, b) for a, b in zip(out[4], out[10_000])]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_chunks_identical_over_a_tp_group():
     for res in run_distributed(_tp2_worker, 2):

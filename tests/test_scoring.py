@@ -110,6 +110,7 @@ def _tp2_worker(rank: int, world: int, temperature: float):
     return _max_diff(ref, got)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_fused_equals_logits_path_over_a_tp_group():
     for diff in run_distributed(_tp2_worker, 2, 0.7):
