@@ -47,7 +47,7 @@ def _costly(argv0: str) -> bool:
         name.startswith("python")
         or name in ("torchrun", "bash", "sh", "sbatch", "srun")
         or name.endswith((".sh", ".sbatch"))
-        or os.path.abspath(argv0).startswith(_REPO + os.sep)
+        or (os.sep in argv0 and os.path.abspath(argv0).startswith(_REPO + os.sep))
     )
 
 

@@ -25,9 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from tests._eval_helpers import cli
-from tests.test_disaggregated import torchrun_train
-from tests.test_trainer import FAST
+from tests.helpers.commands import cli
+from tests.helpers.runs import FAST, torchrun_train
 
 pytestmark = pytest.mark.slow
 

@@ -21,10 +21,9 @@ from megatron_grpo.layouts import megatron as mg
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.layouts.pieces import assemble, reader_from_dict
 from tests.dist_utils import run_distributed
+from tests.helpers.bridge import ENGINE_KW, execute
+from tests.helpers.layouts import MOE_VARIANTS, arange_hf, moe_spec
 from tests.nccl_rules import ENV as NCCL_RULES_ENV
-from tests.test_moe import MOE_VARIANTS, arange_hf, moe_spec
-from tests.test_plan import execute
-from tests.test_transport_e2e import ENGINE_KW
 
 F64 = torch.float64
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_disaggregated import torchrun_train
-from tests.test_trainer import FAST, assert_same_rows, rows, train
+from tests.helpers.runs import FAST, assert_same_rows, rows, torchrun_train, train
 
 pytestmark = pytest.mark.slow
 

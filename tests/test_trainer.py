@@ -7,52 +7,14 @@ killed by the helper that started it.
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests._eval_helpers import cli
-from tests._eval_helpers import run as run_cmd
+from tests.helpers.commands import run as run_cmd
+from tests.helpers.runs import FAST, assert_same_rows, rows, train
 
 pytestmark = pytest.mark.slow
-
-# A small, fast run: 4 prompts x 4 samples, 4 new tokens, one micro-batch.
-FAST = [
-    "grpo.group_size=4",
-    "grpo.prompts_per_step=4",
-    "grpo.micro_batch_size=16",
-    "rollout.max_new_tokens=4",
-    "rollout.cpu_kv_cache_gb=0.25",
-    "model.warm_start_steps=20",
-    "logging.progress=false",
-    "logging.tensorboard=false",
-    "logging.plots=false",
-]
-# Keys that must agree between an uninterrupted run and a resumed one (no timings).
-RESUME_KEYS = [
-    "reward_mean", "reward_std", "pass_rate", "synced", "policy_version", "lag", "sync_bytes",
-    "response_len_mean", "loss", "grad_norm", "lr", "ratio_mean", "entropy", "masked_frac",
-]  # fmt: skip
-
-
-def assert_same_rows(a: list[dict], b: list[dict]) -> None:
-    """metrics.jsonl rows ``b`` equal ``a`` step by step on every RESUME_KEYS value."""
-    for x, y in zip(a, b):
-        for key in RESUME_KEYS:
-            if isinstance(x[key], float):
-                assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-6), (x["step"], key)
-            else:
-                assert y[key] == x[key], (x["step"], key)
-
-
-def train(run_dir: Path, *args: str, timeout: int = 400) -> tuple[int, str]:
-    return cli("train", "--run-dir", str(run_dir), *args, timeout=timeout)
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.timeout(600)

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import run_distributed
+from tests.helpers.bridge import ENGINE_KW
 from tests.nccl_rules import ENV as NCCL_RULES_ENV
 
 pytestmark = pytest.mark.slow
@@ -35,7 +36,6 @@ VARIANTS = {
 }
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 ROLLOUT_TPS = [1, 2]
-ENGINE_KW = dict(max_model_len=64, cpu_kv_cache_gb=0.05, enforce_eager=True)
 
 
 def _models(root: Path, variant: str) -> tuple[Path, Path]:
