@@ -143,3 +143,52 @@ def vllm_shards_from_hf(model_dir: str | Path, tp: int, rank: int) -> dict[str, 
 
 
 ENGINE_KW = dict(max_model_len=64, cpu_kv_cache_gb=0.05, enforce_eager=True)
+
+
+def model_pair(root: Path, name: str, **shape) -> tuple[Path, Path]:
+    """Checkpoints A (seed 1) and B (seed 2) of one tiny shape under ``root``, built once.
+    Odd vocabulary (extra_vocab=7): Megatron (multiple of 128*tp) and vLLM (64) pad
+    differently."""
+    from megatron_grpo.models.tiny import build_hf_model
+
+    a, b = root / f"{name}_a", root / f"{name}_b"
+    if not (b / "config.json").exists():
+        build_hf_model(a, seed=1, extra_vocab=7, **shape)
+        build_hf_model(b, seed=2, extra_vocab=7, **shape)
+    return a, b
+
+
+def sync_b_over_a(eng, a: Path, b: Path, spec, parallel, rollout_tp: int) -> dict:
+    """In a rank of a spawned gloo world: a Megatron policy at ``parallel`` (a
+    ParallelConfig) holding checkpoint B, the engine reset to checkpoint A, one bridge sync.
+    Returns the engine's shards ``before`` and after (``got``) the sync, the bytes sent
+    (``bytes``, ``links``) and the plan's (``minimal``, ``plan_links``)."""
+    from functools import partial
+
+    from megatron_grpo.bridge.weight_sync import colocated_sender
+    from megatron_grpo.config.schema import ModelConfig, SyncConfig
+    from megatron_grpo.distributed import init_distributed
+    from megatron_grpo.distributed.placement import colocated_engines
+    from megatron_grpo.layouts.io import load_hf_into_megatron
+    from megatron_grpo.policy.policy import build_policy
+
+    ctx = init_distributed(parallel, spec)
+    policy = build_policy(
+        spec, ctx, ModelConfig(hf_path=str(b), dtype="float32", transformer_impl="local"),
+        None, init_weights=partial(load_hf_into_megatron, hf_dir=b, spec=spec, ctx=ctx),
+    )  # fmt: skip
+    sync = SyncConfig(bucket_mb=0.05, timeout_s=60)
+    ws = colocated_sender(
+        b, spec, ctx, policy, eng, sync, colocated_engines(ctx.world_size, rollout_tp)
+    )
+    eng.reload_from_hf(a)  # the engine must really receive B from the bridge
+    before = eng.export_shards()[0]
+    report = ws.sync(policy)
+    return {
+        "before": before,
+        "got": eng.export_shards()[0],
+        "bytes": report.bytes,
+        "minimal": ws.plan.minimal_bytes,
+        "links": report.bytes_per_link,
+        "plan_links": {f"{s}->{d}": n for (s, d), n in ws.plan.bytes_per_link().items()},
+    }
