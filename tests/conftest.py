@@ -86,7 +86,7 @@ def _spawns_refused(item):
     def checked_popen(self, args, *a, **k):
         argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
         if _costly(str(argv[0]).split()[0]):
-            _refuse_spawn(item.nodeid, " ".join(map(str, argv))[:200])
+            _refuse_spawn(item.nodeid, " ".join(map(str, argv)).replace("\n", " ")[:200])
         popen_init(self, args, *a, **k)
 
     def checked_start(self):
