@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,14 +57,21 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def torchrun_train(run_dir: Path, *args: str, timeout: int) -> tuple[int, str, list[str]]:
-    """(return code, output, processes of the run still alive 10 s after torchrun exited)."""
+def torchrun_train(
+    run_dir: Path, *args: str, timeout: int, one_process: bool = False
+) -> tuple[int, str, list[str]]:
+    """(return code, output, processes of the run still alive 10 s after torchrun exited)
+    of ``torchrun --nproc-per-node 2 -m megatron_grpo.cli.main train``, or with
+    ``one_process`` of ``megatron-grpo train`` as one process, which starts torchrun itself
+    for the ranks its layout needs."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "megatron_grpo.cli.main", "train", "--run-dir", str(run_dir), *args,
+    env.pop("WORLD_SIZE", None)
+    launcher = [] if one_process else [
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
     ]  # fmt: skip
+    cmd = [sys.executable, *launcher, "-m", "megatron_grpo.cli.main", "train",
+           "--run-dir", str(run_dir), *args]  # fmt: skip
     # A session of its own: on timeout the whole tree (torchrun, ranks, vLLM) is killed.
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -98,3 +106,19 @@ def _leftovers(session: int) -> list[str]:
         if int(fields[3]) == session and fields[0] != "Z":  # fields[3]: session id
             out.append(p.name)
     return out
+
+
+def stopped_copy(full: Path, part: Path, step: int) -> None:
+    """``part``: the finished run ``full`` as a run stopped after ``step`` leaves it, for a
+    resume test: ``full``'s run directory with its checkpoints after ``step`` removed (it
+    must have saved one at ``step``: ``checkpoint.interval``). The resume drops the
+    metrics.jsonl rows after its checkpoint and runs those steps again, so ``full`` needs no
+    second, interrupted run beside it."""
+    shutil.copytree(full, part, symlinks=True)
+    kept = []
+    for ckpt in sorted((part / "checkpoints").glob("step_*")):
+        if int(ckpt.name.split("_")[1]) > step:
+            shutil.rmtree(ckpt)
+        else:
+            kept.append(int(ckpt.name.split("_")[1]))
+    assert step in kept, f"{full} saved no checkpoint at step {step}: {kept}"
