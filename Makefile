@@ -14,7 +14,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.megatron-grpo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test install lint clean-venv
+.PHONY: demo test test-fast install lint clean-venv
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	# pytest exits 5 when it collects no test; that is a failure of the suite, not a pass.
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+# The inner loop: every test not marked slow (none starts a process or an engine; the
+# conftest refuses one that does), a few minutes on 2 cores. CI runs `make test`.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not slow" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 lint: $(STAMP)

@@ -18,18 +18,9 @@ from megatron_grpo.algorithms import losses as L
 from megatron_grpo.algorithms.policy_loss import build_policy_loss
 from megatron_grpo.algorithms.shaping import overlong_filter_keep, overlong_penalty
 from megatron_grpo.config.schema import GRPOConfig
+from tests.helpers.numerics import close, t
 
 ln = math.log
-
-
-def t(x) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x.detach().float()
-    return torch.tensor(x, dtype=torch.float32)
-
-
-def close(a, b, tol=1e-5):
-    torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float32), t(b), atol=tol, rtol=tol)
 
 
 # ------------------------------------------------------------------------------ advantages

@@ -59,6 +59,7 @@ def _worker(rank: int, world: int, init_file: str, out) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_gloo_dp_sum_equals_full_batch(tmp_path):
     ctx = mp.get_context("spawn")

@@ -22,21 +22,9 @@ import torch
 from megatron_grpo.policy.attention import packed_attention
 from tests.conftest import tiny_variant_dirs
 from tests.dist_utils import run_distributed
+from tests.helpers.numerics import dense_block_causal
 
 TOL = 1e-5
-
-
-def dense_block_causal(q, k, v, lengths, scale):
-    """float64 reference: [t, nq, hn] x [t, nkv, hn] with a materialized block mask."""
-    t, nq, _ = q.shape
-    rep = nq // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    pos = torch.arange(t)
-    allowed = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-    return torch.einsum("hqk,khd->qhd", probs, v).reshape(t, -1)
 
 
 @pytest.mark.parametrize("nkv", [4, 2, 1])

@@ -40,6 +40,7 @@ def test_bad_inputs_are_one_line_and_the_table_is_current(tmp_path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_launched_bad_inputs_are_one_line_on_every_rank_and_touch_nothing(tmp_path):
     """Under torchrun each rank is its own process: each must refuse by itself (exit 2, no
@@ -85,6 +86,7 @@ def test_torchrun_refusal_prints_one_line_whichever_rank_refuses_first(tmp_path)
     assert not any(tmp_path.iterdir()), "a refused launch wrote into its working directory"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_rank_left_waiting_prints_the_line_itself(tmp_path):
     """A rank other than 0 that refuses and is never stopped (rank 0 reached another

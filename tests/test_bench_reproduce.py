@@ -21,7 +21,7 @@ from megatron_grpo.bench.reproduce.stats import (
     steps_to_threshold,
     summarize_variant,
 )
-from tests._bench_helpers import run_bench
+from tests.helpers.bench import run_bench
 
 
 def test_shared_variants_run_once_and_every_run_differs_only_by_its_keys():

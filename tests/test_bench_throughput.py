@@ -8,7 +8,7 @@ import json
 import pytest
 
 from megatron_grpo.bench.throughput.run import ThroughputArgs, analyze_run, compare, train_command
-from tests._bench_helpers import run_bench
+from tests.helpers.bench import run_bench
 
 
 def _row(step: int, synced: bool, **t) -> dict:

@@ -66,6 +66,7 @@ def _argv(json_out: Path) -> list[str]:
     return argv
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bench_train_tiny_on_cpu_without_vllm(tmp_path: Path) -> None:
     runner = tmp_path / "runner.py"

@@ -224,9 +224,10 @@ def test_atomic_output_dir_removes_partial_output(tmp_path):
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_truncated_shard_is_one_line_in_inspect_and_mcore_to_hf(tiny_hf, tmp_path):
-    from tests._eval_helpers import cli
+    from tests.helpers.commands import cli
 
     ckpt = tmp_path / "ckpt"
     rc, out = cli("convert", "hf-to-mcore", "--hf", str(tiny_hf), "--out", str(ckpt))

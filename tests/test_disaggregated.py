@@ -10,64 +10,15 @@ killed by this helper if it is still alive.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from tests.test_trainer import FAST
+from tests.helpers.runs import FAST, torchrun_train
 
 pytestmark = pytest.mark.slow
-
-
-def torchrun_train(run_dir: Path, *args: str, timeout: int) -> tuple[int, str, list[str]]:
-    """(return code, output, processes of the run still alive 10 s after torchrun exited)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "megatron_grpo.cli.main", "train", "--run-dir", str(run_dir), *args,
-    ]  # fmt: skip
-    # A session of its own: on timeout the whole tree (torchrun, ranks, vLLM) is killed.
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True,
-    )  # fmt: skip
-    left: list[str] = []
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        deadline = time.monotonic() + 10
-        while (left := _leftovers(proc.pid)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-    except subprocess.TimeoutExpired:
-        out = f"[test] killed after {timeout}s"
-    finally:
-        if proc.poll() is None or _leftovers(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
-        if proc.poll() is None:
-            out = (proc.communicate()[0] or "") + out
-    return proc.returncode, out, left
-
-
-def _leftovers(session: int) -> list[str]:
-    """Processes still alive in the launcher's session (vLLM engine cores, workers)."""
-    out = []
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session and fields[0] != "Z":  # fields[3]: session id
-            out.append(p.name)
-    return out
 
 
 @pytest.mark.timeout(900)
@@ -130,7 +81,7 @@ def test_ahead_streams_the_window_and_logs_what_the_serial_schedule_logs(tmp_pat
     """rollout.ahead=3 (v=4): the engines generate steps 1..4 back to back after the initial
     sync; the metrics equal the serial run's (same prompts, seeds and served weights), also
     after a resume from step 2, when steps 3 and 4 had been generated ahead."""
-    from tests.test_trainer import assert_same_rows
+    from tests.helpers.runs import assert_same_rows
 
     def run(run_dir, *args, flags=()):
         rc, out, left = torchrun_train(

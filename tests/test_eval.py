@@ -14,7 +14,7 @@ import pytest
 
 from megatron_grpo.evaluation.evaluate import eval_world
 from megatron_grpo.metrics.pass_at_k import mean_pass_at_k, pass_at_k
-from tests._eval_helpers import cli, read_dump, vllm_reference
+from tests.helpers.commands import cli, read_dump, vllm_reference
 
 
 def test_pass_at_k_golden():

@@ -8,8 +8,9 @@ Two runs cover the main paths, v=2 in both (a sync after steps 2 and 4, lag 0 an
 - ``TP1``: one process, once per scoring path (``model.logprob_impl`` fused and logits), ``ratio_mode=exact`` (pi_k recomputed on the trainer), KL k3 in the
   loss against pi_ref, DAPO overlong filter (steps 3-4 have truncated responses; without the
   filter their loss is 0.0555 / 0.1837), ``rollout.temperature=0.7``, ``sync.verify=true``;
-- ``TP2``: a torchrun world of 2 (trainer TP=2, two colocated vLLM engines, every sync
-  reshards), ``ratio_mode=one``, ``loss_agg=seq_mean_token_mean`` with ``loss_normalizer=all``
+- ``TP2``: ``train --config configs/tiny_cpu.yaml`` as one process, which starts a torchrun
+  world of 2 (trainer TP=2, two colocated vLLM engines, every sync reshards),
+  ``ratio_mode=one``, ``loss_agg=seq_mean_token_mean`` with ``loss_normalizer=all``
   (the paper configs' objective), DAPO overlong shaping, T=0.7, ``sync.verify=true``.
 
 Determinism: measured on the 2-core CPU machine, two runs of each gave bit-identical
@@ -25,17 +26,19 @@ from pathlib import Path
 
 import pytest
 
-from tests._eval_helpers import cli
-from tests.test_disaggregated import torchrun_train
-from tests.test_trainer import FAST
+from tests.helpers.commands import cli
+from tests.helpers.runs import FAST, torchrun_train
 
 pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
 
 COMMON = ["--steps", "4", "--sync-interval", "2", *FAST, "rollout.temperature=0.7",
           "sync.verify=true"]  # fmt: skip
 TP1 = ["grpo.ratio_mode=exact", "grpo.kl_coef=0.05", "grpo.overlong_filter=true"]
-TP2 = ["parallel.tp=2", "grpo.ratio_mode=one", "grpo.loss_agg=seq_mean_token_mean",
-       "grpo.loss_normalizer=all", "grpo.overlong_buffer=2"]  # fmt: skip
+TP2_CONFIG = ["--config", str(ROOT / "configs" / "tiny_cpu.yaml")]  # parallel.tp=2
+TP2 = ["grpo.ratio_mode=one", "grpo.loss_agg=seq_mean_token_mean", "grpo.loss_normalizer=all",
+       "grpo.overlong_buffer=2"]  # fmt: skip
 
 # (loss, reward_mean, grad_norm) per step, by model.logprob_impl. The fused scoring (issue 31)
 # rounds fp32 differently from the logits path (it sums the real vocabulary, the padding sliced
@@ -96,7 +99,20 @@ def test_golden_tp1_exact_ratio_kl_overlong_filter(tmp_path, impl):
 
 @pytest.mark.timeout(600)
 def test_golden_tp2_one_ratio_paper_normaliser_overlong(tmp_path):
-    rc, out, left = torchrun_train(tmp_path / "r", *COMMON, *TP2, timeout=500)
+    """`train --config configs/tiny_cpu.yaml` (tp=2) as one process starts its 2 ranks;
+    library output (warnings, vLLM INFO, the config) goes to train.log, rank-prefixed, and
+    the console shows only our lines."""
+    run = tmp_path / "r"
+    rc, out, left = torchrun_train(run, *TP2_CONFIG, *COMMON, *TP2, timeout=500,
+                                   one_process=True)  # fmt: skip
     assert rc == 0, out[-3000:]
     assert not left, left
-    _check(_rows(tmp_path / "r"), GOLDEN_TP2)
+    _check(_rows(run), GOLDEN_TP2)
+    lines = out.strip().splitlines()
+    assert len(lines) <= 25, out
+    assert "starting 2 ranks under torchrun" in lines[0]
+    assert "sync every v vs every step" in out  # the summary
+    log = (run / "train.log").read_text()
+    assert "[rank 0] " in log and "[rank 1] " in log
+    assert '"run_dir"' in log and '"run_dir"' not in out  # the config dump
+    assert "INFO" in log and "INFO" not in out and "Failed to load weights" not in out

@@ -30,51 +30,21 @@ import json
 import pytest
 import torch
 
-from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
+from megatron_grpo.config.schema import ParallelConfig
 from tests.dist_utils import run_distributed
-
-GPU_MODEL = ModelConfig(dtype="bfloat16")
-
-
-def _batch(vocab: int, seed: int, rows: int = 4, length: int = 16) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (rows, length), generator=g)
-    attn = torch.ones(rows, length)
-    attn[1, length - 5 :] = 0
-    mask = attn.clone()
-    mask[:, :4] = 0
-    adv = torch.linspace(-1.0, 1.0, rows)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask, "advantages": adv}
-
-
-def _loss(logp, entropy, mb):
-    return -(mb["advantages"][:, None] * logp * mb["loss_mask"]).sum() / 100.0, {}
+from tests.helpers.steps import adv_loss, build_policy_at, gpu_batch
 
 
 def _zero_loss(logp, entropy, mb):
     return (logp * 0.0).sum(), {}
 
 
-def _build(hf_dir, ctx, dtype: str, dist_opt: str, recompute: str = "none"):
-    from functools import partial
-
-    from megatron_grpo.layouts.io import load_hf_into_megatron
-    from megatron_grpo.models.spec import load_spec
-    from megatron_grpo.policy import build_policy
-
-    spec = load_spec(hf_dir)
-    init = partial(load_hf_into_megatron, hf_dir=hf_dir, spec=spec, ctx=ctx)
-    optim = OptimConfig(lr=1e-3, clip_grad=1.0, distributed_optimizer=dist_opt, fused_adam="on")
-    model = ModelConfig(dtype=dtype, recompute=recompute)
-    return build_policy(spec, ctx, model, optim, init_weights=init)
-
-
 def _steps(policy, ctx, first: int, last: int) -> list[float]:
     """Train steps ``first..last-1``, each DP rank on its own batch; the losses."""
     out = []
     for k in range(first, last):
-        batch = _batch(policy.vocab_size, seed=100 * k + ctx.dp_rank)
-        out.append(policy.train_step(batch, _loss, micro_batch_size=2)["loss"])
+        batch = gpu_batch(policy.vocab_size, seed=100 * k + ctx.dp_rank)
+        out.append(policy.train_step(batch, adv_loss, micro_batch_size=2)["loss"])
     return out
 
 
@@ -91,7 +61,7 @@ def _resume_worker(rank, world, hf_dir, run_dir, tp, dtype, dist_opt):
 
     ctx = init_distributed(ParallelConfig(tp=tp), load_spec(hf_dir), seed=11)
     try:
-        a = _build(hf_dir, ctx, dtype, dist_opt)
+        a = build_policy_at(hf_dir, ctx, dtype, dist_opt, fused_adam="on")
         out = {
             "optimizer": type(
                 getattr(a.optimizer, "chained_optimizers", [a.optimizer])[0]
@@ -106,7 +76,7 @@ def _resume_worker(rank, world, hf_dir, run_dir, tp, dtype, dist_opt):
         losses_a = _steps(a, ctx, 2, 4)
         after_a = _shards(a)
         # A fresh policy (its own random init overwritten by the load) continues the same way.
-        b = _build(hf_dir, ctx, dtype, dist_opt)
+        b = build_policy_at(hf_dir, ctx, dtype, dist_opt, fused_adam="on")
         ck = load_checkpoint(run_dir, {"model": b.sharded_state_dict(for_loading=True)})
         b.load_sharded_state_dict(ck.state_dicts["model"])
         out["fused_after_load"] = sorted(
@@ -175,7 +145,7 @@ def _save_worker(rank, world, hf_dir, run_dir):
     spec = load_spec(hf_dir)
     ctx = init_distributed(ParallelConfig(), spec, seed=11)
     try:
-        a = _build(hf_dir, ctx, "bfloat16", "on")
+        a = build_policy_at(hf_dir, ctx, "bfloat16", "on")
         _steps(a, ctx, 0, 2)
         save_checkpoint(run_dir, LoopState(step=2), {"model": a.sharded_state_dict})
         full = gather_hf_state_dict(a.models, spec, ctx)
@@ -194,14 +164,14 @@ def _load_tp2_worker(rank, world, hf_dir, run_dir):
     spec = load_spec(hf_dir)
     ctx = init_distributed(ParallelConfig(tp=2), spec, seed=11)
     try:
-        b = _build(hf_dir, ctx, "bfloat16", "on")
+        b = build_policy_at(hf_dir, ctx, "bfloat16", "on")
         ck = load_checkpoint(run_dir, {"model": b.sharded_state_dict(for_loading=True)})
         b.load_sharded_state_dict(ck.state_dicts["model"])
         full = gather_hf_state_dict(b.models, spec, ctx)
         # The whole step-2 batch on the one DP rank: the same global objective as DP2's.
         batch = {k: torch.cat([v, v2]) for (k, v), v2 in zip(
-            _batch(b.vocab_size, 200).items(), _batch(b.vocab_size, 201).values())}  # fmt: skip
-        loss = b.train_step(batch, _loss, micro_batch_size=2)["loss"]
+            gpu_batch(b.vocab_size, 200).items(), gpu_batch(b.vocab_size, 201).values())}  # fmt: skip
+        loss = b.train_step(batch, adv_loss, micro_batch_size=2)["loss"]
         return ({k: v.clone() for k, v in full.items()} if rank == 0 else None), loss
     finally:
         destroy_distributed()
@@ -228,11 +198,11 @@ def _copy_worker(rank, world, hf_dir, dist_opt):
 
     ctx = init_distributed(ParallelConfig(), load_spec(hf_dir), seed=11)
     try:
-        src = _build(hf_dir, ctx, "bfloat16", dist_opt)
+        src = build_policy_at(hf_dir, ctx, "bfloat16", dist_opt)
         _steps(src, ctx, 0, 2)  # the source moves away from the HF weights
-        dst = _build(hf_dir, ctx, "bfloat16", dist_opt)
+        dst = build_policy_at(hf_dir, ctx, "bfloat16", dist_opt)
         dst.copy_weights_from(src)
-        m = dst.train_step(_batch(dst.vocab_size, 7), _zero_loss, micro_batch_size=2)
+        m = dst.train_step(gpu_batch(dst.vocab_size, 7), _zero_loss, micro_batch_size=2)
         same = all(
             torch.equal(p, q) for (_, p), (_, q) in zip(src.named_shards(), dst.named_shards())
         )
@@ -293,8 +263,7 @@ GPU_CONFIG = [
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_golden_gpu_configuration_dp2_resumed_from_step_2(tmp_path):
-    from tests.test_disaggregated import torchrun_train
-    from tests.test_trainer import FAST
+    from tests.helpers.runs import FAST, torchrun_train
 
     run = tmp_path / "r"
     common = ["--sync-interval", "2", *FAST, *GPU_CONFIG]

@@ -274,6 +274,7 @@ def test_refused_job_prints_one_line_whichever_rank_refuses_first(
     assert not Path(env["RUN_DIR"]).exists()
 
 
+@pytest.mark.slow
 def test_template_outside_slurm_fails_clearly(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     out = subprocess.run(
@@ -283,6 +284,7 @@ def test_template_outside_slurm_fails_clearly(tmp_path: Path) -> None:
     assert "not inside a Slurm job: submit this script with sbatch" in out.stderr
 
 
+@pytest.mark.slow
 def test_preflight_failure_stops_the_job_before_srun(slurm_env) -> None:
     env, _ = slurm_env
     env["GPUS_PER_NODE"] = "3"
@@ -296,6 +298,7 @@ def test_preflight_failure_stops_the_job_before_srun(slurm_env) -> None:
     assert not (Path(env["FAKE_SLURM_DIR"]) / "srun.log").exists()
 
 
+@pytest.mark.slow
 def test_torchrun_launcher_dry_run() -> None:
     env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}",
            "PLAN": "1", "NPROC": "2", "PYTHON": sys.executable}  # fmt: skip
@@ -325,6 +328,7 @@ while :; do sleep 0.1; done
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "save,restarts,requeued,exit_code",
     [

@@ -19,29 +19,9 @@ from megatron_grpo.layouts import hf, intersect, scatter
 from megatron_grpo.layouts import megatron as mg
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.layouts.pieces import Piece, assemble, cut, reader_from_dict
-from megatron_grpo.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec, spec_from_hf_config
-from megatron_grpo.models.tiny import hf_config_dict, shape_config
+from tests.helpers.layouts import arange_hf, make_spec
 
 F64 = torch.float64
-ARCHITECTURES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
-
-
-def make_spec(family="qwen2", kv=2, tied=False, vocab=77, layers=4, heads=4, hn=4, ffn=24):
-    """A small model of ``family``, read from its HF config as a real one is (the family's
-    QKV bias and QK-norm follow from the architecture)."""
-    shape = shape_config((heads * hn, layers, heads, kv, hn, ffn, tied), ARCHITECTURES[family])
-    return spec_from_hf_config(hf_config_dict(shape, vocab, max_position_embeddings=64))
-
-
-def arange_hf(spec: ModelSpec) -> dict[str, torch.Tensor]:
-    out, base = {}, 1.0
-    for name, shape in hf.hf_shapes(spec).items():
-        n = 1
-        for s in shape:
-            n *= s
-        out[name] = torch.arange(base, base + n, dtype=torch.float64).reshape(shape)
-        base += n
-    return out
 
 
 # --- independent references ------------------------------------------------------------

@@ -4,43 +4,14 @@ chunk, measured by counting every storage aten allocates while the call runs."""
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from megatron_grpo.policy.logprob import logprob_peak_bytes, vocab_parallel_logprob_entropy
 from tests.dist_utils import run_distributed
+from tests.helpers.numerics import PeakBytes
 
 VOCAB, PADDED = 300, 320
-
-
-class PeakBytes(TorchDispatchMode):
-    """Peak of the bytes held by storages that aten ops allocate inside the mode (a CPU
-    stand-in for torch.cuda.max_memory_allocated)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.current = self.peak = 0
-
-    def _free(self, ptr: int) -> None:
-        self.current -= self.live.pop(ptr, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                ptr = st.data_ptr()
-                if ptr and ptr not in self.live:
-                    self.live[ptr] = st.nbytes()
-                    self.current += st.nbytes()
-                    self.peak = max(self.peak, self.current)
-                    weakref.finalize(st, self._free, ptr)
-        return out
 
 
 def _run(logits, target, chunk, group=None, vocab_start=0):
@@ -81,6 +52,7 @@ def _tp2_worker(rank: int, world: int):
     return [torch.equal(a, b) for a, b in zip(out[4], out[10_000])]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_chunks_identical_over_a_tp_group():
     for res in run_distributed(_tp2_worker, 2):

@@ -29,35 +29,11 @@ from megatron_grpo.models.shapes import preset_spec
 from megatron_grpo.models.spec import spec_from_hf_config
 from megatron_grpo.models.tiny import hf_config_dict
 from tests.dist_utils import run_distributed
-from tests.test_parity import MICRO_BATCH, hf_reference, make_batch, pg_loss
+from tests.helpers.layouts import MOE_VARIANTS, PRESET_SHAPE, arange_hf, moe_spec
+from tests.helpers.steps import MICRO_BATCH, hf_reference, make_batch, pg_loss
 
 LOGP_TOL = 1e-5
 WEIGHT_TOL = 1e-6
-
-
-def moe_spec(experts=4, topk=2, moe_ffn=8, layers=2, tied=False, norm_topk_prob=True, shared=0):
-    """A small Qwen3-MoE spec, or with ``shared`` a Qwen2-MoE one with a shared expert."""
-    shape = dict(PRESET_SHAPE, num_experts=experts, num_experts_per_tok=topk,
-                 moe_intermediate_size=moe_ffn, num_hidden_layers=layers,
-                 tie_word_embeddings=tied, norm_topk_prob=norm_topk_prob)  # fmt: skip
-    if shared:
-        shape.update(architecture="Qwen2MoeForCausalLM", shared_expert_intermediate_size=shared)
-    return spec_from_hf_config(hf_config_dict(shape, 77, max_position_embeddings=64))
-
-
-PRESET_SHAPE = dict(
-    architecture="Qwen3MoeForCausalLM", hidden_size=16, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=4, intermediate_size=24,
-)  # fmt: skip
-
-
-def arange_hf(spec) -> dict[str, torch.Tensor]:
-    out, base = {}, 1.0
-    for name, shape in hf.hf_shapes(spec).items():
-        n = torch.Size(shape).numel()
-        out[name] = torch.arange(base, base + n, dtype=torch.float64).reshape(shape)
-        base += n
-    return out
 
 
 # --- the spec ----------------------------------------------------------------------------
@@ -212,15 +188,6 @@ def _ep_worker(rank, world_size, ep, models, batch, aux_loss=0.0, dist_opt="auto
     finally:
         destroy_distributed()
     return out
-
-
-# Qwen3-MoE (QK-norm, renormalised top-k) and Qwen2-MoE (QKV bias, plain top-k of the
-# softmax, a gated shared expert), both of the tiny-moe shape
-MOE_VARIANTS = {
-    "qwen3_moe": {},
-    "qwen2_moe": dict(architecture="Qwen2MoeForCausalLM", norm_topk_prob=False,
-                      shared_expert_intermediate_size=96),
-}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,9 @@ from megatron_grpo.layouts import megatron as mg
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.layouts.pieces import assemble, reader_from_dict
 from tests.dist_utils import run_distributed
+from tests.helpers.bridge import ENGINE_KW, execute, model_pair, sync_b_over_a
+from tests.helpers.layouts import MOE_VARIANTS, arange_hf, moe_spec
 from tests.nccl_rules import ENV as NCCL_RULES_ENV
-from tests.test_moe import MOE_VARIANTS, arange_hf, moe_spec
-from tests.test_plan import execute
-from tests.test_transport_e2e import ENGINE_KW
 
 F64 = torch.float64
 
@@ -209,39 +208,21 @@ E2E_ROLLOUT_TPS = [1, 2]
 E2E_SEQS = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25], [3, 40, 41, 9, 2]]
 
 
-def _moe_models(root: Path, variant: str = "qwen3_moe") -> tuple[Path, Path]:
-    from megatron_grpo.models.tiny import build_hf_model
-
-    a, b = root / f"{variant}_a", root / f"{variant}_b"
-    if not (b / "config.json").exists():
-        kw = MOE_VARIANTS[variant]
-        build_hf_model(a, preset="tiny-moe", seed=1, extra_vocab=7, **kw)
-        build_hf_model(b, preset="tiny-moe", seed=2, extra_vocab=7, **kw)
-    return a, b
-
-
 def _moe_e2e(rank: int, world: int, root: str) -> dict:
-    from functools import partial
-
     import torch.distributed as dist
 
-    from megatron_grpo.bridge.weight_sync import colocated_sender
-    from megatron_grpo.config.schema import ModelConfig, ParallelConfig, SyncConfig
-    from megatron_grpo.distributed import init_distributed
-    from megatron_grpo.distributed.placement import colocated_engines
-    from megatron_grpo.layouts.io import load_hf_into_megatron
+    from megatron_grpo.config.schema import ParallelConfig
     from megatron_grpo.models.spec import load_spec
-    from megatron_grpo.policy.policy import build_policy
     from megatron_grpo.rollout import RolloutEngine
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if rank == 0:
-        for v in MOE_VARIANTS:
-            _moe_models(Path(root), v)
+        for v, shape in MOE_VARIANTS.items():
+            model_pair(Path(root), v, preset="tiny-moe", **shape)
     dist.barrier()
     out: dict = {}
     for variant, rtp in itertools.product(MOE_VARIANTS, E2E_ROLLOUT_TPS):
-        a, b = _moe_models(Path(root), variant)
+        a, b = model_pair(Path(root), variant, preset="tiny-moe", **MOE_VARIANTS[variant])
         spec = load_spec(b)
         # the reference: an engine that loaded checkpoint B itself at start
         eng = RolloutEngine(b, tp=rtp, keep_weight_copies=True, **ENGINE_KW)
@@ -250,29 +231,17 @@ def _moe_e2e(rank: int, world: int, root: str) -> dict:
         ref = eng.export_shards()[0]
         for tp, pp, ep in E2E_LAYOUTS:
             case = f"{variant} train tp{tp} pp{pp} ep{ep} -> rollout tp{rtp}"
-            ctx = init_distributed(ParallelConfig(tp=tp, pp=pp, ep=ep, backend="gloo"), spec)
-            policy = build_policy(
-                spec, ctx, ModelConfig(hf_path=str(b), dtype="float32", transformer_impl="local"),
-                None, init_weights=partial(load_hf_into_megatron, hf_dir=b, spec=spec, ctx=ctx),
-            )  # fmt: skip
-            sync = SyncConfig(bucket_mb=0.05, timeout_s=60)
-            ws = colocated_sender(b, spec, ctx, policy, eng, sync, colocated_engines(world, rtp))
-            eng.reload_from_hf(a)  # the engine must really receive B from the bridge
-            before = eng.export_shards()[0]
-            report = ws.sync(policy)
-            got = eng.export_shards()[0]
+            parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, backend="gloo")
+            r = sync_b_over_a(eng, a, b, spec, parallel, rtp)
+            before, got = r.pop("before"), r.pop("got")
             out[case] = {
                 "changed": sorted(n for n, t in ref.items() if not torch.equal(before[n], t)),
                 "mismatched": sorted(n for n, t in ref.items() if not torch.equal(got[n], t)),
                 "names": sorted(got) == sorted(ref),
                 "experts": sum(vl.expert_slot(n) is not None for n in got),
                 "logprobs_equal": eng.prompt_logprobs(E2E_SEQS) == fresh,
-                "bytes": report.bytes,
-                "minimal": ws.plan.minimal_bytes,
-                "links": report.bytes_per_link,
-                "plan_links": {f"{s}->{d}": n for (s, d), n in ws.plan.bytes_per_link().items()},
+                **r,
             }
-            del policy, ws
         eng.shutdown()
     dist.barrier()
     return out

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.helpers.ranks import run_spawned
 from tests.nccl_rules import ENV, served_devices
-from tests.test_transport import run_spawned
 
 pytestmark = pytest.mark.slow
 

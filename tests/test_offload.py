@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_policy import _batch, reinforce_loss
+from tests.helpers.steps import dp_batch, reinforce_loss
 
 
 def _worker(rank, world_size, hf_dir, dtype, params):
@@ -29,7 +29,7 @@ def _worker(rank, world_size, hf_dir, dtype, params):
         a = build_policy(spec, ctx, mcfg, ocfg)
         b = build_policy(spec, ctx, mcfg, ocfg)
         b.copy_weights_from(a)
-        batch = _batch(spec.vocab_size)
+        batch = dp_batch(spec.vocab_size)
         loss_fn = partial(reinforce_loss, n_tokens=float(batch["loss_mask"].sum()))
         off = TrainerOffload(a, params=params)
         # What the offload reserves ahead (with CUDA) before the first step: the host

@@ -124,6 +124,7 @@ def test_to_device_moves_every_tensor_in_one_copy():
     assert syncs.counts.total == 0  # one non-blocking copy
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_ops_command(tmp_path):
     out = tmp_path / "ops.json"

@@ -19,6 +19,7 @@ import torch
 
 from tests.conftest import tiny_variant_dirs
 from tests.dist_utils import run_distributed
+from tests.helpers.steps import MICRO_BATCH, hf_reference, make_batch, pg_loss
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 VARIANTS = {
@@ -27,28 +28,6 @@ VARIANTS = {
 }
 LOGP_TOL = 1e-5
 WEIGHT_TOL = 1e-6
-MICRO_BATCH = 2
-
-
-def make_batch(vocab_size: int) -> dict[str, torch.Tensor]:
-    """4 right-padded sequences of different lengths; 2 micro-batches of different max len."""
-    g = torch.Generator().manual_seed(0)
-    lengths = [12, 7, 9, 5]
-    ids = torch.zeros(4, 12, dtype=torch.long)
-    attn = torch.zeros(4, 12)
-    loss_mask = torch.zeros(4, 12)
-    for b, n in enumerate(lengths):
-        ids[b, :n] = torch.randint(3, vocab_size, (n,), generator=g)
-        attn[b, :n] = 1
-        loss_mask[b, 3:n] = 1  # the first 3 tokens are the "prompt"
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}
-
-
-def pg_loss(logp, entropy, mb, *, n_tokens: float):
-    """-mean over all response tokens of logp, plus a small entropy bonus (global normalizer)."""
-    mask = mb["loss_mask"]
-    loss = -(logp * mask).sum() / n_tokens - 0.01 * (entropy * mask).sum() / n_tokens
-    return loss, {"response_logp": (logp * mask).sum() / mask.sum().clamp(min=1)}
 
 
 def _layout_worker(rank, world_size, tp, pp, models, batch):
@@ -88,19 +67,6 @@ def _layout_worker(rank, world_size, tp, pp, models, batch):
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory) -> dict[str, str]:
     return tiny_variant_dirs(tmp_path_factory, "parity", VARIANTS)
-
-
-def hf_reference(hf_dir: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    ids = batch["input_ids"]
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=batch["attention_mask"].long()).logits
-    logp = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-    return torch.cat([torch.zeros(ids.shape[0], 1), logp], 1) * batch["attention_mask"]
 
 
 @pytest.mark.slow

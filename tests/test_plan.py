@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -11,45 +9,14 @@ from megatron_grpo.bridge.plan import (
     build_plan,
     megatron_rank_order,
     plan_report,
-    rank_lookup,
-    src_name,
 )
 from megatron_grpo.layouts import megatron as mg
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.layouts.pieces import assemble, reader_from_dict
-from tests.test_layouts import arange_hf, make_spec
+from tests.helpers.bridge import execute, trainer_state
+from tests.helpers.layouts import arange_hf, make_spec
 
 F64 = torch.float64
-
-
-def trainer_state(
-    spec, trainer: mg.MegatronLayout, rank_of=None
-) -> dict[tuple[int, str], torch.Tensor]:
-    """(global rank, src_name) -> shard, as every trainer rank would hold it."""
-    read = reader_from_dict(arange_hf(spec))
-    global_rank = rank_lookup(trainer, rank_of)
-    out = {}
-    for dp, pp, vp, tp in itertools.product(
-        range(trainer.dp), range(trainer.pp), range(trainer.vpp), range(trainer.tp)
-    ):
-        for lay in mg.chunk_shards(spec, trainer, pp, vp, tp):
-            out[(global_rank(dp, pp, tp), src_name(trainer, vp, lay.name))] = assemble(
-                lay, read, F64
-            )
-    return out
-
-
-def execute(plan, state) -> dict[tuple[int, str], torch.Tensor]:
-    """Reference executor: zero destinations, then every copy."""
-    dst = {(d.rank, d.name): torch.zeros(d.shape, dtype=F64) for d in plan.dst_tensors}
-    written = {k: torch.zeros(v.shape, dtype=torch.int32) for k, v in dst.items()}
-    for c in plan.copies:
-        src = state[(c.src_rank, c.src_name)].narrow(c.dim, c.src_start, c.length)
-        dst[(c.dst_rank, c.dst_name)].narrow(c.dim, c.dst_start, c.length).copy_(src)
-        written[(c.dst_rank, c.dst_name)].narrow(c.dim, c.dst_start, c.length).add_(1)
-    for k, w in written.items():
-        assert int(w.max()) <= 1, f"{k} written twice"
-    return dst
 
 
 SPECS = [

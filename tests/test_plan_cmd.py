@@ -124,6 +124,7 @@ def test_impossible_plan_one_line(args: list[str], message: str, capsys) -> None
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
 
 
+@pytest.mark.slow
 def test_impossible_plan_subprocess_no_traceback() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "megatron_grpo.cli.main", "plan", "--config", CFG_7B,

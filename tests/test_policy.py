@@ -14,6 +14,7 @@ from megatron_grpo.policy.logprob import token_logprobs, vocab_parallel_logprob_
 from megatron_grpo.policy.lr_schedule import LRSchedule
 from megatron_grpo.policy.micro_batches import micro_batches
 from tests.dist_utils import run_distributed
+from tests.helpers.steps import dp_batch, reinforce_loss
 
 VOCAB, PADDED = 10, 16  # 6 padding columns, like megatron's padded vocabulary
 
@@ -147,25 +148,6 @@ def test_micro_batches_trim_to_their_own_longest_sequence():
 # ------------------------------------------------------------------ train step at DP=2
 
 
-def _batch(vocab: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, vocab, (4, 8), generator=g)
-    attn = torch.ones(4, 8)
-    attn[1, 5:] = 0
-    attn[3, 6:] = 0
-    mask = attn.clone()
-    mask[:, :2] = 0
-    adv = torch.tensor([1.0, -0.5, 0.25, 2.0])
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask, "advantages": adv}
-
-
-def reinforce_loss(logp, entropy, mb, *, n_tokens: float):
-    """-sum(A * logp * mask) / global tokens: a micro-batch's share of the global objective."""
-    mask = mb["loss_mask"]
-    loss = -(mb["advantages"][:, None] * logp * mask).sum() / n_tokens
-    return loss, {"tokens": mask.sum()}
-
-
 def nan_loss(logp, entropy, mb):
     return (logp * float("nan")).sum(), {}
 
@@ -181,7 +163,7 @@ def _dp_worker(rank, world_size, hf_dir):
     try:
         assert ctx.dp == 2 and ctx.dp_rank == rank
         policy = build_policy(spec, ctx, ModelConfig(), OptimConfig(lr=1e-3, clip_grad=0.0))
-        full = _batch(spec.vocab_size)
+        full = dp_batch(spec.vocab_size)
         n_tokens = float(full["loss_mask"].sum())
         rows = slice(2 * rank, 2 * rank + 2)  # each DP rank gets its own half
         mine = {k: v[rows] for k, v in full.items()}

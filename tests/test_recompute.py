@@ -14,16 +14,16 @@ from tests.dist_utils import run_distributed
 def _worker(rank, world, hf_dir, dtype):
     from megatron_grpo.distributed import destroy_distributed, init_distributed
     from megatron_grpo.models.spec import load_spec
-    from tests.test_gpu_config import _batch, _build, _loss
+    from tests.helpers.steps import adv_loss, build_policy_at, gpu_batch
 
     spec = load_spec(hf_dir)
     ctx = init_distributed(ParallelConfig(), spec, seed=5)
     try:
         out = {}
         for mode in ("none", "full"):
-            p = _build(hf_dir, ctx, dtype, "off", recompute=mode)
-            batch = _batch(spec.vocab_size, seed=3)
-            m = p.train_step(batch, _loss, micro_batch_size=2, token_budget=24)
+            p = build_policy_at(hf_dir, ctx, dtype, "off", recompute=mode)
+            batch = gpu_batch(spec.vocab_size, seed=3)
+            m = p.train_step(batch, adv_loss, micro_batch_size=2, token_budget=24)
             grads = {n: q.main_grad.clone() for n, q in p.models[0].named_parameters()}
             out[mode] = (m["loss"], m["grad_norm"], grads, dict(p.named_shards()))
             out[mode + "_config"] = p.config.recompute_granularity

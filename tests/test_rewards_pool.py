@@ -49,6 +49,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_user_reward_timeout_kills_and_replaces_worker():
     cfg = RewardConfig(name=f"{HERE}:sleepy", timeout_s=1.0, num_workers=2)
@@ -70,6 +71,7 @@ def test_user_reward_timeout_kills_and_replaces_worker():
     assert not any(_alive(p) for p in pids | new_pids)  # close() stopped every worker
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_user_reward_raise_and_death_score_zero(caplog):
     with build_reward(RewardConfig(name=f"{HERE}:raising", num_workers=1), FILE_DATA) as fn:
@@ -89,6 +91,7 @@ def length_match(prompt, response, answer):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_user_reward_from_a_file_path(tmp_path, monkeypatch):
     (tmp_path / "my_reward.py").write_text(USER_FILE)
@@ -113,6 +116,7 @@ MATH_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_math_verify_reward_golden():
     with build_reward(
@@ -147,6 +151,7 @@ ADVERSARIAL = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_math_verify_adversarial_answers_return_within_limit():
     timeout_s = 1.0
@@ -170,6 +175,7 @@ def test_math_verify_adversarial_answers_return_within_limit():
         assert fn.total_timeouts >= 3  # the power tower, deep \frac nesting and parens
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_pool_reports_a_target_that_cannot_load():
     pool = DeadlinePool("no_such_module_xyz:fn", num_workers=1, timeout_s=1.0)

@@ -6,9 +6,9 @@ worker patches process-wide state (``torch.set_num_threads``, the
 not leak into the pytest process.
 
 Parity reference: an engine that loaded the target checkpoint directly from HF. The bridge
-input: the per-rank shards of that checkpoint made by ``vllm_shards_from_hf`` (written from
-vLLM's loader semantics, independently of vLLM's loader), loaded into an engine that
-started from a *different* checkpoint.
+input: the per-rank shards of that checkpoint made by ``vllm_shards_from_hf``
+(tests/helpers/bridge.py, written from vLLM's loader semantics, independently of vLLM's
+loader), loaded into an engine that started from a *different* checkpoint.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from megatron_grpo.rollout.vllm_setup import (
     remove_dead_segment,
 )
 from tests.dist_utils import run_distributed
-from tests.test_receiver_sharding import vllm_shards_from_hf
+from tests.helpers.bridge import vllm_shards_from_hf
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from megatron_grpo.policy.fused_logprob import fused_logprob_entropy, fused_peak
 from megatron_grpo.policy.logprob import vocab_parallel_logprob_entropy
 from tests.conftest import tiny_variant_dirs
 from tests.dist_utils import run_distributed
-from tests.test_logprob_chunks import PeakBytes
+from tests.helpers.numerics import PeakBytes
 
 VOCAB, PADDED, HIDDEN = 300, 320, 24
 TOL = 1e-6
@@ -110,6 +110,7 @@ def _tp2_worker(rank: int, world: int, temperature: float):
     return _max_diff(ref, got)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_fused_equals_logits_path_over_a_tp_group():
     for diff in run_distributed(_tp2_worker, 2, 0.7):

@@ -36,6 +36,7 @@ def _boom(rank: int, world: int, path: str) -> _Boom:
     return _Boom(path)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_plain_results_and_named_classes_come_back():
     got = spawn_ranks(_plain, 2, timeout_s=150, threads=1)
@@ -46,6 +47,7 @@ def test_plain_results_and_named_classes_come_back():
     assert samples == [Sample([1, 2], [3], [-0.5], "stop", "0")]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_result_of_another_class_fails_in_the_rank_and_runs_nothing(tmp_path):
     with pytest.raises(RankFailed, match=r"holds megatron_grpo\.rollout\.engine\.Sample, which "
@@ -81,6 +83,7 @@ def _port_taken_once(rank: int, world: int, marker: str, message: str) -> int:
     return rank
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_taken_rendezvous_port_is_retried_and_nothing_else_is(tmp_path):
     """free_port's port can be taken before rank 0 listens on it (seen in the suite: a

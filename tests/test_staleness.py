@@ -18,18 +18,9 @@ from megatron_grpo.bench.throughput.report import _score_alpha_lines
 from megatron_grpo.bench.throughput.run import analyze_run
 from megatron_grpo.config.schema import ConfigError, GRPOConfig
 from megatron_grpo.metrics.summary import format_summary, summarize
+from tests.helpers.numerics import close, t
 
 ln = math.log
-
-
-def t(x) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x.detach().float()
-    return torch.tensor(x, dtype=torch.float32)
-
-
-def close(a, b, tol=1e-5):
-    torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float32), t(b), atol=tol, rtol=tol)
 
 
 def test_the_two_parts_add_up_to_todays_log_ratio():

@@ -255,6 +255,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return logp, alpha, mask
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dp", [2, 1])
 def test_every_rank_gets_the_same_drift_the_whole_batch_has(dp, tmp_path):

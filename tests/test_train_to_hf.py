@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._eval_helpers import cli, read_dump, run, vllm_reference
+from tests.helpers.commands import cli, read_dump, run, vllm_reference
 
 pytestmark = pytest.mark.slow
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import run_distributed
+from tests.helpers.bridge import ENGINE_KW, model_pair, sync_b_over_a
 from tests.nccl_rules import ENV as NCCL_RULES_ENV
 
 pytestmark = pytest.mark.slow
@@ -35,43 +36,24 @@ VARIANTS = {
 }
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 ROLLOUT_TPS = [1, 2]
-ENGINE_KW = dict(max_model_len=64, cpu_kv_cache_gb=0.05, enforce_eager=True)
-
-
-def _models(root: Path, variant: str) -> tuple[Path, Path]:
-    from megatron_grpo.models.tiny import build_hf_model
-
-    a, b = root / f"{variant}_a", root / f"{variant}_b"
-    if not (b / "config.json").exists():
-        # Odd vocabulary: Megatron (multiple of 128*tp) and vLLM (64) pad differently.
-        build_hf_model(a, seed=1, extra_vocab=7, **VARIANTS[variant])
-        build_hf_model(b, seed=2, extra_vocab=7, **VARIANTS[variant])
-    return a, b
 
 
 def _e2e(rank: int, world: int, root: str) -> dict:
-    from functools import partial
-
     import torch
     import torch.distributed as dist
 
-    from megatron_grpo.bridge.weight_sync import colocated_sender
-    from megatron_grpo.config.schema import ModelConfig, ParallelConfig, SyncConfig
-    from megatron_grpo.distributed import init_distributed
-    from megatron_grpo.distributed.placement import colocated_engines
-    from megatron_grpo.layouts.io import load_hf_into_megatron
+    from megatron_grpo.config.schema import ParallelConfig
     from megatron_grpo.models.spec import load_spec
-    from megatron_grpo.policy.policy import build_policy
     from megatron_grpo.rollout import RolloutEngine
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if rank == 0:
-        for v in VARIANTS:
-            _models(Path(root), v)
+        for v, shape in VARIANTS.items():
+            model_pair(Path(root), v, **shape)
     dist.barrier()
     out: dict = {}
-    for variant in VARIANTS:
-        a, b = _models(Path(root), variant)
+    for variant, shape in VARIANTS.items():
+        a, b = model_pair(Path(root), variant, **shape)
         spec = load_spec(b)
         for rtp in ROLLOUT_TPS:
             eng = RolloutEngine(a, tp=rtp, keep_weight_copies=True, **ENGINE_KW)
@@ -79,30 +61,15 @@ def _e2e(rank: int, world: int, root: str) -> dict:
             ref = eng.export_shards()[0]
             for tp, pp in LAYOUTS:
                 case = f"{variant} train tp{tp} pp{pp} -> rollout tp{rtp}"
-                ctx = init_distributed(ParallelConfig(tp=tp, pp=pp, backend="gloo"), spec)
-                policy = build_policy(
-                    spec, ctx, ModelConfig(hf_path=str(b), dtype="float32", transformer_impl="local"),
-                    None, init_weights=partial(load_hf_into_megatron, hf_dir=b, spec=spec, ctx=ctx),
-                )  # fmt: skip
-                sync = SyncConfig(bucket_mb=0.05, timeout_s=60)
-                engines = colocated_engines(ctx.world_size, rtp)
-                ws = colocated_sender(b, spec, ctx, policy, eng, sync, engines)
-                eng.reload_from_hf(a)  # the engine must really receive B from the bridge
-                before = eng.export_shards()[0]
-                report = ws.sync(policy)
-                got = eng.export_shards()[0]
+                parallel = ParallelConfig(tp=tp, pp=pp, backend="gloo")
+                r = sync_b_over_a(eng, a, b, spec, parallel, rtp)
+                before, got = r.pop("before"), r.pop("got")
                 out[case] = {
                     "changed": any(not torch.equal(before[n], t) for n, t in ref.items()),
                     "mismatched": sorted(n for n, t in ref.items() if not torch.equal(got[n], t)),
                     "names_equal": set(got) == set(ref),
-                    "bytes": report.bytes,
-                    "minimal": ws.plan.minimal_bytes,
-                    "links": report.bytes_per_link,
-                    "plan_links": {
-                        f"{s}->{d}": n for (s, d), n in ws.plan.bytes_per_link().items()
-                    },
+                    **r,
                 }
-                del policy, ws
             eng.shutdown()
     dist.barrier()
     return out

@@ -18,6 +18,7 @@ with bounded("the rollout of step 3", 0.5, "parallel.timeout_s bounds it"):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_hung_wait_exits_with_a_line_naming_the_phase():
     t0 = time.monotonic()

@@ -82,9 +82,6 @@ class ModelConfig:
     """Hugging Face model directory (config.json, *.safetensors, tokenizer files), or a preset
     name (``tiny``, ``Qwen2.5-0.5B``, ``Qwen2.5-1.5B``, ``Qwen2.5-7B``) that builds random
     weights of that shape in the run directory."""
-    load: str | None = None
-    """Optional megatron-core dist checkpoint to load the weights from instead of the HF
-    safetensors (the HF directory still provides config and tokenizer)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Training parameter dtype. ``auto``: float32 on CPU, bfloat16 on GPU."""
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"

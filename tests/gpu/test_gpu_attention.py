@@ -27,7 +27,7 @@ import torch
 from megatron_grpo.config.schema import ModelConfig, OptimConfig
 from megatron_grpo.models.shapes import preset_spec
 from tests.gpu.conftest import needs_cuda
-from tests.test_attention import dense_block_causal
+from tests.helpers.numerics import dense_block_causal
 
 GIB = float(1 << 30)
 

@@ -61,6 +61,7 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_grpo_trainer_runs_syncs_checkpoints_and_resumes(tmp_path, device, figures):
     full, part = tmp_path / "full", tmp_path / "part"

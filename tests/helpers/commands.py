@@ -1,6 +1,5 @@
-"""Shared by tests/test_eval.py, test_train_to_hf.py and test_trainer.py: run
-``megatron-grpo`` and a plain vLLM reference as subprocesses (vLLM state stays out of the
-test process); every process started here is waited for or killed by its own handle."""
+"""Run ``megatron-grpo`` and a plain vLLM reference as subprocesses (vLLM state stays
+out of the test process); every process started here is waited for or killed by its own handle."""
 
 from __future__ import annotations
 

@@ -1,0 +1,13 @@
+"""What several test files share, one module a concern (README, "Development"):
+
+- ``commands``: ``megatron-grpo`` and a plain vLLM reference run as subprocesses;
+- ``runs``: real ``train`` runs (one process or torchrun) and their metrics rows;
+- ``bench``: ``megatron-grpo bench`` on a very short real job;
+- ``bridge``: reference executors and shards the bridge is checked against;
+- ``layouts``: small specs (dense and MoE) and arange-filled HF weights;
+- ``steps``: batches and losses for one policy train step;
+- ``numerics``: golden-value comparisons, a peak-memory probe, an attention reference;
+- ``ranks``: spawned gloo ranks with results through a queue (transport tests).
+
+Test files import from here, never from one another.
+"""
