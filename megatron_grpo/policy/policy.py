@@ -216,23 +216,29 @@ class Policy:
         self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
         lr = self.scheduler.current_lr
-        skipped = not (math.isfinite(stats["loss"]) and math.isfinite(grad_norm))
-        if skipped:
-            self.nan_steps_in_row += 1
-            if self.nan_steps_in_row > self.optim_cfg.max_nan_steps_in_row:
-                raise RuntimeError(
-                    f"{self.nan_steps_in_row} optimizer steps in a row had a non-finite loss "
-                    f"({stats['loss']}) or grad norm ({grad_norm}), more than "
-                    f"optim.max_nan_steps_in_row={self.optim_cfg.max_nan_steps_in_row}: lower "
-                    "optim.lr, check the loss inputs (advantages, old_logp), or raise the limit."
-                )
-            self.optimizer.zero_grad()
-        else:
+        skipped = self._step_or_skip(stats["loss"], grad_norm)
+        return {**stats, "grad_norm": grad_norm, "lr": lr, "skipped": skipped}
+
+    def _step_or_skip(self, loss: float, grad_norm: float) -> bool:
+        """Clip and apply the gradients when ``loss`` and ``grad_norm`` are finite; otherwise
+        drop them (no update) and raise after more than ``optim.max_nan_steps_in_row`` such
+        steps in a row. Returns whether the step was skipped."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
             self.nan_steps_in_row = 0
             clip_gradients(self.optimizer, self.optim_cfg.clip_grad, grad_norm)
             self.optimizer.step_with_ready_grads()
             self.scheduler.step()
-        return {**stats, "grad_norm": grad_norm, "lr": lr, "skipped": skipped}
+            return False
+        self.nan_steps_in_row += 1
+        if self.nan_steps_in_row > self.optim_cfg.max_nan_steps_in_row:
+            raise RuntimeError(
+                f"{self.nan_steps_in_row} optimizer steps in a row had a non-finite loss "
+                f"({loss}) or grad norm ({grad_norm}), more than "
+                f"optim.max_nan_steps_in_row={self.optim_cfg.max_nan_steps_in_row}: lower "
+                "optim.lr, check the loss inputs (advantages, old_logp), or raise the limit."
+            )
+        self.optimizer.zero_grad()
+        return True
 
     def _reduce_metrics(self, results: list, num_mb: int) -> dict[str, float]:
         """Sum the loss / average the metrics over micro-batches and DP; share over PP."""
