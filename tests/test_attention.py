@@ -112,9 +112,10 @@ def _attention_worker(rank, world_size, models):
                 core = policy.models[0].decoder.layers[0].self_attention.core_attention
                 params = [p.requires_grad_(True) for _, p in policy.named_shards()]
                 pos = torch.arange(ids.shape[1]).expand_as(ids)
-                logp, ent = policy._logp_entropy(
-                    policy.models[0](ids, pos, None, **policy.scoring.forward_kwargs), ids
-                )
+                logp, ent = policy.scoring.token_logprobs(
+                    policy.models[0](ids, pos, None, **policy.scoring.forward_kwargs), ids,
+                    policy.temperature,
+                )  # fmt: skip
                 loss = (w * logp).sum() + 0.1 * (w * ent).sum()
                 grads = torch.autograd.grad(loss, params)
                 res[kind] = {

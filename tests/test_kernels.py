@@ -177,7 +177,7 @@ def test_packed_rope_on_and_off_agree_within_fp32(ctx):
                      for k, v in models[0].state_dict().items()}  # fmt: skip
         models[0].load_state_dict(state)
         policy = Policy(models, ctx, spec, cfg, OptimConfig(lr=1e-3))
-        assert (policy._packed_rope is not None) is on  # off: megatron's per-document RoPE
+        assert (policy.forward.packed_rope is not None) is on  # off: megatron's per-document RoPE
         logp = policy.compute_logprobs(batch, micro_batch_size=6, token_budget=24)["logp"]
         step = policy.train_step(batch, _loss, micro_batch_size=6, token_budget=24)
         results[on] = (logp * attn, step["loss"], step["grad_norm"])

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from megatron_grpo.rollout import messages
 from megatron_grpo.rollout.control import Channel
-from megatron_grpo.rollout.engine import Sample
 from megatron_grpo.rollout.messages import MAGIC, BadMessage, decode
+from megatron_grpo.rollout.samples import Sample
 
 SAMPLES = [
     Sample([5, 6, 7], [8, 2**40, 0], [-0.125, -1e-300, -745.1332191019411], "stop", "3"),

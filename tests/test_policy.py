@@ -181,9 +181,8 @@ def _dp_worker(rank, world_size, hf_dir):
             params = [p.requires_grad_(True) for _, p in ref.named_shards()]
             model = ref.models[0]
             pos = torch.arange(8).expand(4, 8)
-            logp, ent = ref._logp_entropy(
-                model(full["input_ids"], pos, None, **ref.scoring.forward_kwargs), full["input_ids"]
-            )
+            hidden = model(full["input_ids"], pos, None, **ref.scoring.forward_kwargs)
+            logp, ent = ref.scoring.token_logprobs(hidden, full["input_ids"], ref.temperature)
             loss, _ = loss_fn(logp, ent, full)
             grads = torch.autograd.grad(loss, params)
             names = [n for n, _ in ref.named_shards()]

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megatron_grpo.distributed.spawn import free_port
-from megatron_grpo.rollout.engine import Sample
+from megatron_grpo.rollout.samples import Sample
 from megatron_grpo.rollout.vllm_setup import (
     name_cpu_shm_by_job,
     own_cpu_shm_segment,

@@ -235,7 +235,7 @@ def test_batch_and_pack_carry_the_experts_position_aligned() -> None:
     import numpy as np
 
     from megatron_grpo.policy.micro_batches import packed_micro_batches
-    from megatron_grpo.rollout.engine import Sample
+    from megatron_grpo.rollout.samples import Sample
     from megatron_grpo.trainer.collate import collate
 
     def sample(p: int, r: int, base: int) -> Sample:

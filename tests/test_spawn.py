@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_grpo.distributed.spawn import RankFailed, _load_result, spawn_ranks
-from megatron_grpo.rollout.engine import Sample
+from megatron_grpo.rollout.samples import Sample
 
 
 class _Boom:
@@ -50,7 +50,7 @@ def test_plain_results_and_named_classes_come_back():
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_result_of_another_class_fails_in_the_rank_and_runs_nothing(tmp_path):
-    with pytest.raises(RankFailed, match=r"holds megatron_grpo\.rollout\.engine\.Sample, which "
+    with pytest.raises(RankFailed, match=r"holds megatron_grpo\.rollout\.samples\.Sample, which "
                        r"spawn_ranks does not unpickle.*result_types"):  # fmt: skip
         spawn_ranks(_samples, 1, timeout_s=150, threads=1)
     marker = tmp_path / "marker"
@@ -70,7 +70,7 @@ def test_the_parent_reads_a_result_file_as_data_only(tmp_path):
     assert not marker.exists()
     torch.save([Sample([1], [2], [-0.5], "stop")], path)
     assert _load_result(path, 0, (Sample,)) == [Sample([1], [2], [-0.5], "stop")]
-    with pytest.raises(RankFailed, match="GLOBAL megatron_grpo.rollout.engine.Sample"):
+    with pytest.raises(RankFailed, match="GLOBAL megatron_grpo.rollout.samples.Sample"):
         _load_result(path, 0, ())
 
 

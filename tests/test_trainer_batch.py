@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_grpo.algorithms.shaping import overlong_filter_keep
-from megatron_grpo.rollout.engine import Sample
+from megatron_grpo.rollout.samples import Sample
 from megatron_grpo.trainer.collate import collate
 
 

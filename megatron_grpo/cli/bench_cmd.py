@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from megatron_grpo.bench.ops.options import add_arguments as add_ops_arguments
+from megatron_grpo.bench.train.options import add_arguments as add_train_arguments
 from megatron_grpo.cli.command import add_command, from_args
 
 T = TypeVar("T")
@@ -80,27 +82,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_throughput(bsub)
     _add_project(bsub)
     _add_reproduce(bsub)
-    _add_train(bsub)
-    _add_ops(bsub)
-
-
-def _add_ops(bsub: argparse._SubParsersAction) -> None:
-    o = add_command(bsub, "ops", run_ops)
-    o.add_argument("--preset", default="tiny",
-                   help="model shape: tiny, Qwen2.5-0.5B, Qwen2.5-1.5B, Qwen2.5-7B")  # fmt: skip
-    o.add_argument("--rows", type=int, default=8, help="sequences in the batch")
-    o.add_argument("--packs", type=int, default=2, help="packed micro-batches they are cut into")
-    o.add_argument("--prompt-len", type=int, default=32, help="longest prompt")
-    o.add_argument("--min-len", type=int, default=8, help="shortest response")
-    o.add_argument("--max-len", type=int, default=48, help="longest response")
-    o.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="weights (bf16: fp32 main weights in the optimizer, as on a GPU)")  # fmt: skip
-    o.add_argument("--fused-adam", choices=("auto", "on", "off"), default="on",
-                   help="optim.fused_adam (on: torch's fused AdamW, as auto gives on a GPU)")  # fmt: skip
-    o.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    o.add_argument("--seed", type=int, default=0, help="seed of the batch and the weights")
-    o.add_argument("--top", type=int, default=12, help="rows of the top ops / sites tables")
-    o.add_argument("--json", dest="json_out", help="write the results here")
+    add_train_arguments(add_command(bsub, "train", run_train))
+    add_ops_arguments(add_command(bsub, "ops", run_ops))
 
 
 def run_ops(args: argparse.Namespace) -> int:
@@ -115,51 +98,6 @@ def run_ops(args: argparse.Namespace) -> int:
     from megatron_grpo.bench.ops.run import BenchOpsArgs, format_table, run_bench_ops
 
     return _measure(args, BenchOpsArgs, run_bench_ops, format_table)
-
-
-def _add_train(bsub: argparse._SubParsersAction) -> None:
-    t = add_command(bsub, "train", run_train)
-    t.add_argument("--preset", default="tiny",
-                   help="model shape: tiny, Qwen2.5-0.5B, Qwen2.5-1.5B, Qwen2.5-7B")  # fmt: skip
-    t.add_argument("--rows", type=int, default=32, help="sequences in the batch")
-    t.add_argument("--prompt-len", type=int, default=256,
-                   help="longest prompt (prompts are 7/8 of it to all of it)")  # fmt: skip
-    t.add_argument("--min-len", type=int, default=64, help="shortest response")
-    t.add_argument("--max-len", type=int, default=1024, help="longest response")
-    t.add_argument("--micro-batch-size", type=int, default=4, help="rows per micro-batch")
-    t.add_argument(
-        "--micro-batch-tokens",
-        type=int,
-        default=None,
-        help="project side: tokens per packed micro-batch (default micro-batch-size x "
-        "(prompt-len + max-len), the trainer's grpo.micro_batch_tokens=0; 0: padded rows "
-        "like the HF side)",
-    )
-    t.add_argument(
-        "--recompute",
-        choices=("none", "full"),
-        default="none",
-        help="activation recompute on both sides (project model.recompute, HF gradient "
-        "checkpointing)",
-    )
-    t.add_argument("--steps", type=int, default=5, help="timed repeats per phase (median)")
-    t.add_argument("--warmup", type=int, default=2, help="untimed repeats before them")
-    t.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    t.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
-                   help="both sides; auto: bf16 on GPU, fp32 on CPU")  # fmt: skip
-    t.add_argument("--peak-tflops", type=float, default=None,
-                   help="device peak for MFU (default: H100/H200 989, H100 PCIe 756, A100 "
-                   "312 by device name; n/a on CPU)")  # fmt: skip
-    t.add_argument("--search", choices=("auto", "on", "off"), default="auto",
-                   help="find the longest sequence that trains, per side (auto: on GPU only)")  # fmt: skip
-    t.add_argument("--search-cap", type=int, default=32768, help="longest length tried")
-    t.add_argument("--sides", default="project,hf,hf-packed",
-                   help="sides measured, project first: hf (padded, SDPA) and hf-packed "
-                   "(padding removed, varlen attention, the project's token budget)")  # fmt: skip
-    t.add_argument("--liger", choices=("auto", "on", "off"), default="auto",
-                   help="Liger-Kernel on the project side and hf-packed (auto: installed + CUDA)")  # fmt: skip
-    t.add_argument("--seed", type=int, default=0, help="seed of the batch and the weights")
-    t.add_argument("--json", dest="json_out", help="write the results here")
 
 
 def run_train(args: argparse.Namespace) -> int:

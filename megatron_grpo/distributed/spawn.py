@@ -128,7 +128,7 @@ def spawn_ranks(
     ``fn`` (and ``setup``) must be module-level functions (pickled by name); ``env`` is
     added to each rank's environment; ``threads`` sets OMP_NUM_THREADS and torch's thread
     count in each rank; ``setup()`` runs in each rank before ``fn``. A rank's result holds
-    plain data and instances of ``result_types`` (e.g. ``rollout.engine.Sample``), which the
+    plain data and instances of ``result_types`` (e.g. ``rollout.samples.Sample``), which the
     parent reads with ``torch.load(weights_only=True)``; a rank returning anything else fails,
     naming the type. If a rank raises,
     the other ranks are killed and :class:`RankFailed` carries its traceback; past

@@ -22,8 +22,8 @@ from megatron_grpo.models.spec import check_heads, load_spec
 from megatron_grpo.policy.policy import build_policy
 from megatron_grpo.rewards import build_reward
 from megatron_grpo.rollout.colocated import build_colocated
-from megatron_grpo.rollout.engine import Sample
 from megatron_grpo.rollout.interface import sampling_args
+from megatron_grpo.rollout.samples import Sample
 from megatron_grpo.trainer.collate import collate
 
 

@@ -22,19 +22,17 @@ from megatron_grpo.config.schema import ConfigError, ModelConfig, OptimConfig
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.policy.checkpoint_state import load_sharded_state, sharded_state
-from megatron_grpo.policy.kernels import resolve_transformer_impl
+from megatron_grpo.policy.forward import MicroBatchForward
 from megatron_grpo.policy.lr_schedule import LRSchedule
-from megatron_grpo.policy.micro_batches import PackedRows, check_expert_ranks_agree, split_batch
 from megatron_grpo.policy.model_builder import build_model, padded_vocab_size
 from megatron_grpo.policy.optimizer import (
+    TrainingParts,
     clip_gradients,
     finalize_grads_without_token_scaling,
     setup_training,
 )
-from megatron_grpo.policy.rope import PackedRope
 from megatron_grpo.policy.routing_replay import RoutingReplay
 from megatron_grpo.policy.scoring import Scoring
-from megatron_grpo.policy.transfer import to_device
 
 
 class Policy:
@@ -56,8 +54,6 @@ class Policy:
         temperature: float = 1.0,
         routing_replay: bool = False,
     ) -> None:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         if temperature <= 0:
             raise ValueError(
                 f"policy temperature={temperature} must be > 0: it divides the logits "
@@ -85,40 +81,30 @@ class Policy:
         # compared with the router's own choice (policy.routing_replay; None when dense)
         self.routing_replay = routing_replay
         self.routing = RoutingReplay.install(self.models, ctx, replay=routing_replay)
-        self._forward_backward = get_forward_backward_func()
+        # micro-batches through megatron's schedule (policy.forward)
+        self.forward = MicroBatchForward(self.models, ctx, model_cfg, self.scoring, self.routing)
         self.nan_steps_in_row = 0
-        # Sequence parallelism splits every micro-batch's sequence dim over the TP ranks.
-        self._length_multiple = ctx.tp if ctx.sequence_parallel else 1
-        # megatron's unfused DotProductAttention refuses packed sequences; SDPA and TE take them
-        self.can_pack = (
-            resolve_transformer_impl(model_cfg, ctx.device) == "transformer_engine"
-            or model_cfg.local_attention == "sdpa"
-        )
-        # RoPE of packed micro-batches, applied by the core attention (policy.rope) where the
-        # model builder made the model leave it to it
-        self._packed_rope = (
-            PackedRope(self.models[0], ctx.device)
-            if getattr(self.models[0].rotary_pos_emb, "packed_by_core_attention", False)
-            else None
-        )
-        if self.trainable and ctx.vpp:
+        # DDP, optimizer and LR schedule (policy.optimizer); None when forward-only
+        self.training = self._setup_training(total_steps)
+
+    def _setup_training(self, total_steps: int) -> TrainingParts | None:
+        """Wrap the chunks for training when trainable; otherwise freeze them for eval."""
+        if self.trainable and self.ctx.vpp:
             # Seen with megatron-core 0.16.1 on gloo (pp=2, vpp=2): the forward-only
             # interleaved schedule works, but the training one deadlocks with
             # variable_seq_lengths=True (one stage waits in p2p_communication.py
             # _communicate_shapes while the other is in send_forward_recv_forward).
             raise ConfigError(
-                f"parallel.vpp={ctx.vpp} is not supported for training yet: megatron's "
+                f"parallel.vpp={self.ctx.vpp} is not supported for training yet: megatron's "
                 "interleaved schedule deadlocks with per-micro-batch sequence lengths; set "
                 "parallel.vpp=null (forward-only policies accept vpp)."
             )
-        # DDP, optimizer and LR schedule (policy.optimizer); None when forward-only
-        self.training = (
-            setup_training(self.models, ctx, optim_cfg, total_steps) if self.trainable else None
-        )
-        if self.training is None:
-            for m in self.models:
-                m.eval()
-                m.requires_grad_(False)
+        if self.trainable:
+            return setup_training(self.models, self.ctx, self.optim_cfg, total_steps)
+        for m in self.models:
+            m.eval()
+            m.requires_grad_(False)
+        return None
 
     @property
     def chunks(self) -> list:
@@ -136,114 +122,6 @@ class Policy:
     @property
     def distributed_optimizer(self) -> bool:
         return bool(self.training and self.training.distributed_optimizer)
-
-    # ------------------------------------------------------------------- forward plumbing
-    def _split(self, batch: StepBatch, micro_batch_size: int, token_budget: int | None) -> list:
-        return split_batch(
-            batch, micro_batch_size, token_budget, self._length_multiple, can_pack=self.can_pack
-        )
-
-    def _run_schedule(self, mbs: list, step_fn: Callable, forward_only: bool) -> list:
-        num_mb = len(mbs)
-        check_expert_ranks_agree(num_mb, self.ctx.ep_group, self.ctx.ep)
-        if self.ctx.vpp and num_mb % self.ctx.pp:
-            raise ValueError(
-                f"{num_mb} micro-batches with parallel.vpp={self.ctx.vpp}: megatron's "
-                f"interleaved schedule needs a multiple of pp({self.ctx.pp}); change "
-                "micro_batch_size or the batch size."
-            )
-        shapes = [(mb["input_ids"] if pack is None else pack.input_ids).shape
-                  for _, _, mb, pack in mbs]  # fmt: skip
-        iters: list[Iterator] = [iter([(mb, pack) for _, _, mb, pack in mbs]) for _ in self.chunks]
-        return self._forward_backward(
-            forward_step_func=step_fn,
-            data_iterator=iters if len(iters) > 1 else iters[0],
-            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
-            num_microbatches=num_mb,
-            seq_length=max(shape[1] for shape in shapes),
-            micro_batch_size=max(shape[0] for shape in shapes),
-            forward_only=forward_only,
-        )
-
-    def _schedule_step(self, score: LossFn) -> Callable:
-        """megatron's ``forward_step_func`` for one micro-batch: its tensors moved to the
-        device in one copy, the model's output (logits or hidden states, ``self.scoring``),
-        and a reduction that scores it (``logp``, ``entropy`` [n, L] of the padded rows) and
-        hands them with the micro-batch's tensors to ``score(logp, entropy, mb) -> (loss,
-        reduced)``."""
-
-        def step(data_iterator, model):
-            mb, pack = self._to_device(*next(data_iterator))
-            if self.routing is not None:  # this micro-batch's vLLM experts, on every stage
-                routed = mb.get("routed_experts") if pack is None else pack.routed_experts
-                self.routing.set_targets(routed, packed=pack is not None)
-            out = self._model_forward(model, mb, pack)
-
-            def reduce(out):
-                logp, ent = self._row_logp_entropy(out, mb, pack)
-                loss, reduced = score(logp, ent, mb)
-                # num_tokens is unused (calculate_per_token_loss, docs/architecture-policy.md)
-                return loss, torch.ones((), dtype=torch.int, device=self.ctx.device), reduced
-
-            return out, reduce
-
-        return step
-
-    def _to_device(
-        self, mb: StepBatch, pack: PackedRows | None
-    ) -> tuple[StepBatch, PackedRows | None]:
-        """The micro-batch's and the pack's tensors on the device, in one copy
-        (``policy.transfer``); other values as they are."""
-        tensors = {f"mb.{k}": v for k, v in mb.items() if isinstance(v, torch.Tensor)}
-        if pack is not None:
-            tensors.update({f"pack.{k}": v for k, v in pack.tensors().items()})
-        moved = to_device(tensors, self.ctx.device)
-        mb = {k: moved.get(f"mb.{k}", v) for k, v in mb.items()}
-        if pack is not None:
-            pack = pack.on(
-                {k: t for k in pack.TENSORS if (t := moved.get(f"pack.{k}")) is not None}
-            )
-        return mb, pack
-
-    def _logp_entropy(self, out, input_ids: torch.Tensor):
-        # the temperature divides each fp32 chunk inside: no divided copy of the logits
-        return self.scoring.token_logprobs(out, input_ids, self.temperature)
-
-    def _model_forward(self, model, mb: StepBatch, pack: PackedRows | None) -> torch.Tensor:
-        """The last stage's output (``self.scoring``: logits [n, L, V/tp] or hidden states) of
-        the padded rows, or of the pack ([1, T, ...]); tensors on the device."""
-        if pack is not None:
-            # RoPE of a pack: cos/sin of each token's position in its document, once per
-            # micro-batch, applied by the core attention (policy.rope); without it (TE's
-            # attention) megatron applies RoPE per document from cu_seqlens. position_ids
-            # feed only learned absolute embeddings, which a RoPE model has none of.
-            rope = None
-            if self._packed_rope is not None:
-                rope = self._packed_rope.cos_sin(pack.positions, self.config.params_dtype)
-            params = pack.packed_seq_params(rope)
-            positions = pack.positions.unsqueeze(0)
-            return model(
-                pack.input_ids, positions, None, packed_seq_params=params,
-                **self.scoring.forward_kwargs,
-            )  # fmt: skip
-        ids = mb["input_ids"]
-        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-        # attention_mask=None: the local/TE core attention applies its causal mask
-        # (AttnMaskType.causal in the GPT layer spec).
-        return model(ids, positions, None, **self.scoring.forward_kwargs)
-
-    def _row_logp_entropy(self, out, mb: StepBatch, pack: PackedRows | None):
-        """``logp``, ``entropy`` [n, L] of the micro-batch's rows, position-aligned."""
-        ids = mb["input_ids"]
-        if pack is None:
-            return self._logp_entropy(out, ids)
-        logp, ent = self._logp_entropy(out, pack.input_ids)
-        return pack.unpack(logp, ids.shape), pack.unpack(ent, ids.shape)
-
-    def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
-        if self.ctx.pp > 1:
-            dist.broadcast(t, src=self.ctx.last_stage_rank, group=self.ctx.pp_group)
-        return t
 
     # --------------------------------------------------------------------------- public
     @contextlib.contextmanager
@@ -271,7 +149,7 @@ class Policy:
         # vLLM's experts of each token where the batch carries them
         keys = ("input_ids", "attention_mask", "routed_experts")
         batch = {k: batch[k] for k in keys if k in batch}
-        mbs = self._split(batch, micro_batch_size, token_budget)
+        mbs = self.forward.split(batch, micro_batch_size, token_budget)
         ids = batch["input_ids"]
         for m in self.models:
             m.eval()
@@ -279,13 +157,15 @@ class Policy:
         def keep(logp, ent, mb):
             return logp.new_zeros(()), {"logp": logp, "entropy": ent}
 
-        results = self._run_schedule(mbs, self._schedule_step(keep), forward_only=True)
+        results = self.forward.run(
+            self.chunks, mbs, keep, temperature=self.temperature, forward_only=True
+        )
         out = torch.zeros(2, *ids.shape, dtype=torch.float32, device=self.ctx.device)
         if self.ctx.is_last_stage:
             for (rows, length, _, _), r in zip(mbs, results):
                 out[0, rows, :length] = r["logp"][:, :length].float()
                 out[1, rows, :length] = r["entropy"][:, :length].float()
-        self._broadcast_from_last_stage(out)
+        self.forward.broadcast_from_last_stage(out)
         out = out.cpu()
         if "attention_mask" in batch:
             out *= batch["attention_mask"].to(out.dtype)
@@ -314,7 +194,7 @@ class Policy:
                 "train_step on a forward-only Policy (built without optim_cfg): build it "
                 "with build_policy(..., optim_cfg=...)."
             )
-        mbs = self._split(batch, micro_batch_size, token_budget)
+        mbs = self.forward.split(batch, micro_batch_size, token_budget)
         for m in self.chunks:
             m.train()
             m.zero_grad_buffer()
@@ -328,29 +208,37 @@ class Policy:
             reduced.update({k: torch.as_tensor(v).detach().float() for k, v in metrics.items()})
             return loss, reduced
 
-        results = self._run_schedule(mbs, self._schedule_step(loss_of), forward_only=False)
+        results = self.forward.run(
+            self.chunks, mbs, loss_of, temperature=self.temperature, forward_only=False
+        )
         stats = self._reduce_metrics(results, len(mbs))
 
         self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
         lr = self.scheduler.current_lr
-        skipped = not (math.isfinite(stats["loss"]) and math.isfinite(grad_norm))
-        if skipped:
-            self.nan_steps_in_row += 1
-            if self.nan_steps_in_row > self.optim_cfg.max_nan_steps_in_row:
-                raise RuntimeError(
-                    f"{self.nan_steps_in_row} optimizer steps in a row had a non-finite loss "
-                    f"({stats['loss']}) or grad norm ({grad_norm}), more than "
-                    f"optim.max_nan_steps_in_row={self.optim_cfg.max_nan_steps_in_row}: lower "
-                    "optim.lr, check the loss inputs (advantages, old_logp), or raise the limit."
-                )
-            self.optimizer.zero_grad()
-        else:
+        skipped = self._step_or_skip(stats["loss"], grad_norm)
+        return {**stats, "grad_norm": grad_norm, "lr": lr, "skipped": skipped}
+
+    def _step_or_skip(self, loss: float, grad_norm: float) -> bool:
+        """Clip and apply the gradients when ``loss`` and ``grad_norm`` are finite; otherwise
+        drop them (no update) and raise after more than ``optim.max_nan_steps_in_row`` such
+        steps in a row. Returns whether the step was skipped."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
             self.nan_steps_in_row = 0
             clip_gradients(self.optimizer, self.optim_cfg.clip_grad, grad_norm)
             self.optimizer.step_with_ready_grads()
             self.scheduler.step()
-        return {**stats, "grad_norm": grad_norm, "lr": lr, "skipped": skipped}
+            return False
+        self.nan_steps_in_row += 1
+        if self.nan_steps_in_row > self.optim_cfg.max_nan_steps_in_row:
+            raise RuntimeError(
+                f"{self.nan_steps_in_row} optimizer steps in a row had a non-finite loss "
+                f"({loss}) or grad norm ({grad_norm}), more than "
+                f"optim.max_nan_steps_in_row={self.optim_cfg.max_nan_steps_in_row}: lower "
+                "optim.lr, check the loss inputs (advantages, old_logp), or raise the limit."
+            )
+        self.optimizer.zero_grad()
+        return True
 
     def _reduce_metrics(self, results: list, num_mb: int) -> dict[str, float]:
         """Sum the loss / average the metrics over micro-batches and DP; share over PP."""

@@ -30,7 +30,8 @@ pi/alpha compares the sampled distribution on both sides (docs/algorithms.md,
 (``gpu_model_runner._get_prompt_logprobs_dict``).
 
 Weight sync goes through ``megatron_grpo.bridge.receiver`` (vLLM's reload protocol); this
-module only exposes it per placement.
+module only exposes it per placement. ``LLM(...)``'s arguments: ``rollout.vllm_setup``; a
+generate's requests and the ``Sample``s of its outputs: ``rollout.samples``.
 """
 
 from __future__ import annotations
@@ -39,17 +40,16 @@ import gc
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from megatron_grpo.algorithms.seeds import replica_offset
+from megatron_grpo.rollout.samples import Sample, samples_of, sampling_requests
 from megatron_grpo.rollout.vllm_setup import (
     bind_cpu_threads,
     external_launcher_replica,
-    memory_kwargs,
+    llm_arguments,
     name_cpu_shm_by_job,
     own_cpu_shm_segment,
     shutdown_in_process,
@@ -64,27 +64,6 @@ log = logging.getLogger(__name__)
 
 Placement = Literal["colocated", "disaggregated"]
 LogprobsMode = Literal["raw", "processed"]
-BACKEND_NAME = "megatron_grpo"
-"""Name of the weight-transfer backend that ``megatron_grpo.bridge.vllm_plugin`` registers."""
-
-
-@dataclass
-class Sample:
-    """One sampled response."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]
-    """Per response token: logprob of the sampled token under the served policy alpha
-    (``raw``: log_softmax of the logits at temperature 1; see the module docstring)."""
-    finish_reason: str
-    """``"length"`` (hit ``max_new_tokens``) or ``"stop"`` (EOS or a stop token)."""
-    weight_version: str | None = None
-    """The weight version (``RolloutEngine.weight_version``) the engine held when sampling."""
-    routed_experts: Any = None
-    """With ``routing_capture``: the experts vLLM routed each forwarded token to, a numpy
-    array [prompt + response - 1, MoE layers, top-k] (row t: token t; the last response
-    token is never forwarded; rollout/routing_capture.py). None otherwise."""
 
 
 class RolloutEngine:
@@ -111,7 +90,6 @@ class RolloutEngine:
         **llm_kwargs: Any,
     ) -> None:
         from vllm import LLM
-        from vllm.config import WeightTransferConfig
 
         if placement not in ("colocated", "disaggregated"):
             raise ValueError(f"placement={placement!r} must be 'colocated' or 'disaggregated'.")
@@ -122,31 +100,15 @@ class RolloutEngine:
         self.seed = seed
         self.model_path = str(model_path)
         self.replica_index = 0
+        self.routing_capture = routing_capture
         on_gpu = vllm_on_gpu()
-        kwargs: dict[str, Any] = dict(
-            model=self.model_path,
-            tensor_parallel_size=tp,
-            max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
-            seed=seed,
-            # bf16 is what vLLM serves on GPU; CPU kernels are verified in fp32 here.
-            dtype=dtype or ("bfloat16" if on_gpu else "float32"),
-            logprobs_mode="processed_logprobs" if logprobs_mode == "processed" else "raw_logprobs",
-            weight_transfer_config=WeightTransferConfig(backend=BACKEND_NAME),
-            # The receiver is reached by string RPCs on this extension (no pickled callables,
-            # so VLLM_ALLOW_INSECURE_SERIALIZATION stays off).
-            worker_extension_cls="megatron_grpo.rollout.vllm_worker.RolloutWorkerExtension",
-        )
-        if routing_capture:  # a cached prompt block is not forwarded, so not captured
-            kwargs["enable_prefix_caching"] = False
-        kwargs.update(memory_kwargs(on_gpu, placement, gpu_memory_utilization, cpu_kv_cache_gb))
-        if placement == "colocated":
-            self.replica_index = external_launcher_replica(tp)
-            kwargs["distributed_executor_backend"] = "external_launcher"
-            if not on_gpu:
-                name_cpu_shm_by_job()
-        elif not on_gpu:
-            bind_cpu_threads(tp)
+        kwargs = llm_arguments(
+            self.model_path, placement, tp, on_gpu=on_gpu, max_model_len=max_model_len,
+            enforce_eager=enforce_eager, seed=seed, dtype=dtype, logprobs_mode=logprobs_mode,
+            gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gb=cpu_kv_cache_gb,
+            routing_capture=routing_capture,
+        )  # fmt: skip
+        self._prepare_placement(on_gpu)
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
         self._version = 0
@@ -158,9 +120,19 @@ class RolloutEngine:
             self.llm.llm_engine.engine_core._finalizer.detach()
         if keep_weight_copies:
             self.llm.collective_rpc("mgrpo_set_keep_copies", args=(True,))
-        self.routing_capture = routing_capture
         if routing_capture:
             self.llm.collective_rpc("mgrpo_capture_routing")
+
+    def _prepare_placement(self, on_gpu: bool) -> None:
+        """Colocated: check the torch.distributed world (this rank's replica) and, on CPU,
+        name vLLM's shared-memory segment by the job; standalone on CPU: bind the workers'
+        threads."""
+        if self.placement == "colocated":
+            self.replica_index = external_launcher_replica(self.tp)
+            if not on_gpu:
+                name_cpu_shm_by_job()
+        elif not on_gpu:
+            bind_cpu_threads(self.tp)
 
     @classmethod
     def from_config(
@@ -209,57 +181,18 @@ class RolloutEngine:
         prompts, each request with the seed its own step's call would give it
         (rollout/ahead.py).
         """
-        from vllm import SamplingParams
-
-        replica = replica_offset(self.replica_index)
-        if seeds is None:
-            base = self.seed if seed is None else seed
-            seeds = [base + i * n for i in range(len(prompt_token_ids))]
-        elif len(seeds) != len(prompt_token_ids):
-            raise ValueError(
-                f"generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts; pass one "
-                "seed per prompt."
-            )
-        requests, params = [], []
-        for i, ids in enumerate(prompt_token_ids):
-            requests.append({"prompt_token_ids": list(ids)})
-            params.append(
-                SamplingParams(
-                    n=n,
-                    temperature=temperature,
-                    top_p=top_p,
-                    top_k=top_k if top_k and top_k > 0 else 0,
-                    max_tokens=max_new_tokens,
-                    seed=seeds[i] + replica,
-                    logprobs=0,  # the sampled token's logprob only
-                    stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
-                )
-            )
+        requests, params = sampling_requests(
+            prompt_token_ids, seeds, self.seed if seed is None else seed, self.replica_index,
+            n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+            max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+        )  # fmt: skip
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         routed = None
         if self.routing_capture:  # rank 0's: every TP rank routes alike
-            from megatron_grpo.rollout.routing_capture import routed_rows, take_routed
+            from megatron_grpo.rollout.routing_capture import take_routed
 
             routed = take_routed(self.llm)
-        version = str(self._version)
-        samples: list[Sample] = []
-        for req, out in zip(requests, outputs):
-            for comp in sorted(out.outputs, key=lambda c: c.index):
-                ids = list(comp.token_ids)
-                if comp.logprobs is None or len(comp.logprobs) != len(ids):
-                    raise RuntimeError(
-                        f"vLLM returned {0 if comp.logprobs is None else len(comp.logprobs)} "
-                        f"logprobs for {len(ids)} tokens; expected one per token."
-                    )
-                lps = [step[tok].logprob for tok, step in zip(ids, comp.logprobs)]
-                reason = "length" if comp.finish_reason == "length" else "stop"
-                sample = Sample(req["prompt_token_ids"], ids, lps, reason, weight_version=version)
-                if routed is not None:
-                    sample.routed_experts = routed_rows(
-                        routed, out.request_id, comp.index, len(ids) + len(sample.prompt_ids) - 1
-                    )
-                samples.append(sample)
-        return samples
+        return samples_of(requests, outputs, str(self._version), routed)
 
     def prompt_logprobs(self, seqs: Sequence[Sequence[int]]) -> list[list[float]]:
         """Logprob of every token of each sequence given its prefix (``len(seq) - 1`` values,

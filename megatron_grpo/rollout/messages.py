@@ -16,7 +16,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_grpo.rollout.engine import Sample
+from megatron_grpo.rollout.samples import Sample
 
 MAGIC = b"mgrpo-ctl/1\n"
 """The first bytes of every message (a pickle starts with b"\\x80")."""

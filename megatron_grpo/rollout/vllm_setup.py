@@ -1,7 +1,8 @@
 """How ``RolloutEngine`` (rollout/engine.py) builds and tears down a ``vllm.LLM`` in each
-placement (docs/rollout.md, ``RolloutEngine``): the memory arguments by device, the checks
-and environment ``external_launcher`` needs, the CPU thread binding of a standalone TP > 1
-engine, and a colocated engine's teardown that leaves the trainer's process group alone."""
+placement (docs/rollout.md, ``RolloutEngine``): its arguments (``llm_arguments``; the memory
+ones by device: ``memory_kwargs``), the checks and environment ``external_launcher`` needs,
+the CPU thread binding of a standalone TP > 1 engine, and a colocated engine's teardown that
+leaves the trainer's process group alone."""
 
 from __future__ import annotations
 
@@ -32,6 +33,52 @@ def memory_kwargs(
             "enable_sleep_mode": placement == "colocated",
         }
     return {"kv_cache_memory_bytes": int(cpu_kv_cache_gb * 2**30)}
+
+
+BACKEND_NAME = "megatron_grpo"
+"""Name of the weight-transfer backend that ``megatron_grpo.bridge.vllm_plugin`` registers."""
+
+
+def llm_arguments(
+    model_path: str,
+    placement: str,
+    tp: int,
+    *,
+    on_gpu: bool,
+    max_model_len: int,
+    enforce_eager: bool,
+    seed: int,
+    dtype: str | None,
+    logprobs_mode: str,
+    gpu_memory_utilization: float,
+    cpu_kv_cache_gb: float,
+    routing_capture: bool,
+) -> dict[str, Any]:
+    """``vllm.LLM``'s arguments for ``RolloutEngine``: the model, its parallelism and
+    numerics, our weight-transfer backend and worker extension, the memory by device, and
+    colocated the ``external_launcher`` executor."""
+    from vllm.config import WeightTransferConfig
+
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        tensor_parallel_size=tp,
+        max_model_len=max_model_len,
+        enforce_eager=enforce_eager,
+        seed=seed,
+        # bf16 is what vLLM serves on GPU; CPU kernels are verified in fp32 here.
+        dtype=dtype or ("bfloat16" if on_gpu else "float32"),
+        logprobs_mode="processed_logprobs" if logprobs_mode == "processed" else "raw_logprobs",
+        weight_transfer_config=WeightTransferConfig(backend=BACKEND_NAME),
+        # The receiver is reached by string RPCs on this extension (no pickled callables,
+        # so VLLM_ALLOW_INSECURE_SERIALIZATION stays off).
+        worker_extension_cls="megatron_grpo.rollout.vllm_worker.RolloutWorkerExtension",
+    )
+    if routing_capture:  # a cached prompt block is not forwarded, so not captured
+        kwargs["enable_prefix_caching"] = False
+    kwargs.update(memory_kwargs(on_gpu, placement, gpu_memory_utilization, cpu_kv_cache_gb))
+    if placement == "colocated":
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    return kwargs
 
 
 def external_launcher_replica(tp: int) -> int:

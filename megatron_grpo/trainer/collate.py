@@ -13,7 +13,7 @@ import torch
 
 from megatron_grpo.algorithms.shaping import overlong_filter_keep
 from megatron_grpo.algorithms.step_batch import StepBatch
-from megatron_grpo.rollout.engine import Sample
+from megatron_grpo.rollout.samples import Sample
 
 
 def collate(samples: Sequence[Sample], pad_id: int) -> StepBatch:

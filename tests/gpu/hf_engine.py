@@ -35,7 +35,7 @@ from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.layouts.pieces import scatter
 from megatron_grpo.models.spec import load_spec
 from megatron_grpo.rollout.colocated import ColocatedRollout
-from megatron_grpo.rollout.engine import Sample
+from megatron_grpo.rollout.samples import Sample
 
 
 class _Receiver:

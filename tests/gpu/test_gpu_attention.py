@@ -81,8 +81,8 @@ def _logp_and_grads(policy, batch):
     attn = batch["attention_mask"].to(policy.ctx.device)
     params = [p.requires_grad_(True) for _, p in policy.named_shards()]
     pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    logp, ent = policy._logp_entropy(
-        policy.models[0](ids, pos, None, **policy.scoring.forward_kwargs), ids
+    logp, ent = policy.scoring.token_logprobs(
+        policy.models[0](ids, pos, None, **policy.scoring.forward_kwargs), ids, policy.temperature
     )
     loss = (logp * attn).sum() / attn.sum() + 0.1 * (ent * attn).sum() / attn.sum()
     grads = torch.autograd.grad(loss, params)

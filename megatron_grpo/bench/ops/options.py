@@ -1,0 +1,24 @@
+"""``bench ops``'s command-line options (the command: ``bench/ops/run.py``; its
+arguments: ``BenchOpsArgs``). Light: ``megatron-grpo --help`` builds them without torch."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny",
+                   help="model shape: tiny, Qwen2.5-0.5B, Qwen2.5-1.5B, Qwen2.5-7B")  # fmt: skip
+    p.add_argument("--rows", type=int, default=8, help="sequences in the batch")
+    p.add_argument("--packs", type=int, default=2, help="packed micro-batches they are cut into")
+    p.add_argument("--prompt-len", type=int, default=32, help="longest prompt")
+    p.add_argument("--min-len", type=int, default=8, help="shortest response")
+    p.add_argument("--max-len", type=int, default=48, help="longest response")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="weights (bf16: fp32 main weights in the optimizer, as on a GPU)")  # fmt: skip
+    p.add_argument("--fused-adam", choices=("auto", "on", "off"), default="on",
+                   help="optim.fused_adam (on: torch's fused AdamW, as auto gives on a GPU)")  # fmt: skip
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--seed", type=int, default=0, help="seed of the batch and the weights")
+    p.add_argument("--top", type=int, default=12, help="rows of the top ops / sites tables")
+    p.add_argument("--json", dest="json_out", help="write the results here")

@@ -1,0 +1,163 @@
+"""A batch's micro-batches through megatron's pipeline schedule: cut (``policy.micro_batches``),
+moved to the device in one copy, run through the model (padded rows, or a pack with its
+RoPE), and the last stage's output scored (``policy.scoring``) and handed to a ``score``
+function. ``Policy.compute_logprobs`` and ``Policy.train_step`` differ only in that function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.algorithms.step_batch import LossFn, StepBatch
+from megatron_grpo.config.schema import ModelConfig
+from megatron_grpo.distributed.setup import ParallelContext
+from megatron_grpo.policy.kernels import resolve_transformer_impl
+from megatron_grpo.policy.micro_batches import PackedRows, check_expert_ranks_agree, split_batch
+from megatron_grpo.policy.rope import PackedRope
+from megatron_grpo.policy.routing_replay import RoutingReplay
+from megatron_grpo.policy.scoring import Scoring
+from megatron_grpo.policy.transfer import to_device
+
+
+class MicroBatchForward:
+    """The forward plumbing of one ``Policy``: its model chunks' micro-batch forward."""
+
+    def __init__(
+        self,
+        models: list,
+        ctx: ParallelContext,
+        model_cfg: ModelConfig,
+        scoring: Scoring,
+        routing: RoutingReplay | None,
+    ) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.ctx, self.scoring, self.routing = ctx, scoring, routing
+        self.config = models[0].config
+        self._forward_backward = get_forward_backward_func()
+        # Sequence parallelism splits every micro-batch's sequence dim over the TP ranks.
+        self._length_multiple = ctx.tp if ctx.sequence_parallel else 1
+        # megatron's unfused DotProductAttention refuses packed sequences; SDPA and TE take them
+        self.can_pack = (
+            resolve_transformer_impl(model_cfg, ctx.device) == "transformer_engine"
+            or model_cfg.local_attention == "sdpa"
+        )
+        # RoPE of packed micro-batches, applied by the core attention (policy.rope) where the
+        # model builder made the model leave it to it
+        self.packed_rope = (
+            PackedRope(models[0], ctx.device)
+            if getattr(models[0].rotary_pos_emb, "packed_by_core_attention", False)
+            else None
+        )
+
+    def split(self, batch: StepBatch, micro_batch_size: int, token_budget: int | None) -> list:
+        return split_batch(
+            batch, micro_batch_size, token_budget, self._length_multiple, can_pack=self.can_pack
+        )
+
+    def run(
+        self, chunks: list, mbs: list, score: LossFn, *, temperature: float, forward_only: bool
+    ) -> list:
+        """megatron's schedule over ``chunks`` (DDP-wrapped or bare) and the micro-batches
+        ``mbs`` of ``split``; each micro-batch's output is scored at ``temperature`` and
+        reduced by ``score`` (``_step``). Returns the last stage's reduced values."""
+        num_mb = len(mbs)
+        check_expert_ranks_agree(num_mb, self.ctx.ep_group, self.ctx.ep)
+        if self.ctx.vpp and num_mb % self.ctx.pp:
+            raise ValueError(
+                f"{num_mb} micro-batches with parallel.vpp={self.ctx.vpp}: megatron's "
+                f"interleaved schedule needs a multiple of pp({self.ctx.pp}); change "
+                "micro_batch_size or the batch size."
+            )
+        shapes = [(mb["input_ids"] if pack is None else pack.input_ids).shape
+                  for _, _, mb, pack in mbs]  # fmt: skip
+        iters: list[Iterator] = [iter([(mb, pack) for _, _, mb, pack in mbs]) for _ in chunks]
+        return self._forward_backward(
+            forward_step_func=self._step(score, temperature),
+            data_iterator=iters if len(iters) > 1 else iters[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=num_mb,
+            seq_length=max(shape[1] for shape in shapes),
+            micro_batch_size=max(shape[0] for shape in shapes),
+            forward_only=forward_only,
+        )
+
+    def _step(self, score: LossFn, temperature: float) -> Callable:
+        """megatron's ``forward_step_func`` for one micro-batch: its tensors moved to the
+        device in one copy, the model's output (logits or hidden states, ``self.scoring``),
+        and a reduction that scores it (``logp``, ``entropy`` [n, L] of the padded rows) and
+        hands them with the micro-batch's tensors to ``score(logp, entropy, mb) -> (loss,
+        reduced)``."""
+
+        def step(data_iterator, model):
+            mb, pack = self._to_device(*next(data_iterator))
+            if self.routing is not None:  # this micro-batch's vLLM experts, on every stage
+                routed = mb.get("routed_experts") if pack is None else pack.routed_experts
+                self.routing.set_targets(routed, packed=pack is not None)
+            out = self._model_forward(model, mb, pack)
+
+            def reduce(out):
+                logp, ent = self._row_logp_entropy(out, mb, pack, temperature)
+                loss, reduced = score(logp, ent, mb)
+                # num_tokens is unused (calculate_per_token_loss, docs/architecture-policy.md)
+                return loss, torch.ones((), dtype=torch.int, device=self.ctx.device), reduced
+
+            return out, reduce
+
+        return step
+
+    def _to_device(
+        self, mb: StepBatch, pack: PackedRows | None
+    ) -> tuple[StepBatch, PackedRows | None]:
+        """The micro-batch's and the pack's tensors on the device, in one copy
+        (``policy.transfer``); other values as they are."""
+        tensors = {f"mb.{k}": v for k, v in mb.items() if isinstance(v, torch.Tensor)}
+        if pack is not None:
+            tensors.update({f"pack.{k}": v for k, v in pack.tensors().items()})
+        moved = to_device(tensors, self.ctx.device)
+        mb = {k: moved.get(f"mb.{k}", v) for k, v in mb.items()}
+        if pack is not None:
+            pack = pack.on(
+                {k: t for k in pack.TENSORS if (t := moved.get(f"pack.{k}")) is not None}
+            )
+        return mb, pack
+
+    def _model_forward(self, model, mb: StepBatch, pack: PackedRows | None) -> torch.Tensor:
+        """The last stage's output (``self.scoring``: logits [n, L, V/tp] or hidden states) of
+        the padded rows, or of the pack ([1, T, ...]); tensors on the device."""
+        if pack is not None:
+            # RoPE of a pack: cos/sin of each token's position in its document, once per
+            # micro-batch, applied by the core attention (policy.rope); without it (TE's
+            # attention) megatron applies RoPE per document from cu_seqlens. position_ids
+            # feed only learned absolute embeddings, which a RoPE model has none of.
+            rope = None
+            if self.packed_rope is not None:
+                rope = self.packed_rope.cos_sin(pack.positions, self.config.params_dtype)
+            params = pack.packed_seq_params(rope)
+            positions = pack.positions.unsqueeze(0)
+            return model(
+                pack.input_ids, positions, None, packed_seq_params=params,
+                **self.scoring.forward_kwargs,
+            )  # fmt: skip
+        ids = mb["input_ids"]
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        # attention_mask=None: the local/TE core attention applies its causal mask
+        # (AttnMaskType.causal in the GPT layer spec).
+        return model(ids, positions, None, **self.scoring.forward_kwargs)
+
+    def _row_logp_entropy(self, out, mb: StepBatch, pack: PackedRows | None, temperature: float):
+        """``logp``, ``entropy`` [n, L] of the micro-batch's rows, position-aligned; the
+        temperature divides each fp32 chunk inside: no divided copy of the logits."""
+        ids = mb["input_ids"]
+        if pack is None:
+            return self.scoring.token_logprobs(out, ids, temperature)
+        logp, ent = self.scoring.token_logprobs(out, pack.input_ids, temperature)
+        return pack.unpack(logp, ids.shape), pack.unpack(ent, ids.shape)
+
+    def broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        if self.ctx.pp > 1:
+            dist.broadcast(t, src=self.ctx.last_stage_rank, group=self.ctx.pp_group)
+        return t

@@ -1,0 +1,101 @@
+"""One sampled response (``Sample``) and the two ends of a generate on vLLM: the requests
+with their ``SamplingParams`` and seeds, and the ``Sample``s made of vLLM's outputs
+(docs/rollout.md, ``generate``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_grpo.algorithms.seeds import replica_offset
+
+
+@dataclass
+class Sample:
+    """One sampled response."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    """Per response token: logprob of the sampled token under the served policy alpha
+    (``raw``: log_softmax of the logits at temperature 1; see rollout/engine.py)."""
+    finish_reason: str
+    """``"length"`` (hit ``max_new_tokens``) or ``"stop"`` (EOS or a stop token)."""
+    weight_version: str | None = None
+    """The weight version (``RolloutEngine.weight_version``) the engine held when sampling."""
+    routed_experts: Any = None
+    """With ``routing_capture``: the experts vLLM routed each forwarded token to, a numpy
+    array [prompt + response - 1, MoE layers, top-k] (row t: token t; the last response
+    token is never forwarded; rollout/routing_capture.py). None otherwise."""
+
+
+def sampling_requests(
+    prompt_token_ids: Sequence[Sequence[int]],
+    seeds: Sequence[int] | None,
+    base_seed: int,
+    replica_index: int,
+    *,
+    n: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] | None,
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """vLLM's requests (one per prompt) and their ``SamplingParams``: request i is seeded
+    ``seeds[i]``, or ``base_seed + i*n`` without ``seeds``, plus the replica's offset
+    (``RolloutEngine.generate``)."""
+    from vllm import SamplingParams
+
+    replica = replica_offset(replica_index)
+    if seeds is None:
+        seeds = [base_seed + i * n for i in range(len(prompt_token_ids))]
+    elif len(seeds) != len(prompt_token_ids):
+        raise ValueError(
+            f"generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts; pass one "
+            "seed per prompt."
+        )
+    requests, params = [], []
+    for i, ids in enumerate(prompt_token_ids):
+        requests.append({"prompt_token_ids": list(ids)})
+        params.append(
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k if top_k and top_k > 0 else 0,
+                max_tokens=max_new_tokens,
+                seed=seeds[i] + replica,
+                logprobs=0,  # the sampled token's logprob only
+                stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
+            )
+        )
+    return requests, params
+
+
+def samples_of(
+    requests: list[dict[str, Any]], outputs: list[Any], version: str, routed: dict | None
+) -> list[Sample]:
+    """The ``Sample``s of vLLM's ``outputs`` (one per request, its ``n`` completions in
+    index order), prompt-major; ``routed``: the captured experts (``take_routed``) or None."""
+    samples: list[Sample] = []
+    for req, out in zip(requests, outputs):
+        for comp in sorted(out.outputs, key=lambda c: c.index):
+            ids = list(comp.token_ids)
+            if comp.logprobs is None or len(comp.logprobs) != len(ids):
+                raise RuntimeError(
+                    f"vLLM returned {0 if comp.logprobs is None else len(comp.logprobs)} "
+                    f"logprobs for {len(ids)} tokens; expected one per token."
+                )
+            lps = [step[tok].logprob for tok, step in zip(ids, comp.logprobs)]
+            reason = "length" if comp.finish_reason == "length" else "stop"
+            sample = Sample(req["prompt_token_ids"], ids, lps, reason, weight_version=version)
+            if routed is not None:
+                from megatron_grpo.rollout.routing_capture import routed_rows
+
+                sample.routed_experts = routed_rows(
+                    routed, out.request_id, comp.index, len(ids) + len(sample.prompt_ids) - 1
+                )
+            samples.append(sample)
+    return samples
