@@ -99,3 +99,17 @@ def _spawns_refused(item):
     finally:
         subprocess.Popen.__init__ = popen_init
         multiprocessing.process.BaseProcess.start = start
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dirs(tmp_path_factory) -> dict[str, str]:
+    """The tiny MoE preset in each of its variants (tests/helpers/layouts.py MOE_VARIANTS),
+    as HF checkpoints: variant name -> directory."""
+    from megatron_grpo.models.tiny import build_hf_model
+    from tests.helpers.layouts import MOE_VARIANTS
+
+    root = tmp_path_factory.mktemp("moe")
+    return {
+        name: str(build_hf_model(root / name, "tiny-moe", seed=3, **overrides))
+        for name, overrides in MOE_VARIANTS.items()
+    }

@@ -22,7 +22,7 @@ import torch
 
 from megatron_grpo.config.schema import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 from tests.dist_utils import run_distributed
-from tests.test_gpu_config import _batch, _loss
+from tests.helpers.steps import adv_loss, gpu_batch
 
 STEPS = 3
 
@@ -43,10 +43,10 @@ def _train(hf_dir, ctx, dist_opt: str, fused: str) -> dict:
                         distributed_optimizer=dist_opt, fused_adam=fused)  # fmt: skip
     policy = build_policy(spec, ctx, ModelConfig(dtype="bfloat16"), optim, init_weights=init)
     for k in range(STEPS - 1):
-        policy.train_step(_batch(policy.vocab_size, seed=k), _loss, micro_batch_size=2)
-    batch, ops = _batch(policy.vocab_size, seed=STEPS), OpCounter(sites=False)
+        policy.train_step(gpu_batch(policy.vocab_size, seed=k), adv_loss, micro_batch_size=2)
+    batch, ops = gpu_batch(policy.vocab_size, seed=STEPS), OpCounter(sites=False)
     with ops:
-        m = policy.train_step(batch, _loss, micro_batch_size=2)
+        m = policy.train_step(batch, adv_loss, micro_batch_size=2)
     adams = torch_adams(policy.optimizer)
     return {
         "optimizer": type(policy.optimizer.chained_optimizers[0]).__name__,

@@ -32,24 +32,11 @@ import torch
 
 from megatron_grpo.config.schema import ParallelConfig
 from tests.dist_utils import run_distributed
-from tests.helpers.steps import adv_loss, build_policy_at, gpu_batch
+from tests.helpers.steps import adv_loss, build_policy_at, gpu_batch, shard_copies, train_steps
 
 
 def _zero_loss(logp, entropy, mb):
     return (logp * 0.0).sum(), {}
-
-
-def _steps(policy, ctx, first: int, last: int) -> list[float]:
-    """Train steps ``first..last-1``, each DP rank on its own batch; the losses."""
-    out = []
-    for k in range(first, last):
-        batch = gpu_batch(policy.vocab_size, seed=100 * k + ctx.dp_rank)
-        out.append(policy.train_step(batch, adv_loss, micro_batch_size=2)["loss"])
-    return out
-
-
-def _shards(policy) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in policy.named_shards()}
 
 
 def _resume_worker(rank, world, hf_dir, run_dir, tp, dtype, dist_opt):
@@ -71,10 +58,10 @@ def _resume_worker(rank, world, hf_dir, run_dir, tp, dtype, dist_opt):
                 {str(p.dtype) for g in a.optimizer.param_groups for p in g["params"]}
             ),
         }
-        _steps(a, ctx, 0, 2)
+        train_steps(a, ctx, 0, 2)
         save_checkpoint(run_dir, LoopState(step=2), {"model": a.sharded_state_dict})
-        losses_a = _steps(a, ctx, 2, 4)
-        after_a = _shards(a)
+        losses_a = train_steps(a, ctx, 2, 4)
+        after_a = shard_copies(a)
         # A fresh policy (its own random init overwritten by the load) continues the same way.
         b = build_policy_at(hf_dir, ctx, dtype, dist_opt, fused_adam="on")
         ck = load_checkpoint(run_dir, {"model": b.sharded_state_dict(for_loading=True)})
@@ -82,15 +69,15 @@ def _resume_worker(rank, world, hf_dir, run_dir, tp, dtype, dist_opt):
         out["fused_after_load"] = sorted(
             {g["fused"] for o in torch_adams(b.optimizer) for g in o.param_groups}
         )
-        losses_b = _steps(b, ctx, 2, 4)
+        losses_b = train_steps(b, ctx, 2, 4)
         out["resume_losses_equal"] = losses_a == losses_b
         out["resume_weights_equal"] = all(torch.equal(after_a[n], p) for n, p in b.named_shards())
         # offload -> reload -> step == step
         off = TrainerOffload(b)
         off.offload()
         off.reload()
-        _steps(a, ctx, 4, 5)
-        _steps(b, ctx, 4, 5)
+        train_steps(a, ctx, 4, 5)
+        train_steps(b, ctx, 4, 5)
         out["offload_weights_equal"] = all(
             torch.equal(p, q) for (_, p), (_, q) in zip(a.named_shards(), b.named_shards())
         )
@@ -146,10 +133,10 @@ def _save_worker(rank, world, hf_dir, run_dir):
     ctx = init_distributed(ParallelConfig(), spec, seed=11)
     try:
         a = build_policy_at(hf_dir, ctx, "bfloat16", "on")
-        _steps(a, ctx, 0, 2)
+        train_steps(a, ctx, 0, 2)
         save_checkpoint(run_dir, LoopState(step=2), {"model": a.sharded_state_dict})
         full = gather_hf_state_dict(a.models, spec, ctx)
-        loss = _steps(a, ctx, 2, 3)
+        loss = train_steps(a, ctx, 2, 3)
         return {k: v.clone() for k, v in full.items()} if rank == 0 else None, loss
     finally:
         destroy_distributed()
@@ -199,7 +186,7 @@ def _copy_worker(rank, world, hf_dir, dist_opt):
     ctx = init_distributed(ParallelConfig(), load_spec(hf_dir), seed=11)
     try:
         src = build_policy_at(hf_dir, ctx, "bfloat16", dist_opt)
-        _steps(src, ctx, 0, 2)  # the source moves away from the HF weights
+        train_steps(src, ctx, 0, 2)  # the source moves away from the HF weights
         dst = build_policy_at(hf_dir, ctx, "bfloat16", dist_opt)
         dst.copy_weights_from(src)
         m = dst.train_step(gpu_batch(dst.vocab_size, 7), _zero_loss, micro_batch_size=2)
@@ -231,7 +218,7 @@ def test_nccl_branch_arguments_are_the_cpu_ones(monkeypatch):
 
     src = inspect.getsource(optimizer._build_optimizer)
     assert "use_gloo_process_groups=False" in src and "pg_collection=ctx.pg_collection" in src
-    src = inspect.getsource(setup.init_distributed)
+    src = inspect.getsource(setup._init_megatron)  # init_distributed's megatron step
     assert "create_gloo_process_groups=False" in src
     assert setup.process_group_backend("nccl") == "cpu:gloo,cuda:nccl"
 

@@ -141,6 +141,7 @@ def test_the_swap_with_torchs_functions_is_megatron_bit_for_bit(ctx, spec, norms
     assert all(grads_a[n].abs().sum() > 0 for n in grads_a if "layernorm" in n)
 
 
+@pytest.mark.slow  # inductor compiles and loads its kernels in a subprocess
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(shutil.which("cc") is None, reason="torch.compile's CPU backend needs cc")
 def test_compile_on_and_off_agree_within_fp32(ctx):

@@ -190,17 +190,6 @@ def _ep_worker(rank, world_size, ep, models, batch, aux_loss=0.0, dist_opt="auto
     return out
 
 
-@pytest.fixture(scope="module")
-def tiny_moe_dirs(tmp_path_factory) -> dict[str, str]:
-    from megatron_grpo.models.tiny import build_hf_model
-
-    root = tmp_path_factory.mktemp("moe")
-    return {
-        name: str(build_hf_model(root / name, "tiny-moe", seed=3, **overrides))
-        for name, overrides in MOE_VARIANTS.items()
-    }
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_logprobs_and_step_match_hf_at_ep1_and_ep2(tiny_moe_dirs):

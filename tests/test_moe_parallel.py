@@ -24,9 +24,17 @@ import torch
 
 from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig, RolloutConfig
 from tests.dist_utils import run_distributed
-from tests.test_gpu_config import _build, _shards, _steps
-from tests.test_moe import LOGP_TOL, tiny_moe_dirs  # noqa: F401 (the fixture)
-from tests.test_parity import MICRO_BATCH, hf_reference, make_batch, pg_loss
+from tests.helpers.steps import (
+    MICRO_BATCH,
+    build_policy_at,
+    hf_reference,
+    make_batch,
+    pg_loss,
+    shard_copies,
+    train_steps,
+)
+
+LOGP_TOL = 1e-5
 
 RESUME_CONFIGS = (("bfloat16", "on"), ("float32", "off"))
 
@@ -34,16 +42,16 @@ RESUME_CONFIGS = (("bfloat16", "on"), ("float32", "off"))
 def _resume_at_ep2(ctx, hf_dir: str, run_dir: str, dtype: str, dist_opt: str) -> dict:
     from megatron_grpo.checkpoint import LoopState, load_checkpoint, save_checkpoint
 
-    a = _build(hf_dir, ctx, dtype, dist_opt)
-    start = _shards(a)
-    _steps(a, ctx, 0, 2)
+    a = build_policy_at(hf_dir, ctx, dtype, dist_opt)
+    start = shard_copies(a)
+    train_steps(a, ctx, 0, 2)
     save_checkpoint(run_dir, LoopState(step=2), {"model": a.sharded_state_dict})
-    losses_a = _steps(a, ctx, 2, 4)
-    after_a = _shards(a)
-    b = _build(hf_dir, ctx, dtype, dist_opt)  # loads the HF weights, then the checkpoint
+    losses_a = train_steps(a, ctx, 2, 4)
+    after_a = shard_copies(a)
+    b = build_policy_at(hf_dir, ctx, dtype, dist_opt)  # loads the HF weights, then the checkpoint
     ck = load_checkpoint(run_dir, {"model": b.sharded_state_dict(for_loading=True)})
     b.load_sharded_state_dict(ck.state_dicts["model"])
-    losses_b = _steps(b, ctx, 2, 4)
+    losses_b = train_steps(b, ctx, 2, 4)
     experts = [n for n in after_a if ".local_experts." in n]
     return {
         "losses": (losses_a, losses_b),
@@ -107,7 +115,7 @@ def _four_ranks(rank, world, models, batch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_ep2_resume_is_bit_exact_and_tp2_matches_hf(tiny_moe_dirs, tmp_path):  # noqa: F811
+def test_ep2_resume_is_bit_exact_and_tp2_matches_hf(tiny_moe_dirs, tmp_path):
     from megatron_grpo.models.spec import load_spec
 
     torch.set_num_threads(1)
@@ -143,7 +151,7 @@ def test_preflight_refuses_moe_tp_it_cannot_train_or_serve():
     from megatron_grpo.config import Config, ConfigError
     from megatron_grpo.models.shapes import preset_spec
     from megatron_grpo.trainer.preflight import check_moe
-    from tests.test_moe import moe_spec
+    from tests.helpers.layouts import moe_spec
 
     with pytest.raises(ConfigError) as e:
         check_moe(moe_spec(), Config(parallel=ParallelConfig(tp=2)))

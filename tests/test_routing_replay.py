@@ -17,8 +17,8 @@ import torch
 from megatron_grpo.config import Config, ConfigError
 from megatron_grpo.config.loader import load_config
 from tests.dist_utils import run_distributed
-from tests.test_moe import moe_spec
-from tests.test_transport_e2e import ENGINE_KW
+from tests.helpers.bridge import ENGINE_KW
+from tests.helpers.layouts import moe_spec
 
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [20, 21, 22]]
 

@@ -96,3 +96,17 @@ def build_policy_at(hf_dir, ctx, dtype: str, dist_opt: str, recompute: str = "no
     )
     model = ModelConfig(dtype=dtype, recompute=recompute)
     return build_policy(spec, ctx, model, optim, init_weights=init)
+
+
+def train_steps(policy, ctx, first: int, last: int) -> list[float]:
+    """Train steps ``first..last-1``, each DP rank on its own batch; the losses."""
+    out = []
+    for k in range(first, last):
+        batch = gpu_batch(policy.vocab_size, seed=100 * k + ctx.dp_rank)
+        out.append(policy.train_step(batch, adv_loss, micro_batch_size=2)["loss"])
+    return out
+
+
+def shard_copies(policy) -> dict[str, torch.Tensor]:
+    """A detached copy of each of the policy's shards, by name."""
+    return {n: p.detach().clone() for n, p in policy.named_shards()}
