@@ -42,7 +42,7 @@ test's timeout, as it would hang on NCCL).
 Install it inside a spawned rank before any traffic (``maybe_install()`` does so when the
 environment variable ``MEGATRON_GRPO_NCCL_RULES`` is set: ``1`` for the project's GPU
 backend, or a backend string such as ``nccl`` to emulate that one instead); the test
-helpers ``tests/dist_utils.py`` and ``tests/test_transport.py`` call it in every rank.
+helpers ``tests/dist_utils.py`` and ``tests/bridge/test_transport.py`` call it in every rank.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ things:
 - each rollout replica (a vLLM engine) offsets its requests by ``1_000_003 * replica``, so
   two engines given the same seed do not sample the same responses.
 
-The values are those the code has always used: the golden numbers of tests/test_golden.py
+The values are those the code has always used: the golden numbers of tests/e2e/test_golden.py
 depend on them.
 """
 

@@ -29,7 +29,7 @@ def copy_batched(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -> N
     (strided slices, CPU) runs torch's C++ loop of ``copy_`` (``..._kernel_slow_``), which
     spares the Python around each copy. So the dense pairs and the strided ones go in
     separate calls. A cast to the wire dtype (an fp32 model sent in bf16) gives ``copy_``'s
-    bits (tests/test_transport.py on CPU, tests/gpu/test_gpu.py on CUDA)."""
+    bits (tests/bridge/test_transport.py on CPU, tests/gpu/test_gpu.py on CUDA)."""
     groups: dict[tuple[torch.dtype, torch.dtype, bool], tuple[list, list]] = {}
     for o, i in zip(outs, ins, strict=True):
         key = (o.dtype, i.dtype, o.is_contiguous() and i.is_contiguous())

@@ -207,7 +207,7 @@ def packed_attention(query, key, value, packed_seq_params, scale: float) -> torc
 # attention does not grow with the documents in a pack, as on CUDA (bench ops counts it).
 # Each document is torch's CPU flash-attention kernel, the one ``scaled_dot_product_attention``
 # picks on CPU (GQA included), so the result is the same as per-document SDPA calls, bit for
-# bit (tests/test_attention.py).
+# bit (tests/policy/test_attention.py).
 @torch.library.custom_op("megatron_grpo::varlen_attention", mutates_args=())
 def _varlen_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float

@@ -13,7 +13,7 @@ from megatron_grpo.policy.logprob import CHUNK_TOKENS
 FUSED_TEMPS_PER_CHUNK = 4
 """fp32 [chunk, V_local] tensors alive at once, at most (backward is the larger): the chunk's
 logits, p, the gradient chunk and one product of the entropy term (``_chunk_grad``; measured
-by tests/test_scoring.py)."""
+by tests/policy/test_scoring.py)."""
 
 
 def fused_peak_bytes(tokens: int, local_vocab: int, hidden: int, elem: int) -> int:
@@ -21,7 +21,7 @@ def fused_peak_bytes(tokens: int, local_vocab: int, hidden: int, elem: int) -> i
     ``tokens`` rows: the chunk's fp32 temporaries, the [tokens, hidden] copy of the hidden
     states in the training dtype (``elem`` bytes) and their gradient, and the weight gradient
     [V_local, hidden]: the Function's (accumulated in fp32 for a 16-bit weight) and autograd's
-    copy into ``.grad`` (measured: tests/test_scoring.py); used by ``plan``."""
+    copy into ``.grad`` (measured: tests/policy/test_scoring.py); used by ``plan``."""
     chunk = FUSED_TEMPS_PER_CHUNK * 4 * min(tokens, CHUNK_TOKENS) * local_vocab
     weight_grad = local_vocab * hidden * (2 * elem + (4 if elem < 4 else 0))
     return chunk + 2 * tokens * hidden * elem + weight_grad

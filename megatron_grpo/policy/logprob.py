@@ -25,7 +25,7 @@ whatever the number of tokens N: 0.6 GiB per temporary at Qwen's 151,936-column 
 LOGPROB_TEMPS_PER_CHUNK = 6
 """fp32 [chunk, Vl] tensors alive at once, at most (backward is the larger): the upcast
 logits, the zero-filled logits, p, the gradient chunk and two products of the entropy term
-(measured by tests/test_logprob_chunks.py)."""
+(measured by tests/policy/test_logprob_chunks.py)."""
 
 
 def logprob_peak_bytes(tokens: int, local_vocab: int, chunk_tokens: int = CHUNK_TOKENS) -> int:

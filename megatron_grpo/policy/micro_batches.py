@@ -8,7 +8,7 @@ end under a token budget (``PackedRows``; the batch contract: docs/architecture-
   padding, and short rows share a micro-batch (the dynamic batch size of verl / NeMo-RL).
   Documents attend only within themselves (``policy.attention``, or TE's THD attention) and
   RoPE restarts in each, so log-probs equal the padded ones and a step's gradient does not
-  depend on the packing (tests/test_packing.py). ``loss_fn`` still sees padded [n, L] rows:
+  depend on the packing (tests/policy/test_packing.py). ``loss_fn`` still sees padded [n, L] rows:
   the pack's log-probs are scattered back to them.
 """
 

@@ -26,7 +26,7 @@ def memory_kwargs(
     share of the device and, colocated, sleep mode (vLLM's sleep/wake are CUDA-only); on CPU
     the KV cache size (the same knob as VLLM_CPU_KVCACHE_SPACE, vllm/v1/worker/cpu_worker.py
     ``determine_available_memory`` reads ``cache_config.kv_cache_memory_bytes``).
-    tests/test_rollout.py checks both sides' names against vLLM's ``EngineArgs``."""
+    tests/rollout/test_rollout.py checks both sides' names against vLLM's ``EngineArgs``."""
     if on_gpu:
         return {
             "gpu_memory_utilization": gpu_memory_utilization,

@@ -10,7 +10,7 @@
   megatron's modules, Liger's, and ``torch.compile``'s (warm), seconds recorded as figures.
 
 The Liger parts skip without CUDA or without liger-kernel (``pip install
-'liger-kernel==0.8.5'``, in the gpu extra); compile's CPU parity is tests/test_kernels.py."""
+'liger-kernel==0.8.5'``, in the gpu extra); compile's CPU parity is tests/policy/test_kernels.py."""
 
 from __future__ import annotations
 

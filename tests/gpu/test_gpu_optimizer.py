@@ -1,5 +1,5 @@
 """torch's fused AdamW under megatron's optimizer on CUDA (``optim.fused_adam=auto``,
-policy/optimizer.py ``set_fused_adam``; the CPU side is tests/test_fused_adam.py)."""
+policy/optimizer.py ``set_fused_adam``; the CPU side is tests/policy/test_fused_adam.py)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,6 @@ def test_fused_adam_is_in_use_on_cuda(ctx, figures):
     worst = max((a - b).abs().max().item() for a, b in zip(*main, strict=True))
     figures["fused_adam_max_main_param_diff_vs_foreach"] = worst
     # Adam's first step moves a weight by lr * g / (|g| + eps), about +-lr (1e-3 here): the
-    # two agree to a few fp32 ulps (tests/test_fused_adam.py), or differ by 2 lr where a
+    # two agree to a few fp32 ulps (tests/policy/test_fused_adam.py), or differ by 2 lr where a
     # gradient within rounding of zero changed sign between the two backward passes.
     assert worst <= 2e-3 + 1e-6

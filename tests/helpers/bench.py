@@ -1,4 +1,4 @@
-"""Shared by tests/test_bench_throughput.py and test_bench_reproduce.py: a very short real
+"""Shared by tests/bench/test_bench_throughput.py and test_bench_reproduce.py: a very short real
 training job, and ``megatron-grpo bench`` run as a subprocess that is waited for or killed
 by its own process group."""
 

@@ -1,4 +1,4 @@
-"""Test-only hook (tests/test_bad_inputs.py, tests/test_launch.py): in a torchrun worker
+"""Test-only hook (tests/cli/test_bad_inputs.py, tests/cli/test_launch.py): in a torchrun worker
 (RANK set) of a process that has this directory on ``PYTHONPATH`` and
 ``MEGATRON_GRPO_TEST_RANK_DELAY`` set ("0:0.8,1:0.1": seconds per global rank), delays that
 rank's ``megatron_grpo.config.load_config``, the first step of ``train``'s checks, so a test

@@ -1,5 +1,5 @@
 """Counting what a step asks of the device: the ATen ops it dispatches and the calls that
-make the host wait for the device (``bench ops``; tests/test_op_budget.py holds them).
+make the host wait for the device (``bench ops``; tests/bench/test_op_budget.py holds them).
 
 Counts are deterministic where timings are not, and the same on a CPU as on a GPU for the
 same code path, so a CPU test can notice a dependency bump that makes the GPU step launch

@@ -9,7 +9,7 @@ the top ops and source sites; the host-sync-prone calls by site (``SyncCounter``
 CUDA the kernel launches and stream/device synchronizations of ``torch.profiler``. Each
 phase is counted on its second call (the first builds the optimizer's state).
 
-tests/test_op_budget.py holds the tiny figures to ``tests/op_budget.json``.
+tests/bench/test_op_budget.py holds the tiny figures to ``tests/op_budget.json``.
 """
 
 from __future__ import annotations

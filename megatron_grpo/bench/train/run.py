@@ -45,7 +45,7 @@ The parts: ``train.args`` (the arguments, device and spec), ``train.batch`` (the
 and ``train.table`` (the console table); this module runs them in order.
 
 Imports: torch, transformers, megatron-core and the project's own modules, none of vLLM,
-``datasets`` or ``math-verify`` (tests/test_bench_train.py runs the command with them blocked).
+``datasets`` or ``math-verify`` (tests/bench/test_bench_train.py runs the command with them blocked).
 """
 
 from __future__ import annotations

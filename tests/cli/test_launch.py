@@ -1,0 +1,371 @@
+"""Launchers and sbatch templates: shellcheck, and end-to-end runs under a fake Slurm.
+
+The fake Slurm (tests/fake_slurm: sbatch runs the batch script here, srun runs its command
+once per "node" on this machine, scontrol prints localhost and records requeues) drives the
+real templates: they really start torchrun and the trainer on CPU with 2 processes. The
+preemption test sends USR1 to the batch script (the process this test started), expects a
+checkpoint, a requeue record and exit 0, starts the "requeued" job, and checks that it
+resumes at checkpoint step + 1 and that metrics.jsonl holds every step exactly once.
+Every process these tests start is in a process tree rooted at the batch script; teardown
+signals exactly those processes (by pid), never by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.bad_inputs import RANK0_LATE, delay_env, exit_codes
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_SLURM = REPO / "tests" / "fake_slurm"
+VENV_BIN = Path(sys.executable).parent
+SCRIPTS = sorted([*REPO.glob("launchers/*.sh"), *REPO.glob("slurm/*"), *FAKE_SLURM.glob("*")])
+
+# A tiny, fast run: the embedded default config (tiny preset model built in the run dir).
+TINY = [
+    "grpo.group_size=2",
+    "grpo.prompts_per_step=2",
+    "grpo.micro_batch_size=4",
+    "rollout.max_new_tokens=4",
+    "model.warm_start_steps=0",
+    "logging.progress=false",
+    "logging.plots=false",
+    "logging.tensorboard=false",
+    "sync.interval=2",
+]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[str(s.relative_to(REPO)) for s in SCRIPTS])
+def test_shellcheck(script: Path) -> None:
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+    out = subprocess.run(
+        ["shellcheck", "-x", "-S", "style", str(script.relative_to(REPO))],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+class Job:
+    """One fake-Slurm batch job started in its own session; ``stop()`` ends its tree."""
+
+    def __init__(self, sbatch_args: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        self._fh = open(log, "ab")
+        self.proc = subprocess.Popen(
+            [str(FAKE_SLURM / "sbatch"), *sbatch_args],
+            cwd=REPO, env=env, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        self._tree: dict[int, psutil.Process] = {}
+
+    def _remember_tree(self) -> None:
+        try:
+            root = psutil.Process(self.proc.pid)
+            for p in [root, *root.children(recursive=True)]:
+                self._tree.setdefault(p.pid, p)
+        except psutil.NoSuchProcess:
+            pass
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            self._remember_tree()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job still running after {timeout:.0f}s; log:\n{self.text()}")
+            time.sleep(0.5)
+        return self.proc.returncode
+
+    def wait_for(self, predicate, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            self._remember_tree()
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"job exited ({self.proc.returncode}) before {what}:\n{self.text()}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} after {timeout:.0f}s; log:\n{self.text()}")
+            time.sleep(0.5)
+
+    def text(self) -> str:
+        self._fh.flush()
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """End every process of this job's tree that is still alive (by pid)."""
+        self._remember_tree()
+        alive = [p for p in self._tree.values() if p.is_running()]
+        for p in alive:
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(alive, timeout=15)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=5)
+        self._fh.close()
+
+
+@pytest.fixture
+def slurm_env(tmp_path: Path):
+    """Environment of a fake Slurm job, and a list the test appends its jobs to."""
+    state = tmp_path / "slurm"
+    state.mkdir()
+    job_id = 10000 + (os.getpid() * 7 + int(time.time())) % 30000
+    env = {
+        **os.environ,
+        "PATH": f"{FAKE_SLURM}:{VENV_BIN}:{os.environ.get('PATH', '')}",
+        "FAKE_SLURM_DIR": str(state),
+        "SLURM_JOB_ID": str(job_id),
+        "RUN_DIR": str(tmp_path / "run"),
+        "PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+        "GRACE_S": "60",
+        "LOG_DIR": str(tmp_path / "logs"),
+    }
+    jobs: list[Job] = []
+    yield env, jobs
+    for job in jobs:
+        job.stop()
+
+
+def _steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def _requeued(env: dict[str, str]) -> list[str]:
+    path = Path(env["FAKE_SLURM_DIR"]) / "requeued"
+    return path.read_text().split() if path.is_file() else []
+
+
+LAYOUTS = {
+    # template: (nodes, GPUs per node)
+    "slurm/single_node.sbatch": (1, 2),
+    "slurm/multi_node.sbatch": (2, 1),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("template", list(LAYOUTS))
+def test_preempt_requeue_resume(template: str, slurm_env, tmp_path: Path) -> None:
+    env, jobs = slurm_env
+    nodes, gpus = LAYOUTS[template]
+    env["GPUS_PER_NODE"] = str(gpus)
+    run_dir = Path(env["RUN_DIR"])
+    steps = 10
+    args = [f"--nodes={nodes}", template, f"steps={steps}", "checkpoint.interval=2", *TINY]
+
+    first = Job(args, env, tmp_path / "job.log")
+    jobs.append(first)
+    # After a save: torchrun signals its workers' whole process group, which used to kill
+    # the Manager process dist-checkpointing starts at the first save, so the pre-emption
+    # save died with BrokenPipeError (platform/lifetime.py keeps it out of that group).
+    latest = run_dir / "checkpoints" / "latest"
+    first.wait_for(lambda: latest.is_file() and len(_steps(run_dir)) >= 3, 240,
+                   "the first checkpoint and step 3")  # so a save follows the signal  # fmt: skip
+    os.kill(first.proc.pid, signal.SIGUSR1)  # Slurm's warning, to the batch script only
+    assert first.wait(240) == 0, first.text()
+    log1 = first.text()
+    m = re.search(r"preemption signal: checkpoint at step (\d+) saved, exiting", log1)
+    assert m, log1
+    saved = int(m.group(1))
+    assert 2 < saved < steps, log1
+    assert "BrokenPipeError" not in log1, log1
+    assert _requeued(env) == [env["SLURM_JOB_ID"]], log1
+    assert (run_dir / "checkpoints" / "latest").read_text().strip().endswith(f"{saved:06d}")
+    assert _steps(run_dir) == list(range(1, saved + 1))
+
+    env2 = {**env, "SLURM_RESTART_COUNT": "1"}  # the requeued job: same id, same run dir
+    second = Job(args, env2, tmp_path / "job2.log")
+    jobs.append(second)
+    assert second.wait(240) == 0, second.text()
+    log2 = second.text()
+    assert "--resume" in log2 and f"(step {saved}," in log2, log2
+    rows = _steps(run_dir)
+    assert rows == list(range(1, steps + 1)), rows  # each step exactly once
+    assert rows[saved] == saved + 1  # the resumed run's first step
+    assert _requeued(env) == [env["SLURM_JOB_ID"]]  # no second requeue
+    # Per-rank logs of every node next to the job log (torchrun --log-dir/--tee).
+    assert len(list((tmp_path / "logs").glob("**/stdout.log"))) >= 2 * nodes * gpus
+    srun = (Path(env["FAKE_SLURM_DIR"]) / "srun.log").read_text().splitlines()
+    assert len(srun) == 2 and all(
+        f"--nnodes={nodes} --nproc-per-node={gpus}" in line
+        and f"--rdzv-endpoint=localhost:{20000 + int(env['SLURM_JOB_ID']) % 40000}" in line
+        for line in srun
+    ), srun
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_disaggregated_template_splits_nodes(slurm_env, tmp_path: Path) -> None:
+    """Node split: the last node serves vLLM, the first trains, the trainer takes the
+    placement from the script's overrides and runs to the end; nothing is requeued."""
+    env, jobs = slurm_env
+    env["GPUS_PER_NODE"] = "1"
+    job = Job(
+        ["--nodes=2", "slurm/disaggregated.sbatch", "steps=3", *TINY], env, tmp_path / "job.log"
+    )
+    rc = job.wait(380)
+    log = job.text()
+    assert "train ranks 0-0" in log and "rollout ranks 1-1" in log, log
+    assert "placement    disaggregated: train ranks 0, rollout ranks 1" in log, log  # preflight
+    srun = (Path(env["FAKE_SLURM_DIR"]) / "srun.log").read_text()
+    assert "rollout.placement=disaggregated rollout.num_engines=1 rollout.tp=1" in srun
+    assert rc == 0, log[-4000:]
+    assert _steps(Path(env["RUN_DIR"])) == [1, 2, 3]
+    assert _requeued(env) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("template", list(LAYOUTS))
+def test_refused_job_prints_one_line_whichever_rank_refuses_first(
+    template: str, slurm_env, tmp_path: Path
+) -> None:
+    """A bad input that reaches the ranks of a job, 5 times per template, each rank's checks
+    held back at random (tests/rank_delay_site): the job log holds the one line once, the
+    job exits 1 (srun's status: torchrun's), and every rank torchrun reports exited 2,
+    rank 0 first. The first job is the one a user gets: RUN_DIR is a file, which the
+    preflight plan (it reads no paths) lets through, with rank 0 held back; the others skip
+    the plan (PREFLIGHT=0) so a config value is refused by the ranks, cheaply."""
+    env, jobs = slurm_env
+    nodes, gpus = LAYOUTS[template]
+    (tmp_path / "afile").write_text("x")
+    env["GPUS_PER_NODE"] = str(gpus)
+    rng = random.Random(34)
+    runs = [(RANK0_LATE, str(tmp_path / "afile"), "1", [], "error: run_dir=")]
+    for _ in range(4):
+        delays = {r: round(rng.uniform(0, 1), 2) for r in range(nodes * gpus)}
+        runs.append((delays, env["RUN_DIR"], "0", ["grpo.group_size=-4"], "error: grpo.group_"))
+    for i, (delays, run_dir, preflight, args, line) in enumerate(runs):
+        job_env = {**delay_env(env, delays), "RUN_DIR": run_dir, "PREFLIGHT": preflight}
+        job = Job([f"--nodes={nodes}", template, *args], job_env, tmp_path / f"job{i}.log")
+        jobs.append(job)
+        rc = job.wait(300)
+        log = job.text()
+        case = (delays, preflight, rc, log[-3000:])
+        assert sum(line in x for x in log.splitlines()) == 1, case
+        assert rc == 1 and "srun step exited with status 1" in log, case
+        assert "megatron_grpo/cli" not in log, case  # no rank printed a traceback
+        codes, root = exit_codes(log.splitlines())
+        assert root == 0 and codes and set(codes.values()) == {2}, case
+    assert not Path(env["RUN_DIR"]).exists()
+
+
+@pytest.mark.slow
+def test_template_outside_slurm_fails_clearly(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    out = subprocess.run(
+        ["bash", "slurm/single_node.sbatch"], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert out.returncode != 0
+    assert "not inside a Slurm job: submit this script with sbatch" in out.stderr
+
+
+@pytest.mark.slow
+def test_preflight_failure_stops_the_job_before_srun(slurm_env) -> None:
+    env, _ = slurm_env
+    env["GPUS_PER_NODE"] = "3"
+    out = subprocess.run(
+        [str(FAKE_SLURM / "sbatch"), "slurm/single_node.sbatch", "rollout.tp=2"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "error: rollout.tp(2) does not divide the world size 3" in out.stderr
+    assert "the preflight plan failed" in out.stderr
+    assert not (Path(env["FAKE_SLURM_DIR"]) / "srun.log").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_launcher_dry_run() -> None:
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}",
+           "PLAN": "1", "NPROC": "2", "PYTHON": sys.executable}  # fmt: skip
+    out = subprocess.run(
+        ["launchers/torchrun.sh", "grpo.prompts_per_step=2"], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "placement    colocated: train ranks 0-1, rollout ranks 0-1" in out.stdout
+
+
+FAKE_TORCHRUN = """#!/usr/bin/env bash
+# Stand-in for torchrun (this test only): records its arguments, waits for the warning
+# signal, then saves step 2 (FAKE_SAVE=1) as the trainer would, and exits 1 as the real
+# torchrun does after any signal it handled (torch/distributed/run.py: SignalException).
+printf '%s\\n' "$*" >>"$FAKE_SLURM_DIR/torchrun.log"
+on_usr1() {
+    sleep 1.1  # the save comes after the warning, at the end of the current step
+    if [[ "$FAKE_SAVE" == 1 ]]; then echo step_000002 >"$RUN_DIR/checkpoints/latest.tmp"
+        mv "$RUN_DIR/checkpoints/latest.tmp" "$RUN_DIR/checkpoints/latest"; fi
+    exit 1
+}
+trap on_usr1 USR1
+touch "$FAKE_SLURM_DIR/torchrun.started"
+while :; do sleep 0.1; done
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "save,restarts,requeued,exit_code",
+    [
+        (True, 0, True, 0),  # a checkpoint completed after the warning: requeue
+        (False, 0, False, 1),  # no save after the warning (it failed): no requeue
+        (True, 2, False, 3),  # MAX_REQUEUES=2 reached: stop
+    ],
+)
+def test_requeue_only_after_a_save_and_within_the_bound(
+    slurm_env, tmp_path: Path, save, restarts, requeued, exit_code
+) -> None:
+    env, jobs = slurm_env
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(FAKE_TORCHRUN)
+    (bin_dir / "torchrun").chmod(0o755)
+    run_dir = Path(env["RUN_DIR"])
+    # Step 1 of 10 saved before this job: the run is not complete.
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("step_000001")
+    os.utime(run_dir / "checkpoints" / "latest", (time.time() - 60, time.time() - 60))
+    (run_dir / "config.yaml").write_text("steps: 10\n")
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}", PREFLIGHT="0", FAKE_SAVE="1" if save else "0",
+        SLURM_RESTART_COUNT=str(restarts), MAX_REQUEUES="2", SLURM_CPUS_PER_TASK="7",
+        CONTAINER_IMAGE="/images/megatron-grpo.sqsh",
+    )  # fmt: skip
+    job = Job(["slurm/single_node.sbatch", "steps=10"], env, tmp_path / "job.log")
+    jobs.append(job)
+    state = Path(env["FAKE_SLURM_DIR"])
+    job.wait_for(lambda: (state / "torchrun.started").exists(), 60, "the fake torchrun")
+    os.kill(job.proc.pid, signal.SIGUSR1)
+    assert job.wait(60) == exit_code, job.text()
+    assert _requeued(env) == ([env["SLURM_JOB_ID"]] if requeued else []), job.text()
+    srun = (state / "srun.log").read_text()
+    assert "--label" in srun and "--cpus-per-task=7" in srun, srun
+    assert "--container-image=/images/megatron-grpo.sqsh" in srun, srun
+    assert f"--container-mounts={REPO}:{REPO}" in srun, srun
+    torchrun = (state / "torchrun.log").read_text()
+    assert f"--log-dir={env['LOG_DIR']} --tee=3" in torchrun, torchrun
