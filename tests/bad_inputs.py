@@ -127,6 +127,9 @@ HAND: list[tuple[str, list[str]]] = [
     ("train: routing replay with a dense model", [*T, "rollout.routing_replay=on"]),
     ("train: routing replay with activation recompute", [*T, "model.hf_path=tiny-moe", "rollout.routing_replay=on", "model.recompute=full"]),
     ("choice not offered", [*T, "rollout.routing_replay=sometimes"]),
+    ("train: vLLM expert parallelism with rollout.tp=1", [*T, "model.hf_path=tiny-moe", "rollout.expert_parallel=true"]),
+    ("train: vLLM expert parallelism with a dense model", [*T, "rollout.expert_parallel=true", "rollout.tp=2", "parallel.dp=2"]),
+    ("train: vLLM expert parallelism without a GPU", [*T, "model.hf_path=tiny-moe", "rollout.expert_parallel=true", "rollout.tp=2", "parallel.dp=2"]),
 ]
 # fmt: on
 

@@ -211,7 +211,7 @@ def build_plan(
     element. ``rank_of``: (dp_rank, pp_rank, tp_rank) -> global rank of the trainer's
     shards, a function or a table; None = megatron-core's default order. ``rollout_ep``: the
     engines run vLLM's expert parallelism (each rank holds whole experts, only its own:
-    ``layouts.vllm.rank_shards``); no engine option turns it on yet (docs/moe.md).
+    ``layouts.vllm.rank_shards``); ``rollout.expert_parallel`` turns it on (docs/moe.md).
     Vocabulary padding rows get no copy (they stay zero on the receiver).
     """
     vl.validate(spec, rollout_tp, rollout_ep)

@@ -46,6 +46,9 @@ class PlanInputs:
     """Wire dtype, e.g. ``float32`` (CPU) or ``bfloat16``."""
     bucket_mb: float
     timeout_s: float
+    rollout_ep: bool = False
+    """The engines run vLLM's expert parallelism (``rollout.expert_parallel``): each vLLM rank
+    holds whole experts, only its own (``build_plan(rollout_ep=True)``)."""
 
     @classmethod
     def of(
@@ -56,6 +59,7 @@ class PlanInputs:
         sync: SyncConfig,
         rollout_tp: int,
         engines: list[list[int]],
+        rollout_ep: bool = False,
     ) -> PlanInputs:
         """This trainer rank's inputs: the layout of ``ctx`` (a ``ParallelContext``) with the
         norm naming, padded vocabulary and dtype of ``policy``'s shards."""
@@ -65,7 +69,7 @@ class PlanInputs:
             model_dir=str(model_dir),
             layout=MegatronLayout.of(ctx, shards, policy.vocab_per_rank * ctx.tp),
             rollout_tp=rollout_tp, engines=engines, dtype=str(dtype).removeprefix("torch."),
-            bucket_mb=sync.bucket_mb, timeout_s=sync.timeout_s,
+            bucket_mb=sync.bucket_mb, timeout_s=sync.timeout_s, rollout_ep=rollout_ep,
         )  # fmt: skip
 
     def to_dict(self) -> dict:
@@ -85,7 +89,7 @@ class PlanInputs:
         element_size = torch.empty((), dtype=self.torch_dtype).element_size()
         return build_plan(
             spec or load_spec(self.model_dir), self.layout, self.rollout_tp, self.engines,
-            element_size,
+            element_size, rollout_ep=self.rollout_ep,
         )  # fmt: skip
 
     def transport(

@@ -173,10 +173,12 @@ def colocated_sender(
     engine: Any,
     sync: SyncConfig,
     engines: list[list[int]],
+    rollout_ep: bool = False,
 ) -> WeightSender:
     """This rank's sender into its colocated ``engine`` (``sync.method``, ``sync.verify``);
-    ``engines[e]``: the global ranks of engine ``e``'s TP ranks (``distributed.placement``)."""
-    inputs = PlanInputs.of(model_dir, ctx, policy, sync, len(engines[0]), engines)
+    ``engines[e]``: the global ranks of engine ``e``'s TP ranks (``distributed.placement``);
+    ``rollout_ep``: the engine runs vLLM's expert parallelism."""
+    inputs = PlanInputs.of(model_dir, ctx, policy, sync, len(engines[0]), engines, rollout_ep)
 
     def verify(policy: Any, sent: dict[str, Checksum] | None) -> dict:
         return verify_sync(ctx, policy, engine, sent)

@@ -246,8 +246,23 @@ class RolloutConfig:
     ``routing_mismatch``, the share of (token, MoE layer) routings where the trainer's
     router chose other experts than vLLM (also logged with ``on``: the router's own choice
     against vLLM's); ``off``: no capture."""
+    expert_parallel: bool = False
+    """MoE models on GPU only (docs/moe.md, "vLLM expert parallelism"): vLLM runs
+    ``enable_expert_parallel`` (its EP size = rollout.tp), so each vLLM rank holds whole
+    experts, only its own, and the weight sync sends each one straight from the trainer rank
+    holding it to the vLLM rank that serves it. Needs rollout.tp > 1."""
 
     def __post_init__(self) -> None:
+        if self.expert_parallel not in (True, False):
+            raise ConfigError(
+                f"rollout.expert_parallel={self.expert_parallel!r} must be true or false."
+            )
+        if self.expert_parallel and self.tp == 1:
+            raise ConfigError(
+                "rollout.expert_parallel=true with rollout.tp=1: vLLM's expert-parallel size is "
+                "its TP size, so one rank would hold every expert; set rollout.tp > 1 or "
+                "rollout.expert_parallel=false."
+            )
         if isinstance(self.routing_replay, bool):  # YAML 1.1 reads on/off as booleans
             self.routing_replay = "on" if self.routing_replay else "off"
         _check_choice("rollout.routing_replay", self.routing_replay, ("off", "measure", "on"))

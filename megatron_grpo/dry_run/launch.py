@@ -252,7 +252,9 @@ def build_launch_plan(
         padded_vocab=megatron_padded_vocab(spec.vocab_size, p.tp, cfg.model.make_vocab_size_divisible_by),
         ep=p.ep,
     )  # fmt: skip
-    sync_plan = build_plan(spec, layout, r.tp, ranks.engines, element_size=DTYPE_BYTES[dtype])
+    sync_plan = build_plan(
+        spec, layout, r.tp, ranks.engines, DTYPE_BYTES[dtype], rollout_ep=r.expert_parallel
+    )
     report = plan_report(sync_plan)
     cross_node = sum(
         n for (s, d), n in report.bytes_per_link.items() if s // gpus_per_node != d // gpus_per_node
@@ -277,7 +279,9 @@ def _place(
     try:
         ranks = place_ranks(r, world)
         dp = validate_parallel(p, len(ranks.train_ranks), spec, has_cuda=True)
-        vl.validate(spec, r.tp)
+        vl.validate(spec, r.tp, r.expert_parallel)
+        if r.expert_parallel and not spec.is_moe:
+            raise ValueError("rollout.expert_parallel=true needs a mixture-of-experts model.")
     except (ConfigError, ValueError) as e:
         raise PlanError(str(e)) from None
     warnings: list[str] = []

@@ -49,9 +49,11 @@ def trainer_params_per_rank(spec: ModelSpec, cfg: Config) -> int:
     )
 
 
-def vllm_params_per_rank(spec: ModelSpec, rollout_tp: int) -> int:
+def vllm_params_per_rank(spec: ModelSpec, rollout_tp: int, expert_parallel: bool = False) -> int:
+    """The most parameters a vLLM rank holds (``expert_parallel``: whole local experts)."""
     return max(
-        sum(_numel(s.shape) for s in vl.rank_shards(spec, rollout_tp, r)) for r in range(rollout_tp)
+        sum(_numel(s.shape) for s in vl.rank_shards(spec, rollout_tp, r, expert_parallel))
+        for r in range(rollout_tp)
     )
 
 
@@ -204,7 +206,7 @@ def estimate_memory(
     }
     state = sum(v for k, v in trainer.items() if k != "activations")
     r = cfg.rollout
-    weights = vllm_params_per_rank(spec, r.tp) * elem
+    weights = vllm_params_per_rank(spec, r.tp, r.expert_parallel) * elem
     reserved = int(r.gpu_memory_utilization * capacity_bytes)
     kv_reserved = max(0, reserved - weights)
     seqs = cfg.grpo.prompts_per_step // max(num_engines, 1) * cfg.grpo.group_size

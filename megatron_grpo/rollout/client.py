@@ -189,7 +189,9 @@ def connect_rollout(cfg: Config, world: DisaggregatedWorld, ctx: Any, hf_dir: An
     client = RolloutClient(world, ctx)
     client.wait_ready()
     engines = world.placement.engines
-    inputs = PlanInputs.of(hf_dir, ctx, policy, cfg.sync, cfg.rollout.tp, engines)
+    inputs = PlanInputs.of(
+        hf_dir, ctx, policy, cfg.sync, cfg.rollout.tp, engines, cfg.rollout.expert_parallel
+    )
     group = client.init_transfer(inputs, ctx.backend, cfg.sync.timeout_s)
     rank0 = ctx.rank == 0
     sync = remote_sender(

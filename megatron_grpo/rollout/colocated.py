@@ -77,5 +77,6 @@ def build_colocated(hf_dir, spec, ctx, cfg, policy, **engine_kwargs) -> tuple[Co
     by training and ``megatron-grpo eval`` (evaluation/evaluate.py)."""
     engine = RolloutEngine.from_config(hf_dir, cfg.rollout, **engine_kwargs)
     engines = colocated_engines(ctx.world_size, cfg.rollout.tp)
-    sender = colocated_sender(hf_dir, spec, ctx, policy, engine, cfg.sync, engines)
+    ep = cfg.rollout.expert_parallel
+    sender = colocated_sender(hf_dir, spec, ctx, policy, engine, cfg.sync, engines, ep)
     return ColocatedRollout(engine, ctx, cfg.rollout.tp), sender

@@ -143,6 +143,7 @@ class RolloutEngine:
         logits by the same T (policy/policy.py)."""
         kwargs.setdefault("logprobs_mode", "processed")
         kwargs.setdefault("routing_capture", cfg.routing_replay != "off")
+        kwargs.setdefault("enable_expert_parallel", cfg.expert_parallel)  # vLLM's EP = its TP
         return cls(
             model_path,
             placement=cfg.placement,

@@ -16,6 +16,7 @@ from megatron_grpo.config import Config, ConfigError
 from megatron_grpo.data import build_prompt_source
 from megatron_grpo.distributed.placement import validate_world
 from megatron_grpo.distributed.setup import check_experts, rank_device
+from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.models.prepare import check_model_path
 from megatron_grpo.models.shapes import resolve_spec
 from megatron_grpo.models.spec import ModelSpec, check_heads, load_spec
@@ -53,11 +54,13 @@ def check_run(cfg: Config, world_size: int) -> int:
     return engines
 
 
-def check_moe(spec: ModelSpec, cfg: Config) -> None:
-    """The expert split (``parallel.ep``) of an MoE model, its TP, and routing replay
-    (docs/moe.md)."""
+def check_moe(spec: ModelSpec, cfg: Config, has_cuda: bool | None = None) -> None:
+    """The expert split (``parallel.ep``) of an MoE model, its TP, vLLM's expert
+    parallelism and routing replay (docs/moe.md). ``has_cuda``: default, whether the ranks
+    get a GPU (``rank_device``)."""
     par = cfg.parallel
     check_experts(spec, par.ep, par.tp)
+    check_rollout_ep(spec, cfg, has_cuda)
     if spec.is_moe and par.tp > 1 and not par.sequence_parallel:
         # megatron's MoELayer.forward raises in training with TP > 1 and no sequence
         # parallelism (transformer/moe/moe_layer.py); scoring alone would run
@@ -70,6 +73,8 @@ def check_moe(spec: ModelSpec, cfg: Config) -> None:
     widths = {"moe_intermediate_size": spec.moe_ffn_hidden_size,
               "shared_expert_intermediate_size": spec.shared_expert_ffn_hidden_size}  # fmt: skip
     for key, width in widths.items():
+        if key == "moe_intermediate_size" and cfg.rollout.expert_parallel:
+            continue  # whole experts on each vLLM rank
         if spec.is_moe and width % cfg.rollout.tp:  # vLLM splits every expert over its TP
             raise ConfigError(
                 f"rollout.tp({cfg.rollout.tp}) does not divide the model's {key}({width}): "
@@ -88,3 +93,25 @@ def check_moe(spec: ModelSpec, cfg: Config) -> None:
             "the recomputed forward in the backward pass would not see the micro-batch's "
             "routed experts; set model.recompute=none or rollout.routing_replay=off."
         )
+
+
+def check_rollout_ep(spec: ModelSpec, cfg: Config, has_cuda: bool | None = None) -> None:
+    """``rollout.expert_parallel``: an MoE model, a GPU, and an expert for every vLLM rank."""
+    r = cfg.rollout
+    if not r.expert_parallel:
+        return
+    if not spec.is_moe:
+        raise ConfigError(
+            f"rollout.expert_parallel=true needs a mixture-of-experts model, and "
+            f"{cfg.model.hf_path} is dense: set rollout.expert_parallel=false."
+        )
+    cuda = rank_device(cfg.parallel).type == "cuda" if has_cuda is None else has_cuda
+    if not cuda:
+        raise ConfigError(
+            "rollout.expert_parallel=true needs a GPU: vLLM's CPU MoE kernel ignores the expert "
+            "map and crashes under enable_expert_parallel; set rollout.expert_parallel=false."
+        )
+    try:
+        vl.validate(spec, r.tp, expert_parallel=True)
+    except ValueError as e:
+        raise ConfigError(f"rollout.expert_parallel=true: {e} Lower rollout.tp.") from None
