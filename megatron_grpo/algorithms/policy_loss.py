@@ -148,8 +148,9 @@ def build_policy_loss(grpo_cfg) -> PolicyLossFn:
 
     def policy_loss(logp_BT, adv, mask_BT, rollout_logp_BT, old_logp_BT):
         # alpha is vLLM's rollout log-prob; TIS weighs pi_k against it
-        return combined(logp_BT, adv, mask_BT, rollout_logp_BT, old_logp_BT, old_logp_BT,
-                        rollout_logp_BT)  # fmt: skip
+        return combined(
+            logp_BT, adv, mask_BT, rollout_logp_BT, old_logp_BT, old_logp_BT, rollout_logp_BT
+        )
 
     return policy_loss
 

@@ -88,8 +88,10 @@ def decomposition_sums(
     without ``grpo.score_alpha``), and the sequence count. Maxima: each part's largest
     ``|log-ratio|``."""
     m = mask_BT != 0
-    numerics, staleness = (x.detach().double() * m for x in split_log_ratios(
-        old_logp_BT, alpha_logp_BT, rollout_logp_BT))  # fmt: skip
+    numerics, staleness = (
+        x.detach().double() * m
+        for x in split_log_ratios(old_logp_BT, alpha_logp_BT, rollout_logp_BT)
+    )
     seq_has = m.any(dim=1)
     sums = [numerics.sum(), staleness.sum(), (_k3(numerics) * m).sum(),
             (_k3(staleness) * m).sum(), m.sum().double()]  # fmt: skip
@@ -143,7 +145,8 @@ def build_split_policy_loss(grpo_cfg) -> SplitPolicyLossFn:
 
     def split_policy_loss(logp_BT, adv, mask_BT, rollout_logp_BT, old_logp_BT, alpha_logp_BT):
         # the ratios against alpha_trainer; TIS weighs alpha_trainer against alpha_vLLM
-        return combined(logp_BT, adv, mask_BT, alpha_logp_BT, old_logp_BT, alpha_logp_BT,
-                        rollout_logp_BT)  # fmt: skip
+        return combined(
+            logp_BT, adv, mask_BT, alpha_logp_BT, old_logp_BT, alpha_logp_BT, rollout_logp_BT
+        )
 
     return split_policy_loss

@@ -176,7 +176,7 @@ class Transport:
                 self.bucket_bytes,
                 self.schedule.get((self.rank, p), []),
                 self.schedule.get((p, self.rank), []),
-            )  # fmt: skip
+            )
             for p in self.peers
         }
         self.p2p.exchange_headers(mine, self.device)

@@ -133,8 +133,10 @@ def _measure(args: argparse.Namespace, args_type: type, run, table) -> int:
 
 def _add_throughput(bsub: argparse._SubParsersAction) -> None:
     t = add_command(bsub, "throughput", run_throughput)
-    t.add_argument("--config", help="YAML config (default: configs/tiny_cpu.yaml if present, "
-                   "else the embedded defaults)")  # fmt: skip
+    t.add_argument(
+        "--config",
+        help="YAML config (default: configs/tiny_cpu.yaml if present, else the embedded defaults)",
+    )
     t.add_argument("--v", dest="vs", type=_ints, default=[1, 2, 5, 10], help="e.g. 1,2,5,10")
     t.add_argument("--steps", type=int, default=11, help="steps per run, warm-up included")
     t.add_argument("--warmup", type=int, default=1, help="leading steps left out of the rates")
@@ -186,8 +188,9 @@ def _add_reproduce(bsub: argparse._SubParsersAction) -> None:
     r.add_argument("--from-json", metavar="JSON",
                    help="run nothing: re-analyze a reproduce.json (or an interrupted run's "
                    "curves.json) and write the report into --out-dir")  # fmt: skip
-    r.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="config overrides applied to every run")  # fmt: skip
+    r.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides applied to every run"
+    )
 
 
 def run_reproduce(args: argparse.Namespace) -> int:
@@ -285,11 +288,15 @@ def run_project(args: argparse.Namespace) -> int:
     if args.throughput_json:
         check = calibrate_from_throughput(json.loads(Path(args.throughput_json).read_text()))
         p["measured_check"] = check
-        print(f"\nModel vs measured ({args.throughput_json}): T_other={check['t_other_s']:.3f} "
-              f"s, S={check['sync_s']:.3f} s from v={check['reference_v']}")  # fmt: skip
+        print(
+            f"\nModel vs measured ({args.throughput_json}): T_other={check['t_other_s']:.3f} "
+            f"s, S={check['sync_s']:.3f} s from v={check['reference_v']}"
+        )
         for r in check["rows"]:
-            print(f"  v={r['v']:>3}: predicted {r['predicted_ratio']:.3f}, "
-                  f"measured {r['measured_ratio']:.3f}")  # fmt: skip
+            print(
+                f"  v={r['v']:>3}: predicted {r['predicted_ratio']:.3f}, "
+                f"measured {r['measured_ratio']:.3f}"
+            )
     if args.plot:
         from megatron_grpo.bench.throughput.report import plot_projection
 

@@ -32,9 +32,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--recompute", action="store_true", help="estimate activations with full recompute"
     )
     run.add_argument(
-        "--mean-interval", type=float, default=None,
+        "--mean-interval",
+        type=float,
+        default=None,
         help="steps per sync observed in an adaptive run (summary.json mean_sync_interval)",
-    )  # fmt: skip
+    )
     run.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="OUT", help="also write the plan as JSON ('-' = stdout)")

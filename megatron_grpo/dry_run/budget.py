@@ -53,8 +53,9 @@ class TokenBudget:
         return f"{self.tokens:,} tokens each ({self.why})"
 
 
-def _train_state_bytes(spec: ModelSpec, cfg: Config, dp: int, colocated: bool,
-                       capacity: int, recompute: bool, seq: int) -> tuple[int, int]:  # fmt: skip
+def _train_state_bytes(
+    spec: ModelSpec, cfg: Config, dp: int, colocated: bool, capacity: int, recompute: bool, seq: int
+) -> tuple[int, int]:
     """(bytes of the train phase without activations, activations of one sequence)."""
     report = estimate_memory(spec, cfg, dp=dp, num_engines=1, colocated=colocated,
                              capacity_bytes=capacity, recompute=recompute, budget=seq)  # fmt: skip
@@ -87,13 +88,16 @@ def resolve_token_budget(
             micro_batch_token_budget(cfg), "micro_batch_size", f"grpo.micro_batch_tokens=0: {rows}"
         )
     if capacity_bytes is None:
-        return TokenBudget(micro_batch_token_budget(cfg), "micro_batch_size",
-                           f"auto without a GPU: {rows}")  # fmt: skip
+        return TokenBudget(
+            micro_batch_token_budget(cfg), "micro_batch_size", f"auto without a GPU: {rows}"
+        )
     recompute = recompute or cfg.model.recompute == "full"
     state, one = _train_state_bytes(spec, cfg, dp, colocated, capacity_bytes, recompute, seq)
     room = int(MEMORY_FRACTION * capacity_bytes) - state
-    where = (f"of the {room / GIB:.1f} GiB left in the train phase by {MEMORY_FRACTION:.0%} of "
-             f"the {capacity_bytes / GIB:g} GiB GPU")  # fmt: skip
+    where = (
+        f"of the {room / GIB:.1f} GiB left in the train phase by {MEMORY_FRACTION:.0%} of "
+        f"the {capacity_bytes / GIB:g} GiB GPU"
+    )
     if one > room:
         held = (f"the train phase's {state / GIB:.1f} GiB of state already exceed"
                 if room <= 0 else f"its {one / GIB:.1f} GiB of activations and scoring exceed "
@@ -116,7 +120,7 @@ def resolve_token_budget(
         "memory": "the most that fits",
         "batch": f"a step's {math.ceil(g.prompts_per_step * g.group_size / dp)} sequences per rank",
         "pipeline": f"{PIPELINE_MICRO_BATCHES * cfg.parallel.pp} micro-batches per step at pp={cfg.parallel.pp}",
-    }[bound]  # fmt: skip
+    }[bound]
     return TokenBudget(top, bound, f"auto, bounded by {bound}: {what}; {used}")
 
 

@@ -94,7 +94,7 @@ class LaunchPlan:
             "sync_interval_steps": self.sync_interval,
             "sync_bytes_per_step": (
                 self.sync.bytes_per_sync / self.sync_interval if self.sync_interval else None
-            ),  # fmt: skip
+            ),
             "sync_in_process_bytes": self.sync.in_process_bytes,
             "sync_cross_process_bytes": self.sync.cross_process_bytes,
             "sync_cross_node_bytes": self.cross_node_sync_bytes,
@@ -230,8 +230,10 @@ def build_launch_plan(
     if nodes < 1 or gpus_per_node < 1:
         raise PlanError(f"--nodes({nodes}) and --gpus-per-node({gpus_per_node}) must be >= 1.")
     if mean_interval is not None and not mean_interval >= 1:
-        raise PlanError(f"--mean-interval {mean_interval}: an interval is >= 1 step (give "
-                        "summary.json's mean_sync_interval of an adaptive run).")  # fmt: skip
+        raise PlanError(
+            f"--mean-interval {mean_interval}: an interval is >= 1 step (give "
+            "summary.json's mean_sync_interval of an adaptive run)."
+        )
     if mean_interval is None and cfg.sync.mode == "fixed":
         mean_interval = float(cfg.sync.interval)
     ranks, dp, warnings = _place(cfg, spec, nodes * gpus_per_node, gpus_per_node)
@@ -239,8 +241,9 @@ def build_launch_plan(
     engines = len(ranks.engines)
     capacity = int(gpu_memory_gb * GIB)
     colocated = ranks.placement == "colocated"
-    budget = resolve_token_budget(spec, cfg, dp=dp, colocated=colocated,
-                                  capacity_bytes=capacity, recompute=recompute)  # fmt: skip
+    budget = resolve_token_budget(
+        spec, cfg, dp=dp, colocated=colocated, capacity_bytes=capacity, recompute=recompute
+    )
     mem = estimate_memory(
         spec, cfg, dp=dp, num_engines=engines, colocated=colocated, capacity_bytes=capacity,
         recompute=recompute, budget=budget.tokens,

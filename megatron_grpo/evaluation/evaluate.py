@@ -135,8 +135,9 @@ def _check_flags(data: str, config: str | None, overrides: list[str], *, greedy:
     if greedy and samples != 1:
         raise ConfigError(f"--greedy draws one sample per prompt, not --samples {samples}.")
     if not data.startswith("synthetic:") and not Path(data).exists():
-        raise ConfigError(f"--data {data}: no such file; pass a .jsonl/.parquet file or "
-                          "synthetic:<task>.")  # fmt: skip
+        raise ConfigError(
+            f"--data {data}: no such file; pass a .jsonl/.parquet file or synthetic:<task>."
+        )
     if _reward_name(data, config, overrides) is None and not data.startswith("synthetic:"):
         raise ConfigError(
             f"--data {data} is not synthetic, so the reward cannot be guessed: add "
@@ -178,8 +179,9 @@ def eval_rank(rank: int, world: int, s: EvalSettings) -> dict[str, Any] | None:
             init = partial(load_hf_into_megatron, hf_dir=src.hf_dir, spec=spec, ctx=ctx)
         # Greedy: vLLM's processed log-probs are the T=1 log_softmax (vllm Sampler.sample).
         temperature = 1.0 if s.greedy else cfg.rollout.temperature
-        policy = build_policy(spec, ctx, cfg.model, None, init_weights=init,
-                              temperature=temperature)  # fmt: skip
+        policy = build_policy(
+            spec, ctx, cfg.model, None, init_weights=init, temperature=temperature
+        )
         engine_kwargs: dict[str, Any] = {}
         if src.kind != "hf":
             load_megatron_weights(policy, src)
@@ -188,9 +190,10 @@ def eval_rank(rank: int, world: int, s: EvalSettings) -> dict[str, Any] | None:
         report = weight_sync.sync(policy)
         r = cfg.rollout
         samples = rollout.generate(
-            s.prompt_ids, seed=r.seed,
+            s.prompt_ids,
+            seed=r.seed,
             **sampling_args(r, s.samples, s.eos_token_id, 0.0 if s.greedy else None),
-        )  # fmt: skip
+        )
         layout = {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, "world": ctx.world_size}
         policy_lp = _policy_logprobs(policy, samples, cfg.grpo.micro_batch_size) if (
             s.policy_logprobs) else None  # fmt: skip
@@ -226,8 +229,9 @@ def generate(s: EvalSettings, timeout_s: float = 1800.0) -> dict[str, Any] | Non
 
     threads = max(1, (os.cpu_count() or 1) // world)
     # through the module: tests/bad_inputs.py stubs spawn_ranks out there
-    return spawn.spawn_ranks(eval_rank, world, replace(s, threads=threads), timeout_s=timeout_s,
-                             result_types=(Sample,))[0]  # fmt: skip
+    return spawn.spawn_ranks(
+        eval_rank, world, replace(s, threads=threads), timeout_s=timeout_s, result_types=(Sample,)
+    )[0]
 
 
 # ----------------------------------------------------------------------------- scoring

@@ -112,8 +112,9 @@ def plot_drift(
     path = Path(path)
     fig = Figure(figsize=(8, 5))
     top, bottom = fig.subplots(2, 1, sharex=True)
-    floor = drift_axis_floor([_num(r.get("drift")) for r in rows],
-                             [r.get("interval_since_sync") == 1 for r in rows])  # fmt: skip
+    floor = drift_axis_floor(
+        [_num(r.get("drift")) for r in rows], [r.get("interval_since_sync") == 1 for r in rows]
+    )
     pts = [(r["step"], _num(r.get("drift")), bool(r.get("synced"))) for r in rows]
     pts = [(k, max(d, floor or d), s) for k, d, s in pts if d is not None and d > 0]
     top.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:purple", lw=1.2, label="drift")
@@ -149,8 +150,9 @@ def plot_ratio_parts(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike)
     for key, color in (("staleness_kl", "tab:purple"), ("numerics_kl", "tab:green")):
         pts = [(r["step"], _num(r.get(key))) for r in rows]
         pts = [p for p in pts if p[1] is not None and p[1] > 0]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, lw=1.2, color=color,
-                label=key)  # fmt: skip
+        ax.plot(
+            [p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, lw=1.2, color=color, label=key
+        )
     for r in rows:
         if r.get("synced"):
             ax.axvline(r["step"], color="gray", lw=0.6, alpha=0.5)

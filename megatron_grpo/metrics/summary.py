@@ -166,15 +166,19 @@ def _ratio_parts(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def _ratio_parts_line(s: Mapping[str, Any]) -> str | None:
     if s.get("staleness_kl_mean") is None:
         return None
-    line = (f"ratio pi_k/alpha_vLLM split (grpo.score_alpha): staleness KL mean "
-            f"{s['staleness_kl_mean']:.3g} (max {s['staleness_kl_max']:.3g}), numerics KL mean "
-            f"{s['numerics_kl_mean']:.3g}, max |log-ratio| staleness "
-            f"{_fmt(s['staleness_max_abs'], '.3g')}, numerics {_fmt(s['numerics_max_abs'], '.3g')}")  # fmt: skip
+    line = (
+        f"ratio pi_k/alpha_vLLM split (grpo.score_alpha): staleness KL mean "
+        f"{s['staleness_kl_mean']:.3g} (max {s['staleness_kl_max']:.3g}), numerics KL mean "
+        f"{s['numerics_kl_mean']:.3g}, max |log-ratio| staleness "
+        f"{_fmt(s['staleness_max_abs'], '.3g')}, numerics {_fmt(s['numerics_max_abs'], '.3g')}"
+    )
     if s.get("tis_tokens_frac_mean") is not None:
-        line += (f"; TIS touched {100 * s['tis_tokens_frac_mean']:.2f}% of tokens, "
-                 f"{100 * s['tis_seqs_frac_mean']:.2f}% of sequences (on the mixed ratio "
-                 f"{100 * s['tis_mixed_tokens_frac_mean']:.2f}%, "
-                 f"{100 * s['tis_mixed_seqs_frac_mean']:.2f}%)")  # fmt: skip
+        line += (
+            f"; TIS touched {100 * s['tis_tokens_frac_mean']:.2f}% of tokens, "
+            f"{100 * s['tis_seqs_frac_mean']:.2f}% of sequences (on the mixed ratio "
+            f"{100 * s['tis_mixed_tokens_frac_mean']:.2f}%, "
+            f"{100 * s['tis_mixed_seqs_frac_mean']:.2f}%)"
+        )
     return line
 
 
@@ -209,14 +213,18 @@ def format_summary(s: Mapping[str, Any]) -> str:
         f"skipped (non-finite) steps: {s['skipped_nan']}",
     ]
     if s.get("drift_mean") is not None:
-        lines.append(f"drift of pi_k from the served policy (per-token KL): mean "
-                     f"{s['drift_mean']:.3g}, max {s['drift_max']:.3g}")  # fmt: skip
+        lines.append(
+            f"drift of pi_k from the served policy (per-token KL): mean "
+            f"{s['drift_mean']:.3g}, max {s['drift_max']:.3g}"
+        )
     if parts := _ratio_parts_line(s):
         lines.append(parts)
     if s.get("routing_mismatch_mean") is not None:
-        lines.append(f"MoE routings where the trainer's router differs from vLLM's "
-                     f"(rollout.routing_replay): mean {s['routing_mismatch_mean']:.3g}, max "
-                     f"{s['routing_mismatch_max']:.3g}")  # fmt: skip
+        lines.append(
+            f"MoE routings where the trainer's router differs from vLLM's "
+            f"(rollout.routing_replay): mean {s['routing_mismatch_mean']:.3g}, max "
+            f"{s['routing_mismatch_max']:.3g}"
+        )
     sv = s["sync_every_v_saving"]
     what = "sync every v" if s.get("sync_mode", "fixed") == "fixed" else "adaptive sync"
     if "note" in sv:

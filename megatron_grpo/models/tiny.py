@@ -56,7 +56,7 @@ PRESETS: dict[str, dict] = {
         num_experts_per_tok=2,
         moe_intermediate_size=64,
         norm_topk_prob=True,
-    ),  # fmt: skip
+    ),
     "Qwen2.5-0.5B": shape_config(
         (896, 24, 14, 2, 64, 4864, True), vocab_size=151936, rope_theta=1e6
     ),
@@ -77,7 +77,7 @@ PRESETS: dict[str, dict] = {
         norm_topk_prob=True,
         vocab_size=151936,
         rope_theta=1e6,
-    ),  # fmt: skip
+    ),
 }
 
 

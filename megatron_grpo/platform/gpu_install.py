@@ -192,9 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"resolved {len(pk)} packages in {res['seconds']:.0f}s for Python "
         f"{args.python_version} / linux x86_64: "
-        + ", ".join(
-            f"{k} {pk.get(k)}" for k in (*EXPECTED, "flashinfer-python", "transformers")
-        )  # fmt: skip
+        + ", ".join(f"{k} {pk.get(k)}" for k in (*EXPECTED, "flashinfer-python", "transformers"))
     )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")

@@ -72,8 +72,9 @@ class MicroBatchForward:
                 f"interleaved schedule needs a multiple of pp({self.ctx.pp}); change "
                 "micro_batch_size or the batch size."
             )
-        shapes = [(mb["input_ids"] if pack is None else pack.input_ids).shape
-                  for _, _, mb, pack in mbs]  # fmt: skip
+        shapes = [
+            (mb["input_ids"] if pack is None else pack.input_ids).shape for _, _, mb, pack in mbs
+        ]
         iters: list[Iterator] = [iter([(mb, pack) for _, _, mb, pack in mbs]) for _ in chunks]
         return self._forward_backward(
             forward_step_func=self._step(score, temperature),

@@ -199,9 +199,11 @@ def layer_spec(spec: ModelSpec, impl: str, local_attention: str = "sdpa"):
             num_experts=experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_norm
         )
     layers = get_gpt_layer_local_spec(
-        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_norm,
+        num_experts=experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=spec.qk_norm,
         normalization="RMSNorm",
-    )  # fmt: skip
+    )
     if local_attention == "sdpa":
         # the spec is built fresh by each call: replacing its submodule touches nothing shared
         layers.submodules.self_attention.submodules.core_attention = SDPAttention

@@ -115,8 +115,9 @@ def _wrap_ddp(models: list, config, ctx: ParallelContext, dist_opt: bool) -> lis
     ]
 
 
-def _build_optimizer(chunks: list, config, ctx: ParallelContext, optim_cfg: OptimConfig,
-                     dist_opt: bool):  # fmt: skip
+def _build_optimizer(
+    chunks: list, config, ctx: ParallelContext, optim_cfg: OptimConfig, dist_opt: bool
+):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     dtype = config.params_dtype

@@ -36,11 +36,13 @@ class GroupScorer:
             [s.response_ids for s in samples], skip_special_tokens=True
         )
         rewards, info = self.reward_fn(
-            [prompts[i // g].text for i in range(len(samples))], texts,
+            [prompts[i // g].text for i in range(len(samples))],
+            texts,
             [prompts[i // g].answer for i in range(len(samples))],
-        )  # fmt: skip
+        )
         lengths = torch.tensor([len(s.response_ids) for s in samples])
         rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(prompts), g)
-        shaped = shape_rewards(rewards_PG, lengths, self.max_new_tokens, self.overlong_buffer,
-                               self.overlong_penalty)  # fmt: skip
+        shaped = shape_rewards(
+            rewards_PG, lengths, self.max_new_tokens, self.overlong_buffer, self.overlong_penalty
+        )
         return shaped, info

@@ -55,8 +55,10 @@ def steps_through(step: int, ahead: int, window_end: int, total_steps: int) -> l
     """``step .. min(step + ahead, window_end, total_steps)``: ``window_end`` is the last step
     certain to be sampled from the weights served now (``trainer.sync_schedule``)."""
     if window_end < step:
-        raise ValueError(f"window_end={window_end} is before step {step}: the window must "
-                         "hold the step that asks for its batch.")  # fmt: skip
+        raise ValueError(
+            f"window_end={window_end} is before step {step}: the window must "
+            "hold the step that asks for its batch."
+        )
     return list(range(step, min(step + ahead, window_end, total_steps) + 1))
 
 
@@ -142,8 +144,10 @@ class AheadRollout:
         """Continue the data stream from ``state`` (a checkpoint's ``data_state``, what
         ``data_state`` returned when it was saved); before the first ``take``."""
         if self._buffer or self._taken is not None:
-            raise RuntimeError("load_data_state after take: the buffer already holds batches "
-                               "drawn from the old position.")  # fmt: skip
+            raise RuntimeError(
+                "load_data_state after take: the buffer already holds batches "
+                "drawn from the old position."
+            )
         self.prompts.load_state_dict(state)
 
     def _fill(self, step: int) -> None:
@@ -167,8 +171,9 @@ class AheadRollout:
             # One thread for the run, not one per window: a reward worker it replaces has a
             # parent-death signal tied to the thread that started it (platform/lifetime.py).
             self._arrivals = queue.SimpleQueue()
-            threading.Thread(target=self._arrivals_thread, name="rollout-arrivals",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._arrivals_thread, name="rollout-arrivals", daemon=True
+            ).start()
         self._arrivals.put((window, thunks))
 
     def _arrivals_thread(self) -> None:

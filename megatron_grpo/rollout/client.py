@@ -87,8 +87,9 @@ class RolloutClient:
             assert self.ch is not None
             secs = []
             for e in range(self.engines):
-                r = self.ch.wait(f"ready/{e}", [engine_beat(e)], f"engine {e} to start",
-                                 ("ready", "error"))  # fmt: skip
+                r = self.ch.wait(
+                    f"ready/{e}", [engine_beat(e)], f"engine {e} to start", ("ready", "error")
+                )
                 if r.kind == "error":
                     raise RuntimeError(f"rollout engine {e} failed to start: {r.body['error']}")
                 secs.append(r.body["seconds"])

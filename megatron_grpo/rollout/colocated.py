@@ -71,7 +71,9 @@ class ColocatedRollout:
         self.engine.shutdown()
 
 
-def build_colocated(hf_dir, spec, ctx, cfg, policy, **engine_kwargs) -> tuple[ColocatedRollout, WeightSender]:  # fmt: skip
+def build_colocated(
+    hf_dir, spec, ctx, cfg, policy, **engine_kwargs
+) -> tuple[ColocatedRollout, WeightSender]:
     """This rank's vLLM engine (serving ``hf_dir``; ``engine_kwargs`` go to
     ``RolloutEngine``) and the resharding bridge that feeds it ``policy``'s shards. Shared
     by training and ``megatron-grpo eval`` (evaluation/evaluate.py)."""

@@ -39,8 +39,9 @@ class Channel:
     def beat_forever(self, key: str) -> None:
         """Bump ``key`` every few seconds from a daemon thread until ``stop_beating``."""
         self.store.add(key, 1)
-        threading.Thread(target=self._beat, args=(key,), name=f"heartbeat-{key}",
-                         daemon=True).start()  # fmt: skip
+        threading.Thread(
+            target=self._beat, args=(key,), name=f"heartbeat-{key}", daemon=True
+        ).start()
 
     def _beat(self, key: str) -> None:
         while not self._beat_stop.is_set():

@@ -30,7 +30,9 @@ from megatron_grpo.rollout.server import DisaggregatedWorld
 
 
 class Rollout(Protocol):
-    def launch(self, steps: list[tuple[list, int]], **sampling: Any) -> list[Callable[[], list | None]]:  # fmt: skip
+    def launch(
+        self, steps: list[tuple[list, int]], **sampling: Any
+    ) -> list[Callable[[], list | None]]:
         """Start generating ``[(prompt_ids, seed)]`` per step; one thunk per step returns
         that step's samples, blocking until they are there, on the ranks where they arrive
         (None elsewhere). Thunks run no collective: a background thread may call them."""

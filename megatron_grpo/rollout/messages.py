@@ -64,7 +64,7 @@ _SAMPLING = {
         seed=int,
         stop_token_ids=[int],
         seeds=[int],
-    ).items()  # fmt: skip
+    ).items()
 }
 """``RolloutEngine.generate``'s keywords (``rollout.interface.sampling_args`` and a seed)."""
 COMMANDS = {
@@ -78,7 +78,7 @@ COMMANDS = {
             "backend": str,
             "timeout_s": float,
             "plan": dict,
-        },  # fmt: skip
+        },
         "rank_offsets": [int],
     },
     "update": {"op": str},
@@ -98,7 +98,7 @@ SCHEMAS: dict[str, Any] = {
         "finish_reason": [str],
         "weight_version": [Opt(str)],
         "routed_shape": Opt([int]),
-    },  # fmt: skip
+    },
 }
 _SAMPLE_ARRAYS = (("prompt_ids", "int64"), ("response_ids", "int64"), ("logprobs", "float64"))
 _ROUTED_DTYPES = ("uint8", "int16")
@@ -113,8 +113,9 @@ def _check(value: Any, schema: Any, path: str) -> str | None:
     if isinstance(schema, list):
         if not isinstance(value, list):
             return f"{path} is {type(value).__name__}, expected a list"
-        return next((w for i, v in enumerate(value) if (w := _check(v, schema[0], f"{path}[{i}]"))),
-                    None)  # fmt: skip
+        return next(
+            (w for i, v in enumerate(value) if (w := _check(v, schema[0], f"{path}[{i}]"))), None
+        )
     if isinstance(schema, dict):
         if not isinstance(value, dict):
             return f"{path} is {type(value).__name__}, expected an object"
@@ -292,11 +293,14 @@ def _samples(body: dict, arrays: dict[str, list]) -> list[Sample]:
         raise BadMessage(f"samples: lengths differ { ({k: len(v) for k, v in body.items()}) }")
     for k, total in (("prompt_len", "prompt_ids"), ("response_len", "response_ids")):
         if any(x < 0 for x in body[k]) or sum(body[k]) != len(arrays[total]):
-            raise BadMessage(f"samples: {k} sums to {sum(body[k])}, {total} holds "
-                             f"{len(arrays[total])}")  # fmt: skip
+            raise BadMessage(
+                f"samples: {k} sums to {sum(body[k])}, {total} holds {len(arrays[total])}"
+            )
     if len(arrays["logprobs"]) != len(arrays["response_ids"]):
-        raise BadMessage(f"samples: {len(arrays['logprobs'])} logprobs for "
-                         f"{len(arrays['response_ids'])} response tokens")  # fmt: skip
+        raise BadMessage(
+            f"samples: {len(arrays['logprobs'])} logprobs for "
+            f"{len(arrays['response_ids'])} response tokens"
+        )
     if bad := set(body["finish_reason"]) - {"length", "stop"}:
         raise BadMessage(f"samples: finish_reason {sorted(bad)[0]!r}, expected length or stop")
     out, p, r = [], 0, 0
@@ -322,6 +326,8 @@ def _routed(body: dict, arrays: dict[str, list]):
     if shape is None or len(shape) != 2 or min(shape) < 1 or "routed_experts" not in arrays:
         raise BadMessage(f"samples: routed_shape {shape} without routed_experts, or the reverse")
     if len(arrays["routed_experts"]) != rows * shape[0] * shape[1]:
-        raise BadMessage(f"samples: {len(arrays['routed_experts'])} routed experts, expected "
-                         f"{rows} rows x {shape[0]} layers x {shape[1]}")  # fmt: skip
+        raise BadMessage(
+            f"samples: {len(arrays['routed_experts'])} routed experts, expected "
+            f"{rows} rows x {shape[0]} layers x {shape[1]}"
+        )
     return np.asarray(arrays["routed_experts"], dtype=np.int16).reshape(rows, *shape)

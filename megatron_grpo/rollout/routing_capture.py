@@ -39,8 +39,9 @@ class RoutingCapture:
         self.rows: dict[str, list[tuple[int, np.ndarray]]] = {}
         self._step: dict[int, np.ndarray] = {}
         layers = [m for m in runner.model.modules() if isinstance(m, MoERunner)]
-        unsupported = [type(m.router).__name__ for m in layers
-                       if not isinstance(m.router, BaseRouter)]  # fmt: skip
+        unsupported = [
+            type(m.router).__name__ for m in layers if not isinstance(m.router, BaseRouter)
+        ]
         if not layers or unsupported:
             raise ValueError(
                 f"rollout.routing_replay: vLLM's model has {len(layers)} MoE layers "
@@ -70,8 +71,10 @@ class RoutingCapture:
         batch = self.runner.input_batch
         total = sum(scheduled[r] for r in batch.req_ids if r in scheduled)
         if len(self._step) != self.num_layers:
-            raise RuntimeError(f"routing capture: {len(self._step)} of {self.num_layers} "
-                               "MoE layers reported this step's experts")  # fmt: skip
+            raise RuntimeError(
+                f"routing capture: {len(self._step)} of {self.num_layers} "
+                "MoE layers reported this step's experts"
+            )
         step = np.stack([self._step[i][:total] for i in range(self.num_layers)], axis=1)
         at = 0
         for req in batch.req_ids:

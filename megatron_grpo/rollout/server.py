@@ -80,8 +80,10 @@ class DisaggregatedWorld:
 
     def trainer_world(self) -> dict[str, Any]:
         """``init_distributed`` keywords for the trainer sub-world."""
-        return {"store": dist.PrefixStore("megatron_grpo/train", self.store),
-                "world_size": self.n_train}  # fmt: skip
+        return {
+            "store": dist.PrefixStore("megatron_grpo/train", self.store),
+            "world_size": self.n_train,
+        }
 
 
 def join_world(cfg: Config) -> DisaggregatedWorld:
@@ -231,9 +233,11 @@ def _run(engine: Any, cmd: dict[str, Any], e: int) -> bytes:
     op = cmd["op"]
     if op == "generate":  # this engine's share, split as the colocated engines split
         prompts = cmd["prompts"]
-        return messages.samples(engine.generate(
-            prompts[engine_slice(len(prompts), cmd["engines"], e)], **cmd["sampling"]
-        ))  # fmt: skip
+        return messages.samples(
+            engine.generate(
+                prompts[engine_slice(len(prompts), cmd["engines"], e)], **cmd["sampling"]
+            )
+        )
     if op == "init_transfer":
         info = dict(cmd["info"], rank_offset=cmd["rank_offsets"][e])
         engine.init_transfer(info)

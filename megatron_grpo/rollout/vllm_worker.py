@@ -19,5 +19,7 @@ class RolloutWorkerExtension(ReceiverWorkerExtension):
 
     def mgrpo_take_routing(self) -> dict[str, tuple[list[int], str, bytes]]:
         """The captured requests' rows as (shape, dtype, raw bytes) by internal request id."""
-        return {k: (list(a.shape), str(a.dtype), a.tobytes())
-                for k, a in self._mgrpo_routing.take().items()}  # fmt: skip
+        return {
+            k: (list(a.shape), str(a.dtype), a.tobytes())
+            for k, a in self._mgrpo_routing.take().items()
+        }

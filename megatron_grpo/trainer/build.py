@@ -175,8 +175,7 @@ def _schedule_text(cfg: Config) -> str:
     s = cfg.sync
     if s.mode == "fixed":
         return f"v={s.interval}"
-    return (f"adaptive sync (drift > {s.max_drift:g}, interval {s.min_interval}.."
-            f"{s.max_interval})")  # fmt: skip
+    return f"adaptive sync (drift > {s.max_drift:g}, interval {s.min_interval}..{s.max_interval})"
 
 
 def window_buffer(cfg: Config, prompts: PromptSource, rollout: Rollout, memory: ColocatedMemory,

@@ -84,8 +84,9 @@ class Checkpointer:
     def after_step(self, step: int, state: LoopState) -> bool:
         """Save when due; on a pre-emption signal save (unless just saved) and return True."""
         if self.due(step):
-            with bounded(f"the checkpoint of step {step}", self.timeout_s,
-                         "parallel.timeout_s bounds it"):  # fmt: skip
+            with bounded(
+                f"the checkpoint of step {step}", self.timeout_s, "parallel.timeout_s bounds it"
+            ):
                 self.save(state)
         if not self.stop_agreed():
             return False
@@ -154,8 +155,10 @@ class Checkpointer:
             log.warning("checkpoint.exact_resume=false: serving step %d's weights, not %d's",
                         st.step, st.policy_version)  # fmt: skip
             st.policy_version = st.step
-        say_rank0(self.ctx, f"resumed from {latest} (step {st.step}, vLLM serves step "
-                  f"{st.policy_version})")  # fmt: skip
+        say_rank0(
+            self.ctx,
+            f"resumed from {latest} (step {st.step}, vLLM serves step {st.policy_version})",
+        )
         return st, served
 
 

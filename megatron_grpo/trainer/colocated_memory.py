@@ -70,8 +70,9 @@ class ColocatedMemory:
         self.boundaries: dict[str, dict[str, float]] = {}
 
     @classmethod
-    def from_config(cls, cfg: Config, engine: SleepingEngine | None, policy: Policy,
-                    device: torch.device) -> ColocatedMemory:  # fmt: skip
+    def from_config(
+        cls, cfg: Config, engine: SleepingEngine | None, policy: Policy, device: torch.device
+    ) -> ColocatedMemory:
         """The dance ``cfg`` asks for; inactive (no calls at all) on CPU or disaggregated."""
         r = cfg.rollout
         if device.type != "cuda" or r.placement != "colocated":

@@ -21,8 +21,9 @@ from megatron_grpo.distributed import ParallelContext
 from megatron_grpo.trainer.collate import dp_shard
 
 
-def dp_logprobs(policy, batch: StepBatch, ctx: ParallelContext, micro_batch_size: int,
-                token_budget: int | None) -> torch.Tensor:  # fmt: skip
+def dp_logprobs(
+    policy, batch: StepBatch, ctx: ParallelContext, micro_batch_size: int, token_budget: int | None
+) -> torch.Tensor:
     """``policy``'s log-probs of the whole batch [N, L]: each DP rank computes its own
     shard (``dp_shard``'s rows) and the shards are all-gathered over the DP group."""
     shard = dp_shard(batch, ctx.dp_rank, ctx.dp)
@@ -83,8 +84,9 @@ class StepLogprobs:
     token_budget: int | None
 
     def whole_batch(self, policy, batch: StepBatch) -> torch.Tensor:
-        return dp_logprobs(policy, batch, self.ctx, self.cfg.grpo.micro_batch_size,
-                           self.token_budget)  # fmt: skip
+        return dp_logprobs(
+            policy, batch, self.ctx, self.cfg.grpo.micro_batch_size, self.token_budget
+        )
 
     def reference(self, batch: StepBatch) -> tuple[StepBatch, torch.Tensor | None]:
         """pi_ref's log-probs when the KL needs them; the per-sequence KL for KL-in-reward."""
@@ -98,8 +100,9 @@ class StepLogprobs:
         kl = get_kl_estimator(g.kl_estimator)(logp, batch["ref_logp"]) * batch["loss_mask"]
         return batch, kl.sum(dim=1)
 
-    def before_sgd(self, shard: StepBatch, lag: int, adaptive: bool
-                   ) -> tuple[float | None, dict[str, float] | None]:  # fmt: skip
+    def before_sgd(
+        self, shard: StepBatch, lag: int, adaptive: bool
+    ) -> tuple[float | None, dict[str, float] | None]:
         """pi_k's log-probs of this rank's shard, scored once before the first update when
         something reads them (``grpo.ratio_mode=exact`` puts them in ``shard["old_logp"]``);
         returns the drift (adaptive schedule, exact, score_alpha) and, with

@@ -89,8 +89,9 @@ class GRPOTrainer:
             )
         if self.schedule is None:
             self.schedule = SyncSchedule.from_config(self.cfg.sync)
-        self.logprobs = StepLogprobs(self.cfg, self.ctx, self.policy, self.ref, self.alpha,
-                                     self.timer, self.budget.tokens)  # fmt: skip
+        self.logprobs = StepLogprobs(
+            self.cfg, self.ctx, self.policy, self.ref, self.alpha, self.timer, self.budget.tokens
+        )
 
     @property
     def policy_version(self) -> int:
@@ -101,7 +102,9 @@ class GRPOTrainer:
     def run(self) -> dict[str, Any]:
         cfg, g, timer = self.cfg, self.cfg.grpo, self.timer
         if self.checkpointer.stop_agreed():  # signalled during start-up: nothing to save
-            say_rank0(self.ctx, f"preemption signal during start-up: exiting at step {self.start_step}")  # fmt: skip
+            say_rank0(
+                self.ctx, f"preemption signal during start-up: exiting at step {self.start_step}"
+            )
             return {"preempted": True, "step": self.start_step}
         for step in range(self.start_step + 1, cfg.steps + 1):
             timer.reset()
@@ -176,7 +179,9 @@ class GRPOTrainer:
         for _ in range(g.sgd_iterations):
             for mb in mini_batches(shard, g.mini_batch_size, ctx.dp, gen):
                 group = ctx.dp_group if ctx.dp > 1 else None
-                mb.update(compute_global_normalizers(normalizer_mask(mb, g.loss_normalizer), group=group))  # fmt: skip
+                mb.update(
+                    compute_global_normalizers(normalizer_mask(mb, g.loss_normalizer), group=group)
+                )
                 out.append(
                     self.policy.train_step(
                         mb, self.loss_fn, g.micro_batch_size, token_budget=self.budget.tokens

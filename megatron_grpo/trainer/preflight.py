@@ -70,8 +70,10 @@ def check_moe(spec: ModelSpec, cfg: Config, has_cuda: bool | None = None) -> Non
             "Transformer Engine): set parallel.sequence_parallel=true, or parallel.tp=1 and "
             "split the experts with parallel.ep."
         )
-    widths = {"moe_intermediate_size": spec.moe_ffn_hidden_size,
-              "shared_expert_intermediate_size": spec.shared_expert_ffn_hidden_size}  # fmt: skip
+    widths = {
+        "moe_intermediate_size": spec.moe_ffn_hidden_size,
+        "shared_expert_intermediate_size": spec.shared_expert_ffn_hidden_size,
+    }
     for key, width in widths.items():
         if key == "moe_intermediate_size" and cfg.rollout.expert_parallel:
             continue  # whole experts on each vLLM rank

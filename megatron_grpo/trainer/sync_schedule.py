@@ -52,8 +52,7 @@ class SyncSchedule:
         if drift is None:
             raise ValueError(f"sync.mode=adaptive: step {step} has no measured drift to decide by.")
         since = step - self.policy_version
-        return adaptive_sync_due(drift, since, self.max_drift, self.min_interval,
-                                 self.max_interval)  # fmt: skip
+        return adaptive_sync_due(drift, since, self.max_drift, self.min_interval, self.max_interval)
 
     def synced(self, step: int) -> None:
         self.policy_version = step

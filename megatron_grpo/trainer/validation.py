@@ -27,9 +27,11 @@ class Validator:
 
     def __init__(self, cfg: Config, tokenizer, reward_fn) -> None:
         e = cfg.eval
-        data = dataclasses.replace(cfg.data, source=e.data, split="train") if e.data else (
-            dataclasses.replace(cfg.data, split="test")
-        )  # fmt: skip
+        data = (
+            dataclasses.replace(cfg.data, source=e.data, split="train")
+            if e.data
+            else (dataclasses.replace(cfg.data, split="test"))
+        )
         source = build_prompt_source(data, tokenizer)
         self.prompts = [source.next_batch(1)[0] for _ in range(min(e.num_prompts, len(source)))]
         self.cfg, self.tokenizer, self.reward_fn = cfg, tokenizer, reward_fn
@@ -40,16 +42,18 @@ class Validator:
     def run(self, generate: Callable[..., list], policy_version: int) -> dict[str, Any]:
         e, r, k = self.cfg.eval, self.cfg.rollout, self.cfg.eval.samples
         samples = generate(
-            [p.prompt_ids for p in self.prompts], seed=validation_seed(r.seed),
+            [p.prompt_ids for p in self.prompts],
+            seed=validation_seed(r.seed),
             **sampling_args(r, k, self.tokenizer.eos_token_id, temperature=e.temperature),
-        )  # fmt: skip
+        )
         texts = self.tokenizer.batch_decode(
             [s.response_ids for s in samples], skip_special_tokens=True
         )
         _, info = self.reward_fn(
-            [self.prompts[i // k].text for i in range(len(samples))], texts,
+            [self.prompts[i // k].text for i in range(len(samples))],
+            texts,
             [self.prompts[i // k].answer for i in range(len(samples))],
-        )  # fmt: skip
+        )
         correct = [t >= 1.0 for t in info["task_scores"]]
         correct_PK = [correct[i * k : (i + 1) * k] for i in range(len(self.prompts))]
         return {"eval_pass@1": mean_pass_at_k(correct_PK, 1), "eval_policy_version": policy_version}

@@ -7,8 +7,9 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny",
-                   help="model shape: tiny, Qwen2.5-0.5B, Qwen2.5-1.5B, Qwen2.5-7B")  # fmt: skip
+    p.add_argument(
+        "--preset", default="tiny", help="model shape: tiny, Qwen2.5-0.5B, Qwen2.5-1.5B, Qwen2.5-7B"
+    )
     p.add_argument("--rows", type=int, default=8, help="sequences in the batch")
     p.add_argument("--packs", type=int, default=2, help="packed micro-batches they are cut into")
     p.add_argument("--prompt-len", type=int, default=32, help="longest prompt")

@@ -186,7 +186,7 @@ def run_bench_ops(args: BenchOpsArgs, ctx=None) -> dict:
             "token_budget": budget,
             "tokens": sum(lengths),
             "layers": spec.num_layers,
-        },  # fmt: skip
+        },
         "phases": full,
     }
 

@@ -165,8 +165,7 @@ def seven_b_disaggregated(
         rows.append({"v": sync_interval, "serial_step_s": serial, "ahead_step_s": ahead,
                      "serial_it_s": 1 / serial, "ahead_it_s": 1 / ahead,
                      "speedup": serial / ahead})  # fmt: skip
-    return {"rollout_s": r, "train_s": t, "sync_s": s, "rollout_share": rollout_share,
-            "rows": rows}  # fmt: skip
+    return {"rollout_s": r, "train_s": t, "sync_s": s, "rollout_share": rollout_share, "rows": rows}
 
 
 # ------------------------------------------------------------------------------ bytes
@@ -208,9 +207,11 @@ def plan_bytes(a: Assumptions) -> PlanBytes:
         )
     dp = a.gpus // (a.trainer_tp * a.trainer_pp)
     layout = MegatronLayout(
-        a.trainer_tp, a.trainer_pp, dp=dp,
+        a.trainer_tp,
+        a.trainer_pp,
+        dp=dp,
         padded_vocab=megatron_padded_vocab(spec.vocab_size, a.trainer_tp),
-    )  # fmt: skip
+    )
     engines = colocated_engines(a.gpus, a.rollout_tp)
     rep = plan_report(build_plan(spec, layout, a.rollout_tp, engines, a.dtype_bytes))
     links = rep.bytes_per_link

@@ -127,8 +127,10 @@ def format_moe_sync(p: Mapping[str, Any]) -> str:
             f"{r['busiest_link'] / GiB:>13.2f}{r['busiest_rank_cross'] / GiB:>13.2f}"
             f"{r['wire_s']:>10.3f}"
         )
-    out.append(f"NeMo-RL's published refit of {a['model']}: {lo:g}-{hi:g} s (whole refit, "
-               "not the wire alone)")  # fmt: skip
+    out.append(
+        f"NeMo-RL's published refit of {a['model']}: {lo:g}-{hi:g} s (whole refit, "
+        "not the wire alone)"
+    )
     return "\n".join(out)
 
 

@@ -15,9 +15,10 @@ from megatron_grpo.metrics.plots import _save, drift_axis_floor
 
 
 def plot_claim(
-    claim: Mapping[str, Any], curves: Mapping[str, Mapping[Any, list[float]]],
+    claim: Mapping[str, Any],
+    curves: Mapping[str, Mapping[Any, list[float]]],
     path: str | os.PathLike,
-) -> Path:  # fmt: skip
+) -> Path:
     """Reward vs step of one claim: per variant the mean over seeds of each seed's trailing
     ``window``-mean, and a +-std band over seeds; the threshold as a dashed line.
     ``curves[variant][seed]`` is the per-step reward."""
@@ -45,8 +46,7 @@ def plot_claim(
     ax.axhline(claim["threshold"], color="gray", ls="--", lw=0.8, label="threshold")
     ax.set_xlabel("trainer step")
     ax.set_ylabel(f"reward (trailing {w}-step mean)")
-    ax.set_title(f"Claim {claim['id']}: {claim['title']}\nverdict: {claim['verdict']}",
-                 fontsize=8)  # fmt: skip
+    ax.set_title(f"Claim {claim['id']}: {claim['title']}\nverdict: {claim['verdict']}", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     _save(fig, Path(path))
@@ -66,9 +66,11 @@ def intervals_since_sync(synced: list[bool]) -> list[int]:
 
 
 def plot_sync_curves(
-    claim: Mapping[str, Any], sync_curves: Mapping[str, Mapping[Any, Mapping[str, list]]],
-    max_drift: float | None, path: str | os.PathLike,
-) -> Path:  # fmt: skip
+    claim: Mapping[str, Any],
+    sync_curves: Mapping[str, Mapping[Any, Mapping[str, list]]],
+    max_drift: float | None,
+    path: str | os.PathLike,
+) -> Path:
     """Drift and interval over one run (the first seed) of each variant that logged drift:
     top, the per-step drift (log scale; dots on sync steps) with ``max_drift`` dashed;
     bottom, ``interval_since_sync``. ``sync_curves[variant][seed]``: ``drift``, ``synced``."""
@@ -91,20 +93,21 @@ def plot_sync_curves(
         ]
         if not pts:
             continue
-        line = top.plot([k for k, _ in pts], [d for _, d in pts], lw=1.2,
-                        label=f"{name} (seed {seed})")[0]  # fmt: skip
+        line = top.plot(
+            [k for k, _ in pts], [d for _, d in pts], lw=1.2, label=f"{name} (seed {seed})"
+        )[0]
         at = [(k, d) for k, d in pts if c["synced"][k - 1]]
         top.plot([k for k, _ in at], [d for _, d in at], "o", ms=3, color=line.get_color())
-        bottom.step(steps, since, where="mid", lw=1.2,
-                    color=line.get_color(), label=name)  # fmt: skip
+        bottom.step(steps, since, where="mid", lw=1.2, color=line.get_color(), label=name)
     if max_drift is not None:
         top.axhline(max_drift, color="gray", ls="--", lw=0.8, label=f"max_drift {max_drift:g}")
     top.set_yscale("log")
     if floors:  # the mismatch right after a sync (~1e-14 on CPU) is drawn on the floor
         top.set_ylim(bottom=min(floors))
     top.set_ylabel("drift: KL(alpha || pi_k) per token")
-    top.set_title(f"Claim {claim['id']}: drift and interval since the last sync (dots: syncs)",
-                  fontsize=8)  # fmt: skip
+    top.set_title(
+        f"Claim {claim['id']}: drift and interval since the last sync (dots: syncs)", fontsize=8
+    )
     bottom.set_ylabel("steps since last sync")
     bottom.set_xlabel("trainer step")
     for ax in (top, bottom):
@@ -128,9 +131,11 @@ def _sync_table(c: Mapping[str, Any], steps: int) -> list[str]:
         wall = v["wall_s_mean"]
         drift = (f"{v['drift_mean']:.2g} / {v['drift_max']:.2g}" if v.get("drift_mean") is not None
                  else "-")  # fmt: skip
-        lines.append(f"| {name} | {_pm(v['syncs_mean'], v['syncs_std'])} | {vtxt} | "
-                     f"{steps - v['syncs_mean']:.1f} | {drift} | "
-                     f"{'-' if wall is None else f'{wall:.0f}'} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {_pm(v['syncs_mean'], v['syncs_std'])} | {vtxt} | "
+            f"{steps - v['syncs_mean']:.1f} | {drift} | "
+            f"{'-' if wall is None else f'{wall:.0f}'} |"
+        )
     return lines
 
 
@@ -183,8 +188,9 @@ def reproduce_markdown(res: Mapping[str, Any]) -> str:
         lines += ["", "| comparison | metric | verdict | why |", "|---|---|---|---|"]
         for k in c["comparisons"]:
             rel = "better than" if k["kind"] == "better" else "matches"
-            lines.append(f"| {k['a']} {rel} {k['b']} | {k['metric']} | {k['verdict']} | "
-                         f"{k['reason']} |")  # fmt: skip
+            lines.append(
+                f"| {k['a']} {rel} {k['b']} | {k['metric']} | {k['verdict']} | {k['reason']} |"
+            )
         lines += ["", f"Verdict: **{c['verdict']}** (figure: `claim{c['id']}.png`)."]
     return "\n".join(lines)
 
@@ -211,7 +217,9 @@ def write_reproduce_report(res: Mapping[str, Any], out_dir: str | os.PathLike) -
         files.append(plot_claim(c, per_variant, out / f"claim{cid}.png"))
         sync = {name: res.get("sync_curves", {}).get(run, {}) for name, run in c["run_of"].items()}
         if any(d is not None for per in sync.values() for x in per.values() for d in x["drift"]):
-            files.append(plot_sync_curves(c, sync, _max_drift(res, c), out / f"claim{cid}_sync.png"))  # fmt: skip
+            files.append(
+                plot_sync_curves(c, sync, _max_drift(res, c), out / f"claim{cid}_sync.png")
+            )
     md = out / "reproduce.md"
     md.write_text("# bench reproduce\n\n" + reproduce_markdown(res) + "\n")
     js = out / "reproduce.json"

@@ -100,8 +100,10 @@ def judge(
         return INCONCLUSIVE, f"{len(a)} and {len(b)} seeds: no spread to judge by", {}
     if paired:
         if len(a) != len(b):
-            raise ValueError(f"paired comparison of {len(a)} and {len(b)} seeds: give both "
-                             "variants the same seeds, or paired=False.")  # fmt: skip
+            raise ValueError(
+                f"paired comparison of {len(a)} and {len(b)} seeds: give both "
+                "variants the same seeds, or paired=False."
+            )
         diff, sd = mean_std([x - y for x, y in zip(a, b)])
         se, df = sd / math.sqrt(len(a)), len(a) - 1.0
     else:

@@ -178,8 +178,9 @@ class RankBench:
         """The direct bridge, ``repeats`` syncs per bucket size; the first one checked."""
         a = self.a
         for bi, bucket_mb in enumerate(a.bucket_mb):
-            tr = Transport(self.plan, self.rank, bucket_mb=bucket_mb, timeout_s=a.timeout_s,
-                           dtype=self.dtype)  # fmt: skip
+            tr = Transport(
+                self.plan, self.rank, bucket_mb=bucket_mb, timeout_s=a.timeout_s, dtype=self.dtype
+            )
             reports = []
             for rep in range(a.repeats):
                 reports.append(self._direct_once(tr, bi == 0 and rep == 0, out))
@@ -230,8 +231,9 @@ class RankBench:
         import torch.distributed as dist
 
         a = self.a
-        raw = RawTransfer(self.plan.bytes_per_link(), self.rank, dtype=self.dtype,
-                          timeout_s=a.timeout_s)  # fmt: skip
+        raw = RawTransfer(
+            self.plan.bytes_per_link(), self.rank, dtype=self.dtype, timeout_s=a.timeout_s
+        )
         out["raw"] = []
         for _ in range(a.repeats):
             dist.barrier()

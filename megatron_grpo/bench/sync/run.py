@@ -40,8 +40,9 @@ def run_bench_sync(a: BenchSyncArgs) -> dict:
         raise ConfigError(str(e)) from None
     t0 = time.perf_counter()
     # through the module: tests/bad_inputs.py stubs spawn_ranks out there
-    per_rank = spawn.spawn_ranks(bench_rank, a.world, a, str(hf_dir), timeout_s=3600.0,
-                                 threads=a.threads)  # fmt: skip
+    per_rank = spawn.spawn_ranks(
+        bench_rank, a.world, a, str(hf_dir), timeout_s=3600.0, threads=a.threads
+    )
     res = summarize(a, per_rank, hf_dir)
     res["wall_s"] = time.perf_counter() - t0
     res["args"] = asdict(a)

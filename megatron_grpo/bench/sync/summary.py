@@ -129,8 +129,10 @@ def summarize(a: BenchSyncArgs, per_rank: list[dict], hf_dir: Path) -> dict:
 def fresh_summary(per_rank: list[dict]) -> dict:
     """vLLM's own reload (``vllm-fresh``): a load is over when its slowest rank is."""
     r0 = per_rank[0]
-    per_rep = [max(r["vllm_fresh"]["seconds_all"][i] for r in per_rank) for i in
-               range(len(r0["vllm_fresh"]["seconds_all"]))]  # fmt: skip
+    per_rep = [
+        max(r["vllm_fresh"]["seconds_all"][i] for r in per_rank)
+        for i in range(len(r0["vllm_fresh"]["seconds_all"]))
+    ]
     return {
         "seconds": _median(per_rep),
         "seconds_all": per_rep,

@@ -103,8 +103,9 @@ def format_table(res: Mapping[str, Any]) -> str:
     ]
     for r in res["runs"]:
         f = _figures(r)
-        lines.append(columns([f[key] for _, key, _ in CONSOLE_COLUMNS],
-                             [w for _, _, w in CONSOLE_COLUMNS]))  # fmt: skip
+        lines.append(
+            columns([f[key] for _, key, _ in CONSOLE_COLUMNS], [w for _, _, w in CONSOLE_COLUMNS])
+        )
     lines += _score_alpha_lines(res["runs"])
     return "\n".join(lines)
 
@@ -159,8 +160,10 @@ def _load(r: Mapping[str, Any]) -> str:
 def write_throughput_report(res: Mapping[str, Any], out_dir: str | os.PathLike) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files = [plot_throughput(res, out / "throughput_vs_v.png"),
-             plot_phases(res, out / "phase_breakdown.png")]  # fmt: skip
+    files = [
+        plot_throughput(res, out / "throughput_vs_v.png"),
+        plot_phases(res, out / "phase_breakdown.png"),
+    ]
     md = out / "throughput.md"
     md.write_text("# bench throughput\n\n" + throughput_markdown(res) + "\n")
     files.append(md)

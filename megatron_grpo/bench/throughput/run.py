@@ -146,8 +146,10 @@ def pin_env(cpus: Sequence[int]) -> dict[str, str]:
     if len(cpus) < 2:
         return {}
     half = len(cpus) // 2
-    return {PIN_ENV[0]: ",".join(map(str, cpus[:half])),
-            PIN_ENV[1]: ",".join(map(str, cpus[half:]))}  # fmt: skip
+    return {
+        PIN_ENV[0]: ",".join(map(str, cpus[:half])),
+        PIN_ENV[1]: ",".join(map(str, cpus[half:])),
+    }
 
 
 # ------------------------------------------------------------------------------ analysis
@@ -326,10 +328,11 @@ def run_bench_throughput(a: ThroughputArgs, report: bool = True) -> dict[str, An
     result.update(
         args=asdict(a),
         commands={f"v{sync_interval}_a{x}": c for (sync_interval, x), c in commands.items()},
-        wall_s=time.perf_counter() - t_all, pinning=env or None,
+        wall_s=time.perf_counter() - t_all,
+        pinning=env or None,
         warmup_note=f"the first {a.warmup} step(s) of every run are excluded from rates/means",
         machine=machine_info(),
-    )  # fmt: skip
+    )
     if report:
         result["files"] = [str(p) for p in write_throughput_report(result, out)]
     return result

@@ -8,8 +8,9 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny",
-                   help="model shape: tiny, Qwen2.5-0.5B, Qwen2.5-1.5B, Qwen2.5-7B")  # fmt: skip
+    p.add_argument(
+        "--preset", default="tiny", help="model shape: tiny, Qwen2.5-0.5B, Qwen2.5-1.5B, Qwen2.5-7B"
+    )
     p.add_argument("--rows", type=int, default=32, help="sequences in the batch")
     p.add_argument("--prompt-len", type=int, default=256,
                    help="longest prompt (prompts are 7/8 of it to all of it)")  # fmt: skip

@@ -82,8 +82,9 @@ transformers has no mask function for gets no mask built (masking_utils.py
 ``_preprocess_mask_arguments``): the documents' bounds are the mask."""
 
 
-def _varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                      is_causal=None, **kwargs):  # fmt: skip
+def _varlen_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
     """transformers' attention signature over one pack: query [1, h, T, d] (RoPE applied
     from ``position_ids``), the pack's ``packed`` params in ``kwargs``; [1, T, h, d]."""
     from types import SimpleNamespace
