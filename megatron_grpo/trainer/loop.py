@@ -89,9 +89,8 @@ class GRPOTrainer:
             )
         if self.schedule is None:
             self.schedule = SyncSchedule.from_config(self.cfg.sync)
-        self.logprobs = StepLogprobs(
-            self.cfg, self.ctx, self.policy, self.ref, self.alpha, self.timer, self.budget.tokens
-        )
+        self.logprobs = StepLogprobs(self.cfg, self.ctx, self.policy, self.ref, self.alpha,
+                                     self.timer, self.budget.tokens)  # fmt: skip
 
     @property
     def policy_version(self) -> int:
@@ -102,9 +101,7 @@ class GRPOTrainer:
     def run(self) -> dict[str, Any]:
         cfg, g, timer = self.cfg, self.cfg.grpo, self.timer
         if self.checkpointer.stop_agreed():  # signalled during start-up: nothing to save
-            say_rank0(
-                self.ctx, f"preemption signal during start-up: exiting at step {self.start_step}"
-            )
+            say_rank0(self.ctx, f"preemption signal during start-up: exiting at step {self.start_step}")  # fmt: skip
             return {"preempted": True, "step": self.start_step}
         for step in range(self.start_step + 1, cfg.steps + 1):
             timer.reset()
@@ -179,9 +176,7 @@ class GRPOTrainer:
         for _ in range(g.sgd_iterations):
             for mb in mini_batches(shard, g.mini_batch_size, ctx.dp, gen):
                 group = ctx.dp_group if ctx.dp > 1 else None
-                mb.update(
-                    compute_global_normalizers(normalizer_mask(mb, g.loss_normalizer), group=group)
-                )
+                mb.update(compute_global_normalizers(normalizer_mask(mb, g.loss_normalizer), group=group))  # fmt: skip
                 out.append(
                     self.policy.train_step(
                         mb, self.loss_fn, g.micro_batch_size, token_budget=self.budget.tokens
