@@ -42,6 +42,15 @@ def shape_config(shape: tuple, architecture: str = "Qwen2ForCausalLM", **more) -
     return {"architecture": architecture, **dict(zip(SHAPE_KEYS, shape, strict=True)), **more}
 
 
+def qwen3_moe(shape: tuple, experts: int, top_k: int, width: int, **more) -> dict:
+    """``shape_config`` of a Qwen3-MoE decoder: every layer ``experts`` experts of ``width``,
+    ``top_k`` routed per token, their weights renormalised (``norm_topk_prob``)."""
+    return shape_config(
+        shape, "Qwen3MoeForCausalLM", num_experts=experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=width, norm_topk_prob=True, **more,
+    )  # fmt: skip
+
+
 # Named shapes (hidden, layers, heads, KV heads, head_dim, ffn, tied embeddings), all
 # Qwen2ForCausalLM but the MoE ones. ``tiny`` is the demo/test model (its vocabulary is the
 # character tokenizer's); ``tiny-moe`` is its Qwen3-MoE sibling (4 experts of width 64, top-2,
@@ -49,14 +58,7 @@ def shape_config(shape: tuple, architecture: str = "Qwen2ForCausalLM", **more) -
 # weights) for benchmarks, with their HF vocabulary sizes and RoPE base.
 PRESETS: dict[str, dict] = {
     "tiny": shape_config((128, 2, 4, 2, 32, 256, True)),
-    "tiny-moe": shape_config(
-        (128, 2, 4, 2, 32, 256, True),
-        "Qwen3MoeForCausalLM",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        norm_topk_prob=True,
-    ),
+    "tiny-moe": qwen3_moe((128, 2, 4, 2, 32, 256, True), experts=4, top_k=2, width=64),
     "Qwen2.5-0.5B": shape_config(
         (896, 24, 14, 2, 64, 4864, True), vocab_size=151936, rope_theta=1e6
     ),
@@ -68,16 +70,10 @@ PRESETS: dict[str, dict] = {
     ),
     # Qwen/Qwen3-30B-A3B's config.json: every layer MoE, 128 experts of width 768, top-8
     # renormalised, QK-norm; the dense intermediate_size (6144) is unused
-    "Qwen3-30B-A3B": shape_config(
-        (2048, 48, 32, 4, 128, 6144, False),
-        "Qwen3MoeForCausalLM",
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=768,
-        norm_topk_prob=True,
-        vocab_size=151936,
-        rope_theta=1e6,
-    ),
+    "Qwen3-30B-A3B": qwen3_moe(
+        (2048, 48, 32, 4, 128, 6144, False), experts=128, top_k=8, width=768,
+        vocab_size=151936, rope_theta=1e6,
+    ),  # fmt: skip
 }
 
 
