@@ -166,19 +166,11 @@ class BaselineSender(_SenderBase):
 
 
 def colocated_sender(
-    model_dir: Any,
-    spec: ModelSpec,
-    ctx: Any,
-    policy: Any,
-    engine: Any,
-    sync: SyncConfig,
-    engines: list[list[int]],
-    rollout_ep: bool = False,
+    inputs: PlanInputs, spec: ModelSpec, ctx: Any, engine: Any, sync: SyncConfig
 ) -> WeightSender:
-    """This rank's sender into its colocated ``engine`` (``sync.method``, ``sync.verify``);
-    ``engines[e]``: the global ranks of engine ``e``'s TP ranks (``distributed.placement``);
-    ``rollout_ep``: the engine runs vLLM's expert parallelism."""
-    inputs = PlanInputs.of(model_dir, ctx, policy, sync, len(engines[0]), engines, rollout_ep)
+    """This rank's sender into its colocated ``engine`` (``PlanInputs.of`` this rank, with
+    ``engines`` from ``distributed.placement``), by ``sync.method``, checked when
+    ``sync.verify``."""
 
     def verify(policy: Any, sent: dict[str, Checksum] | None) -> dict:
         return verify_sync(ctx, policy, engine, sent)

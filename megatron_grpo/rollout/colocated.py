@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_grpo.bridge.transfer_group import PlanInputs
 from megatron_grpo.bridge.weight_sync import WeightSender, colocated_sender
 from megatron_grpo.distributed.placement import colocated_engines
 from megatron_grpo.rollout.engine import RolloutEngine
@@ -79,6 +80,8 @@ def build_colocated(
     by training and ``megatron-grpo eval`` (evaluation/evaluate.py)."""
     engine = RolloutEngine.from_config(hf_dir, cfg.rollout, **engine_kwargs)
     engines = colocated_engines(ctx.world_size, cfg.rollout.tp)
-    ep = cfg.rollout.expert_parallel
-    sender = colocated_sender(hf_dir, spec, ctx, policy, engine, cfg.sync, engines, ep)
+    inputs = PlanInputs.of(
+        hf_dir, ctx, policy, cfg.sync, cfg.rollout.tp, engines, cfg.rollout.expert_parallel
+    )
+    sender = colocated_sender(inputs, spec, ctx, engine, cfg.sync)
     return ColocatedRollout(engine, ctx, cfg.rollout.tp), sender

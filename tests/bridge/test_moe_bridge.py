@@ -21,7 +21,14 @@ from megatron_grpo.layouts import megatron as mg
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.layouts.pieces import assemble, reader_from_dict
 from tests.dist_utils import run_distributed
-from tests.helpers.bridge import ENGINE_KW, execute, model_pair, sync_b_over_a
+from tests.helpers.bridge import (
+    ENGINE_KW,
+    check_delivers,
+    execute,
+    model_pair,
+    placed_engines,
+    sync_b_over_a,
+)
 from tests.helpers.layouts import MOE_VARIANTS, arange_hf, moe_spec
 from tests.nccl_rules import ENV as NCCL_RULES_ENV
 
@@ -122,27 +129,11 @@ def test_vllm_moe_refusals():
 def test_moe_plan_sends_each_expert_from_its_ep_rank(tp, pp, ep, dp, vtp, placement, shared):
     spec = moe_spec(experts=4, moe_ffn=8, shared=shared)
     trainer = mg.MegatronLayout(tp=tp, pp=pp, dp=dp, ep=ep)
-    world = tp * pp * dp
-    if placement == "colocated":
-        engines = [list(range(e * vtp, (e + 1) * vtp)) for e in range(world // vtp)]
-    else:
-        engines = [list(range(world + e * vtp, world + (e + 1) * vtp)) for e in range(2)]
+    engines = placed_engines(placement, tp * pp * dp, vtp)
     plan = build_plan(spec, trainer, vtp, engines, element_size=4)
     # each trainer rank holds only its EP rank's experts under the shared local names, so a
     # copy read from the wrong EP rank would put another expert's values here
-    got = execute(plan, moe_trainer_state(spec, trainer))
-    read = reader_from_dict(arange_hf(spec))
-    expected_bytes = 0
-    for ranks in engines:
-        for r, rank in enumerate(ranks):
-            for lay in vl.rank_shards(spec, vtp, r):
-                assert torch.equal(got[(rank, lay.name)], assemble(lay, read, F64)), (
-                    rank,
-                    lay.name,
-                )
-                expected_bytes += (
-                    lay.numel * 4 - lay.zero_length * (lay.numel // lay.shape[lay.dim]) * 4
-                )
+    expected_bytes = check_delivers(plan, moe_trainer_state(spec, trainer), spec, engines, vtp)
     assert plan.minimal_bytes == expected_bytes == plan_report(plan).bytes_per_sync
     per_ep = spec.num_experts // ep
     for c in plan.copies:  # an expert leaves only from its EP rank (dp_rank % ep)

@@ -13,7 +13,7 @@ from megatron_grpo.bridge.plan import (
 from megatron_grpo.layouts import megatron as mg
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.layouts.pieces import assemble, reader_from_dict
-from tests.helpers.bridge import execute, trainer_state
+from tests.helpers.bridge import check_delivers, execute, placed_engines, trainer_state
 from tests.helpers.layouts import arange_hf, make_spec
 
 F64 = torch.float64
@@ -40,24 +40,11 @@ def test_plan_reproduces_vllm_shards(spec, tp, pp, vtp, placement):
     dp = 2
     trainer = mg.MegatronLayout(tp=tp, pp=pp, dp=dp)
     world = tp * pp * dp
-    if placement == "colocated":
-        # engines tile the trainer ranks: world / vtp engines of vtp consecutive ranks
-        if world % vtp:
-            pytest.skip("engines do not tile the trainer world")
-        engines = [list(range(e * vtp, (e + 1) * vtp)) for e in range(world // vtp)]
-    else:
-        engines = [list(range(world + e * vtp, world + (e + 1) * vtp)) for e in range(2)]
+    if placement == "colocated" and world % vtp:
+        pytest.skip("colocated engines do not tile the trainer world")
+    engines = placed_engines(placement, world, vtp)
     plan = build_plan(spec, trainer, vtp, engines, element_size=4)
-    got = execute(plan, trainer_state(spec, trainer))
-    read = reader_from_dict(arange_hf(spec))
-    expected_bytes = 0
-    for ranks in engines:
-        for r, rank in enumerate(ranks):
-            for lay in vl.rank_shards(spec, vtp, r):
-                ref = assemble(lay, read, F64)
-                assert torch.equal(got[(rank, lay.name)], ref), (rank, lay.name)
-                row = lay.numel // lay.shape[lay.dim]
-                expected_bytes += (lay.shape[lay.dim] - lay.zero_length) * row * 4
+    expected_bytes = check_delivers(plan, trainer_state(spec, trainer), spec, engines, vtp)
     assert plan.minimal_bytes == expected_bytes
     report = plan_report(plan)
     assert report.bytes_per_sync == expected_bytes

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from megatron_grpo.bridge.transfer_group import PlanInputs
 from megatron_grpo.bridge.weight_sync import colocated_sender
 from megatron_grpo.distributed.placement import colocated_engines
 from megatron_grpo.layouts import vllm as vl
@@ -152,5 +153,6 @@ def hf_rollout_factory(cfg: Any, world: Any, ctx: Any, hf_dir: Any, policy: Any)
     dtype = next(iter(dict(policy.named_shards()).values())).dtype
     engine = HFEngine(hf_dir, ctx.device, dtype)
     engines = colocated_engines(ctx.world_size, 1)
-    sender = colocated_sender(hf_dir, policy.spec, ctx, policy, engine, cfg.sync, engines)
+    inputs = PlanInputs.of(hf_dir, ctx, policy, cfg.sync, 1, engines)
+    sender = colocated_sender(inputs, policy.spec, ctx, engine, cfg.sync)
     return ColocatedRollout(engine, ctx, 1), sender

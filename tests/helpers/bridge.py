@@ -1,8 +1,9 @@
 """The bridge's references, written apart from the code they check: a single-process
 executor of a sync plan (``apply_plan_locally``; ``execute`` also counts each write), the
 shards every trainer rank holds (``trainer_state``), what each vLLM rank holds for an HF
-checkpoint derived from vLLM's weight_loader semantics (``vllm_shards_from_hf``), and the
-engine settings of the end-to-end syncs (``ENGINE_KW``)."""
+checkpoint derived from vLLM's weight_loader semantics (``vllm_shards_from_hf``), the
+engines of a placement (``placed_engines``) and the check that a plan delivers every vLLM
+shard (``check_delivers``), and the engine settings of the end-to-end syncs (``ENGINE_KW``)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,33 @@ def execute(plan, state) -> dict[tuple[int, str], torch.Tensor]:
     for k, w in written.items():
         assert int(w.max()) <= 1, f"{k} written twice"
     return dst
+
+
+def placed_engines(placement: str, world: int, vtp: int) -> list[list[int]]:
+    """The engines' global ranks: ``colocated``, ``world / vtp`` engines tiling the trainer
+    ranks; ``separate``, two engines on ranks after the trainer's."""
+    if placement == "colocated":
+        return [list(range(e * vtp, (e + 1) * vtp)) for e in range(world // vtp)]
+    return [list(range(world + e * vtp, world + (e + 1) * vtp)) for e in range(2)]
+
+
+def check_delivers(plan, state, spec, engines: list[list[int]], vtp: int) -> int:
+    """Execute ``plan`` over the trainer ``state`` and check that every vLLM rank of every
+    engine gets its shards of the arange HF weights exactly; return the bytes they need
+    (fp32, padding rows excluded), what a minimal plan sends."""
+    from megatron_grpo.layouts import vllm as vl
+
+    got = execute(plan, state)
+    read = reader_from_dict(arange_hf(spec))
+    needed = 0
+    for ranks in engines:
+        for r, rank in enumerate(ranks):
+            for lay in vl.rank_shards(spec, vtp, r):
+                ref = assemble(lay, read, F64)
+                assert torch.equal(got[(rank, lay.name)], ref), (rank, lay.name)
+                row = lay.numel // lay.shape[lay.dim]
+                needed += (lay.shape[lay.dim] - lay.zero_length) * row * 4
+    return needed
 
 
 def _load_hf(model_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -165,6 +193,7 @@ def sync_b_over_a(eng, a: Path, b: Path, spec, parallel, rollout_tp: int) -> dic
     (``bytes``, ``links``) and the plan's (``minimal``, ``plan_links``)."""
     from functools import partial
 
+    from megatron_grpo.bridge.transfer_group import PlanInputs
     from megatron_grpo.bridge.weight_sync import colocated_sender
     from megatron_grpo.config.schema import ModelConfig, SyncConfig
     from megatron_grpo.distributed import init_distributed
@@ -178,9 +207,9 @@ def sync_b_over_a(eng, a: Path, b: Path, spec, parallel, rollout_tp: int) -> dic
         None, init_weights=partial(load_hf_into_megatron, hf_dir=b, spec=spec, ctx=ctx),
     )  # fmt: skip
     sync = SyncConfig(bucket_mb=0.05, timeout_s=60)
-    ws = colocated_sender(
-        b, spec, ctx, policy, eng, sync, colocated_engines(ctx.world_size, rollout_tp)
-    )
+    engines = colocated_engines(ctx.world_size, rollout_tp)
+    inputs = PlanInputs.of(b, ctx, policy, sync, rollout_tp, engines)
+    ws = colocated_sender(inputs, spec, ctx, eng, sync)
     eng.reload_from_hf(a)  # the engine must really receive B from the bridge
     before = eng.export_shards()[0]
     report = ws.sync(policy)
