@@ -28,7 +28,7 @@ import torch
 
 from megatron_grpo.checkpoint import damage
 from megatron_grpo.config.schema import ModelConfig, ParallelConfig
-from megatron_grpo.distributed.setup import ParallelContext, destroy_distributed, init_distributed
+from megatron_grpo.distributed.setup import ParallelContext, distributed_context
 from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.policy.model_builder import build_model
 
@@ -180,14 +180,11 @@ def one_process_model(
             f"convert runs as one process, but WORLD_SIZE={os.environ['WORLD_SIZE']}: "
             "run it without torchrun."
         )
-    ctx = init_distributed(ParallelConfig(tp=1, pp=1, backend="gloo"), spec)
-    try:
+    with distributed_context(ParallelConfig(tp=1, pp=1, backend="gloo"), spec) as ctx:
         chunks = build_model(spec, ctx, ModelConfig(dtype="float32", transformer_impl="local"))
         if dtype != "float32":
             chunks = [c.to(DTYPES[dtype]) for c in chunks]
         yield ctx, chunks
-    finally:
-        destroy_distributed()
 
 
 def sharded_state(chunks: list[torch.nn.Module]) -> dict:

@@ -3,8 +3,15 @@
 from megatron_grpo.distributed.setup import (
     ParallelContext,
     destroy_distributed,
+    distributed_context,
     init_distributed,
     validate_parallel,
 )
 
-__all__ = ["ParallelContext", "destroy_distributed", "init_distributed", "validate_parallel"]
+__all__ = [
+    "ParallelContext",
+    "destroy_distributed",
+    "distributed_context",
+    "init_distributed",
+    "validate_parallel",
+]

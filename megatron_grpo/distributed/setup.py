@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -387,6 +389,19 @@ def init_distributed(
     _init_process_group(pg_backend, timeout, rank, world_size, store)
     _init_megatron(parallel, seed)
     return _context_from_megatron(parallel, rank, world_size, local_rank, dp, device, backend)
+
+
+@contextmanager
+def distributed_context(
+    parallel: ParallelConfig, spec: ModelSpec | None = None, **kwargs: Any
+) -> Iterator[ParallelContext]:
+    """``init_distributed(parallel, spec, **kwargs)`` for the ``with`` block, torn down by
+    ``destroy_distributed`` when the block ends, by return or by raise."""
+    ctx = init_distributed(parallel, spec, **kwargs)
+    try:
+        yield ctx
+    finally:
+        destroy_distributed()
 
 
 def destroy_distributed() -> None:

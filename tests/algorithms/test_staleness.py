@@ -185,13 +185,12 @@ def test_bench_throughput_reports_alphas_pass():
 
 def _copy_scores_worker(rank, world_size, hf_dir):
     from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.policy import build_policy
 
     spec = load_spec(hf_dir)
-    ctx = init_distributed(ParallelConfig(), spec, seed=3)
-    try:
+    with distributed_context(ParallelConfig(), spec, seed=3) as ctx:
         policy = build_policy(spec, ctx, ModelConfig(), OptimConfig(lr=1e-2), temperature=0.7)
         g = torch.Generator().manual_seed(5)
         ids = torch.randint(3, spec.vocab_size, (4, 9), generator=g)
@@ -214,8 +213,6 @@ def _copy_scores_worker(rank, world_size, hf_dir):
         moved = policy.compute_logprobs(batch, 2)["logp"] - alpha.compute_logprobs(batch, 2)["logp"]
         out["moved"] = float(moved.abs().max())
         return out
-    finally:
-        destroy_distributed()
 
 
 @pytest.mark.slow

@@ -122,14 +122,13 @@ def _load_at_layout(rank, world_size, tp, pp, ckpt, hf_dir):
     from megatron.core import dist_checkpointing
 
     from megatron_grpo.config.schema import ModelConfig, ParallelConfig
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.layouts import gather_hf_state_dict
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.policy.model_builder import build_model
 
     spec = load_spec(hf_dir)
-    ctx = init_distributed(ParallelConfig(tp=tp, pp=pp), spec)
-    try:
+    with distributed_context(ParallelConfig(tp=tp, pp=pp), spec) as ctx:
         chunks = build_model(spec, ctx, ModelConfig())
         state = {"model": chunks[0].sharded_state_dict()}
         loaded = dist_checkpointing.load(state, ckpt)
@@ -141,8 +140,6 @@ def _load_at_layout(rank, world_size, tp, pp, ckpt, hf_dir):
             bad = [k for k in want if not torch.equal(got[k], want[k])]
             assert not bad, bad[:5]
         return True
-    finally:
-        destroy_distributed()
 
 
 @pytest.mark.slow

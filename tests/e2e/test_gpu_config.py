@@ -41,13 +41,12 @@ def _zero_loss(logp, entropy, mb):
 
 def _resume_worker(rank, world, hf_dir, run_dir, tp, dtype, dist_opt):
     from megatron_grpo.checkpoint import LoopState, load_checkpoint, save_checkpoint
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.policy.offload import TrainerOffload
     from megatron_grpo.policy.optimizer import torch_adams
 
-    ctx = init_distributed(ParallelConfig(tp=tp), load_spec(hf_dir), seed=11)
-    try:
+    with distributed_context(ParallelConfig(tp=tp), load_spec(hf_dir), seed=11) as ctx:
         a = build_policy_at(hf_dir, ctx, dtype, dist_opt, fused_adam="on")
         out = {
             "optimizer": type(
@@ -82,8 +81,6 @@ def _resume_worker(rank, world, hf_dir, run_dir, tp, dtype, dist_opt):
             torch.equal(p, q) for (_, p), (_, q) in zip(a.named_shards(), b.named_shards())
         )
         return out
-    finally:
-        destroy_distributed()
 
 
 @pytest.mark.slow
@@ -125,32 +122,28 @@ def test_gpu_configuration_trains_checkpoints_resumes_bit_for_bit(
 
 def _save_worker(rank, world, hf_dir, run_dir):
     from megatron_grpo.checkpoint import LoopState, save_checkpoint
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.layouts.io import gather_hf_state_dict
     from megatron_grpo.models.spec import load_spec
 
     spec = load_spec(hf_dir)
-    ctx = init_distributed(ParallelConfig(), spec, seed=11)
-    try:
+    with distributed_context(ParallelConfig(), spec, seed=11) as ctx:
         a = build_policy_at(hf_dir, ctx, "bfloat16", "on")
         train_steps(a, ctx, 0, 2)
         save_checkpoint(run_dir, LoopState(step=2), {"model": a.sharded_state_dict})
         full = gather_hf_state_dict(a.models, spec, ctx)
         loss = train_steps(a, ctx, 2, 3)
         return {k: v.clone() for k, v in full.items()} if rank == 0 else None, loss
-    finally:
-        destroy_distributed()
 
 
 def _load_tp2_worker(rank, world, hf_dir, run_dir):
     from megatron_grpo.checkpoint import load_checkpoint
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.layouts.io import gather_hf_state_dict
     from megatron_grpo.models.spec import load_spec
 
     spec = load_spec(hf_dir)
-    ctx = init_distributed(ParallelConfig(tp=2), spec, seed=11)
-    try:
+    with distributed_context(ParallelConfig(tp=2), spec, seed=11) as ctx:
         b = build_policy_at(hf_dir, ctx, "bfloat16", "on")
         ck = load_checkpoint(run_dir, {"model": b.sharded_state_dict(for_loading=True)})
         b.load_sharded_state_dict(ck.state_dicts["model"])
@@ -160,8 +153,6 @@ def _load_tp2_worker(rank, world, hf_dir, run_dir):
             gpu_batch(b.vocab_size, 200).items(), gpu_batch(b.vocab_size, 201).values())}  # fmt: skip
         loss = b.train_step(batch, adv_loss, micro_batch_size=2)["loss"]
         return ({k: v.clone() for k, v in full.items()} if rank == 0 else None), loss
-    finally:
-        destroy_distributed()
 
 
 @pytest.mark.slow
@@ -180,11 +171,10 @@ def test_distributed_optimizer_checkpoint_reshards_dp2_to_tp2(tmp_path, tiny_dir
 
 
 def _copy_worker(rank, world, hf_dir, dist_opt):
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.models.spec import load_spec
 
-    ctx = init_distributed(ParallelConfig(), load_spec(hf_dir), seed=11)
-    try:
+    with distributed_context(ParallelConfig(), load_spec(hf_dir), seed=11) as ctx:
         src = build_policy_at(hf_dir, ctx, "bfloat16", dist_opt)
         train_steps(src, ctx, 0, 2)  # the source moves away from the HF weights
         dst = build_policy_at(hf_dir, ctx, "bfloat16", dist_opt)
@@ -194,8 +184,6 @@ def _copy_worker(rank, world, hf_dir, dist_opt):
             torch.equal(p, q) for (_, p), (_, q) in zip(src.named_shards(), dst.named_shards())
         )
         return same, m["grad_norm"], m["skipped"]
-    finally:
-        destroy_distributed()
 
 
 @pytest.mark.slow

@@ -1,11 +1,13 @@
 """Numeric references and probes: float32 ``t``/``close`` for the hand-derived golden
 values of the algorithm tests, a CPU peak-memory probe (``PeakBytes``) and a dense
-block-causal attention reference (``dense_block_causal``)."""
+block-causal attention reference (``dense_block_causal``), and ``check_rank_step``: one
+parallel rank's log-probs and step against HF's and the one-rank run's."""
 
 from __future__ import annotations
 
 import weakref
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -58,3 +60,25 @@ def dense_block_causal(q, k, v, lengths, scale):
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, v).reshape(t, -1)
+
+
+def check_rank_step(
+    res: dict,
+    base: dict,
+    ref: torch.Tensor,
+    *,
+    tol: float,
+    loss_abs: float,
+    label: str,
+    report: list[str],
+) -> None:
+    """One rank's ``res`` of a parallel layout: its log-probs (``res["logp"]``) within
+    ``tol`` of HF's ``ref``, its step not skipped, with the one-rank run's (``base``) loss
+    and grad norm; the log-prob line goes to ``report`` under ``label``."""
+    d_logp = (res["logp"] - ref).abs().max().item()
+    report.append(f"{label}: logp vs HF {d_logp:.2e}")
+    assert d_logp < tol, report[-1]
+    metrics, want = res["metrics"], base["metrics"]
+    assert metrics["skipped"] is False
+    assert metrics["loss"] == pytest.approx(want["loss"], abs=loss_abs)
+    assert metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)

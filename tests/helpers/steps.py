@@ -1,7 +1,7 @@
 """Batches and losses for one policy train step: the parity batch and its loss
 (``make_batch``, ``pg_loss``, ``hf_reference``: transformers' log-probs), the DP batch and
 REINFORCE loss, and the GPU-configuration batch, loss and policy (``gpu_batch``,
-``adv_loss``, ``build_policy_at``)."""
+``adv_loss``, ``build_policy_at``), and ``refusal``: the text of the error a step raises."""
 
 from __future__ import annotations
 
@@ -110,3 +110,13 @@ def train_steps(policy, ctx, first: int, last: int) -> list[float]:
 def shard_copies(policy) -> dict[str, torch.Tensor]:
     """A detached copy of each of the policy's shards, by name."""
     return {n: p.detach().clone() for n, p in policy.named_shards()}
+
+
+def refusal(error: type[Exception], fn, *args, **kwargs) -> str | None:
+    """``str`` of the ``error`` that ``fn(*args, **kwargs)`` raises, None when it returns
+    (for rank workers, whose results travel back as plain data)."""
+    try:
+        fn(*args, **kwargs)
+    except error as e:
+        return str(e)
+    return None

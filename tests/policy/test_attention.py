@@ -90,14 +90,13 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
 
 def _attention_worker(rank, world_size, models):
     from megatron_grpo.config.schema import ModelConfig, ParallelConfig
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.layouts import load_hf_into_megatron
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.policy import build_policy
 
-    ctx = init_distributed(ParallelConfig(tp=world_size), seed=1)
-    out = {}
-    try:
+    with distributed_context(ParallelConfig(tp=world_size), seed=1) as ctx:
+        out = {}
         for name, hf_dir in models.items():
             spec = load_spec(hf_dir)
             batch = _batch(spec.vocab_size)
@@ -130,8 +129,6 @@ def _attention_worker(rank, world_size, models):
                 "grad_err": max((a - b).abs().max().item() for a, b in zip(s["grads"], u["grads"])),
                 "grad_scale": max(b.abs().max().item() for b in u["grads"]),
             }
-    finally:
-        destroy_distributed()
     return out
 
 

@@ -58,11 +58,10 @@ def _train(hf_dir, ctx, dist_opt: str, fused: str) -> dict:
 
 
 def _parity_worker(rank, world, hf_dir):
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.models.spec import load_spec
 
-    ctx = init_distributed(ParallelConfig(), load_spec(hf_dir), seed=11)
-    try:
+    with distributed_context(ParallelConfig(), load_spec(hf_dir), seed=11) as ctx:
         out = {}
         for dist_opt in ("off", "on"):
             runs = {f: _train(hf_dir, ctx, dist_opt, f) for f in ("off", "on")}
@@ -74,8 +73,6 @@ def _parity_worker(rank, world, hf_dir):
                 "bitwise": all(torch.equal(x, y) for x, y in zip(a, b)),
             }
         return out
-    finally:
-        destroy_distributed()
 
 
 @pytest.mark.slow

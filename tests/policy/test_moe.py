@@ -30,7 +30,8 @@ from megatron_grpo.models.spec import spec_from_hf_config
 from megatron_grpo.models.tiny import hf_config_dict
 from tests.dist_utils import run_distributed
 from tests.helpers.layouts import MOE_VARIANTS, PRESET_SHAPE, arange_hf, moe_spec
-from tests.helpers.steps import MICRO_BATCH, hf_reference, make_batch, pg_loss
+from tests.helpers.numerics import check_rank_step
+from tests.helpers.steps import MICRO_BATCH, hf_reference, make_batch, pg_loss, refusal
 
 LOGP_TOL = 1e-5
 WEIGHT_TOL = 1e-6
@@ -153,15 +154,14 @@ def test_unknown_expert_names_raise():
 
 def _ep_worker(rank, world_size, ep, models, batch, aux_loss=0.0, dist_opt="auto", pp=1):
     from megatron_grpo.config.schema import ModelConfig, OptimConfig
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.layouts import gather_hf_state_dict, load_hf_into_megatron
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.policy import build_policy
     from megatron_grpo.policy.micro_batches import check_expert_ranks_agree
 
-    ctx = init_distributed(ParallelConfig(ep=ep, pp=pp), seed=1)
-    out = {}
-    try:
+    with distributed_context(ParallelConfig(ep=ep, pp=pp), seed=1) as ctx:
+        out = {}
         for name, hf_dir in models.items():
             spec = load_spec(hf_dir)
             policy = build_policy(
@@ -180,13 +180,10 @@ def _ep_worker(rank, world_size, ep, models, batch, aux_loss=0.0, dist_opt="auto
             weights = gather_hf_state_dict(policy.models, spec, ctx)
             out[name] = {"logp": logp["logp"], "metrics": metrics, "loaded": loaded,
                          "weights": weights}  # fmt: skip
-        try:  # EP ranks with different numbers of micro-batches are refused, not hung
-            check_expert_ranks_agree(1 + rank, ctx.ep_group, ctx.ep)
-            out["mismatch"] = None
-        except ValueError as e:
-            out["mismatch"] = str(e)
-    finally:
-        destroy_distributed()
+        # EP ranks with different numbers of micro-batches are refused, not hung
+        out["mismatch"] = refusal(
+            ValueError, check_expert_ranks_agree, 1 + rank, ctx.ep_group, ctx.ep
+        )
     return out
 
 
@@ -227,15 +224,8 @@ def test_logprobs_and_step_match_hf_at_ep1_and_ep2(tiny_moe_dirs):
         base = results[1][0][name]
         for ep, ranks in results.items():
             for r, res in enumerate(ranks):
-                res = res[name]
-                d_logp = (res["logp"] - refs[name]).abs().max().item()
-                report.append(f"{name} {ep=} rank {r}: logp vs HF {d_logp:.2e}")
-                assert d_logp < LOGP_TOL, report[-1]
-                assert res["metrics"]["skipped"] is False
-                assert res["metrics"]["loss"] == pytest.approx(base["metrics"]["loss"], abs=1e-6)
-                assert res["metrics"]["grad_norm"] == pytest.approx(
-                    base["metrics"]["grad_norm"], rel=1e-5
-                )
+                check_rank_step(res[name], base, refs[name], tol=LOGP_TOL, loss_abs=1e-6,
+                                label=f"{name} {ep=} rank {r}", report=report)  # fmt: skip
             loaded, weights = ranks[0][name]["loaded"], ranks[0][name]["weights"]
             assert loaded.keys() == on_disk.keys() - {hf.LM_HEAD}
             for k in loaded:  # load then gather is bit-exact
@@ -299,7 +289,7 @@ def _ep2_load_save_worker(rank, world_size, ckpt_in, ckpt_out, hf_dir):
     from megatron.core import dist_checkpointing
 
     from megatron_grpo.config.schema import ModelConfig
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.layouts import gather_hf_state_dict
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.platform.lifetime import start_checkpoint_manager
@@ -307,15 +297,12 @@ def _ep2_load_save_worker(rank, world_size, ckpt_in, ckpt_out, hf_dir):
 
     start_checkpoint_manager()  # as in _convert_worker
     spec = load_spec(hf_dir)
-    ctx = init_distributed(ParallelConfig(ep=2), spec, seed=1)
-    try:
+    with distributed_context(ParallelConfig(ep=2), spec, seed=1) as ctx:
         policy = build_policy(spec, ctx, ModelConfig())  # forward only: megatron's random init
         loaded = dist_checkpointing.load(policy.sharded_state_dict(for_loading=True), ckpt_in)
         policy.load_sharded_state_dict(loaded)
         weights = gather_hf_state_dict(policy.models, spec, ctx)
         dist_checkpointing.save(policy.sharded_state_dict(), ckpt_out)
-    finally:
-        destroy_distributed()
     return weights
 
 

@@ -29,6 +29,7 @@ from tests.helpers.steps import (
     hf_reference,
     make_batch,
     pg_loss,
+    refusal,
     shard_copies,
     train_steps,
 )
@@ -73,11 +74,8 @@ def _tp_logprobs(ctx, models: dict, batch, train: bool = False) -> dict:
         policy = build_policy(spec, ctx, ModelConfig(), optim, init_weights=init)
         out[name] = policy.compute_logprobs(batch, MICRO_BATCH)["logp"]
         if train:  # megatron's own refusal, the reason for preflight's
-            try:
-                policy.train_step(batch, partial(pg_loss, n_tokens=1.0), MICRO_BATCH)
-                out["train_error"] = None
-            except ValueError as e:
-                out["train_error"] = str(e)
+            loss = partial(pg_loss, n_tokens=1.0)
+            out["train_error"] = refusal(ValueError, policy.train_step, batch, loss, MICRO_BATCH)
     return out
 
 
@@ -101,15 +99,12 @@ def _two_ranks(rank, world, models, run_dir, batch):
 
 
 def _four_ranks(rank, world, models, batch):
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.models.spec import load_spec
 
-    try:
-        ctx = init_distributed(ParallelConfig(tp=2, ep=2), load_spec(models["qwen3_moe"]))
+    with distributed_context(ParallelConfig(tp=2, ep=2), load_spec(models["qwen3_moe"])) as ctx:
         assert (ctx.tp, ctx.dp, ctx.ep) == (2, 2, 2)
         return _tp_logprobs(ctx, models, batch)
-    finally:
-        destroy_distributed()
 
 
 @pytest.mark.slow

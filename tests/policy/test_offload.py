@@ -17,14 +17,13 @@ from tests.helpers.steps import dp_batch, reinforce_loss
 
 def _worker(rank, world_size, hf_dir, dtype, params):
     from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.policy import build_policy
     from megatron_grpo.policy.offload import TrainerOffload
 
     spec = load_spec(hf_dir)
-    ctx = init_distributed(ParallelConfig(), spec, seed=3)
-    try:
+    with distributed_context(ParallelConfig(), spec, seed=3) as ctx:
         mcfg, ocfg = ModelConfig(dtype=dtype), OptimConfig(lr=1e-2, clip_grad=1.0)
         a = build_policy(spec, ctx, mcfg, ocfg)
         b = build_policy(spec, ctx, mcfg, ocfg)
@@ -68,8 +67,6 @@ def _worker(rank, world_size, hf_dir, dtype, params):
             buf.grad_data.untyped_storage().nbytes() for buf in a.chunks[0].buffers
         )
         return out
-    finally:
-        destroy_distributed()
 
 
 @pytest.mark.slow

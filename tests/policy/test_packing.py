@@ -96,14 +96,13 @@ PACKINGS = {"padded": None, "budget16": 16, "budget25": 25, "one_pack": 1000}
 
 def _packing_worker(rank, world_size, tp, pp, hf_dir):
     from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.layouts import load_hf_into_megatron
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.policy import build_policy
 
     spec = load_spec(hf_dir)
-    ctx = init_distributed(ParallelConfig(tp=tp, pp=pp), spec, seed=1)
-    try:
+    with distributed_context(ParallelConfig(tp=tp, pp=pp), spec, seed=1) as ctx:
         batch = _batch(spec.vocab_size)
         loss_fn = partial(pg_loss, n_tokens=float(batch["loss_mask"].sum()))
         out = {"logp": {}, "grads": {}, "weights": {}, "loss": {}}
@@ -128,8 +127,6 @@ def _packing_worker(rank, world_size, tp, pp, hf_dir):
                 (p - before[n]).abs().max().item() for n, p in policy.named_shards()
             )
         return out
-    finally:
-        destroy_distributed()
 
 
 @pytest.fixture(scope="module")

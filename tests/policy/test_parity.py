@@ -19,6 +19,7 @@ import torch
 
 from tests.conftest import tiny_variant_dirs
 from tests.dist_utils import run_distributed
+from tests.helpers.numerics import check_rank_step
 from tests.helpers.steps import MICRO_BATCH, hf_reference, make_batch, pg_loss
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
@@ -32,14 +33,13 @@ WEIGHT_TOL = 1e-6
 
 def _layout_worker(rank, world_size, tp, pp, models, batch):
     from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.layouts import gather_hf_state_dict, load_hf_into_megatron
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.policy import build_policy
 
-    ctx = init_distributed(ParallelConfig(tp=tp, pp=pp), seed=1)
-    out = {}
-    try:
+    with distributed_context(ParallelConfig(tp=tp, pp=pp), seed=1) as ctx:
+        out = {}
         for name, hf_dir in models.items():
             spec = load_spec(hf_dir)
             policy = build_policy(
@@ -58,9 +58,7 @@ def _layout_worker(rank, world_size, tp, pp, models, batch):
             n_tokens = float(batch["loss_mask"].sum())
             metrics = policy.train_step(batch, partial(pg_loss, n_tokens=n_tokens), MICRO_BATCH)
             weights = gather_hf_state_dict(policy.models, spec, ctx)
-            out[name] = {"logp": logp, "metrics": metrics, "weights": weights}
-    finally:
-        destroy_distributed()
+            out[name] = {"logp": logp["logp"], "metrics": metrics, "weights": weights}
     return out
 
 
@@ -94,16 +92,9 @@ def test_logprobs_and_step_match_across_layouts(hf_models):
         base = results[(1, 1)][0][name]
         for layout, ranks in results.items():
             for r, res in enumerate(ranks):
-                res = res[name]
                 # every rank gets the log-probs (broadcast from the last stage)
-                d_logp = (res["logp"]["logp"] - refs[name]).abs().max().item()
-                report.append(f"{name} tp,pp={layout} rank {r}: logp vs HF {d_logp:.2e}")
-                assert d_logp < LOGP_TOL, report[-1]
-                assert res["metrics"]["skipped"] is False
-                assert res["metrics"]["loss"] == pytest.approx(base["metrics"]["loss"], abs=1e-5)
-                assert res["metrics"]["grad_norm"] == pytest.approx(
-                    base["metrics"]["grad_norm"], rel=1e-5
-                )
+                check_rank_step(res[name], base, refs[name], tol=LOGP_TOL, loss_abs=1e-5,
+                                label=f"{name} tp,pp={layout} rank {r}", report=report)  # fmt: skip
             weights = ranks[0][name]["weights"]
             assert weights.keys() == base["weights"].keys()
             diffs = {k: (weights[k] - base["weights"][k]).abs().max().item() for k in weights}

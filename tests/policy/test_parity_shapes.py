@@ -78,14 +78,13 @@ def test_spec_refuses_non_default_rope_parameters(params):
 
 def _logp_worker(rank, world_size, hf_dir, batch):
     from megatron_grpo.config.schema import ModelConfig, ParallelConfig
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.layouts import load_hf_into_megatron
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.policy import build_policy
 
     spec = load_spec(hf_dir)
-    ctx = init_distributed(ParallelConfig(), spec, seed=1)
-    try:
+    with distributed_context(ParallelConfig(), spec, seed=1) as ctx:
         policy = build_policy(
             spec,
             ctx,
@@ -94,8 +93,6 @@ def _logp_worker(rank, world_size, hf_dir, batch):
             init_weights=lambda chunks: load_hf_into_megatron(chunks, hf_dir, spec, ctx),
         )
         return policy.compute_logprobs(batch, 2)["logp"]
-    finally:
-        destroy_distributed()
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from megatron_grpo.policy.logprob import token_logprobs, vocab_parallel_logprob_
 from megatron_grpo.policy.lr_schedule import LRSchedule
 from megatron_grpo.policy.micro_batches import micro_batches
 from tests.dist_utils import run_distributed
-from tests.helpers.steps import dp_batch, reinforce_loss
+from tests.helpers.steps import dp_batch, refusal, reinforce_loss
 
 VOCAB, PADDED = 10, 16  # 6 padding columns, like megatron's padded vocabulary
 
@@ -154,13 +154,12 @@ def nan_loss(logp, entropy, mb):
 
 def _dp_worker(rank, world_size, hf_dir):
     from megatron_grpo.config.schema import ModelConfig, ParallelConfig
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.policy import build_policy
 
     spec = load_spec(hf_dir)
-    ctx = init_distributed(ParallelConfig(), spec, seed=3)
-    try:
+    with distributed_context(ParallelConfig(), spec, seed=3) as ctx:
         assert ctx.dp == 2 and ctx.dp_rank == rank
         policy = build_policy(spec, ctx, ModelConfig(), OptimConfig(lr=1e-3, clip_grad=0.0))
         full = dp_batch(spec.vocab_size)
@@ -208,14 +207,8 @@ def _dp_worker(rank, world_size, hf_dir):
         # optim.max_nan_steps_in_row (3) and aborts with a message that says what to do.
         for _ in range(2):
             policy.train_step(mine, nan_loss, micro_batch_size=2)
-        try:
-            policy.train_step(mine, nan_loss, micro_batch_size=2)
-            out["abort"] = None
-        except RuntimeError as e:
-            out["abort"] = str(e)
+        out["abort"] = refusal(RuntimeError, policy.train_step, mine, nan_loss, micro_batch_size=2)
         return out
-    finally:
-        destroy_distributed()
 
 
 @pytest.mark.slow

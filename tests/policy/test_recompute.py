@@ -12,13 +12,12 @@ from tests.dist_utils import run_distributed
 
 
 def _worker(rank, world, hf_dir, dtype):
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.models.spec import load_spec
     from tests.helpers.steps import adv_loss, build_policy_at, gpu_batch
 
     spec = load_spec(hf_dir)
-    ctx = init_distributed(ParallelConfig(), spec, seed=5)
-    try:
+    with distributed_context(ParallelConfig(), spec, seed=5) as ctx:
         out = {}
         for mode in ("none", "full"):
             p = build_policy_at(hf_dir, ctx, dtype, "off", recompute=mode)
@@ -28,8 +27,6 @@ def _worker(rank, world, hf_dir, dtype):
             out[mode] = (m["loss"], m["grad_norm"], grads, dict(p.named_shards()))
             out[mode + "_config"] = p.config.recompute_granularity
         return out
-    finally:
-        destroy_distributed()
 
 
 @pytest.mark.slow

@@ -189,15 +189,14 @@ def _loss(logp, entropy, mb):
 
 def _policy_worker(rank, world_size, tp, pp, hf_dir, batch):
     from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.layouts import load_hf_into_megatron
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.policy import build_policy
 
-    ctx = init_distributed(ParallelConfig(tp=tp, pp=pp), seed=1)
-    spec = load_spec(hf_dir)
-    out = {}
-    try:
+    with distributed_context(ParallelConfig(tp=tp, pp=pp), seed=1) as ctx:
+        spec = load_spec(hf_dir)
+        out = {}
         for impl in ("fused", "logits"):
             policy = build_policy(
                 spec, ctx, ModelConfig(logprob_impl=impl), OptimConfig(lr=1e-3),
@@ -213,8 +212,6 @@ def _policy_worker(rank, world_size, tp, pp, hf_dir, batch):
                 res[how] = policy.train_step(batch, _loss, 2, token_budget=budget)["loss"]
                 res["grad_" + how] = {n: p.main_grad.clone() for n, p in policy.named_shards()}
             out[impl] = res
-    finally:
-        destroy_distributed()
     return out
 
 

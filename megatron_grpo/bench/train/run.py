@@ -68,7 +68,7 @@ from megatron_grpo.bench.train.measure import (
 )
 from megatron_grpo.bench.train.sides import HFSide, ProjectSide
 from megatron_grpo.config.schema import ModelConfig, ParallelConfig
-from megatron_grpo.distributed import destroy_distributed, init_distributed
+from megatron_grpo.distributed import distributed_context
 from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.policy.model_builder import resolve_dtype
 
@@ -140,9 +140,8 @@ def measure_sides(
     weights, each freed before the next is built. Returns the sides' figures and the GiB
     still allocated after the project side was freed (None on CPU)."""
     loss_fn = grpo_loss_fn()
-    ctx = init_distributed(ParallelConfig(), spec, seed=args.seed)
     sides: dict[str, dict] = {}
-    try:
+    with distributed_context(ParallelConfig(), spec, seed=args.seed) as ctx:
         project = ProjectSide(spec, ctx, args)
         state = project.hf_state_dict()
         sides["project"] = measure_side(project, batch, loss_fn, args, device, figures, search)
@@ -159,8 +158,6 @@ def measure_sides(
             hf.close()
             del hf
             free_memory(device)
-    finally:
-        destroy_distributed()
     return sides, leftover
 
 
