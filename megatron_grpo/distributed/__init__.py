@@ -5,8 +5,8 @@ from megatron_grpo.distributed.setup import (
     destroy_distributed,
     distributed_context,
     init_distributed,
-    validate_parallel,
 )
+from megatron_grpo.distributed.validate import validate_parallel
 
 __all__ = [
     "ParallelContext",

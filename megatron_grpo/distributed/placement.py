@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from megatron_grpo.config import Config
 from megatron_grpo.config.schema import ConfigError, RolloutConfig
-from megatron_grpo.distributed.setup import validate_parallel
+from megatron_grpo.distributed.validate import validate_parallel
 
 
 @dataclass(frozen=True)

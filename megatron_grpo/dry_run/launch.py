@@ -8,7 +8,7 @@ from typing import Any
 from megatron_grpo.bridge.plan import PlanReport, build_plan, plan_report
 from megatron_grpo.config.schema import Config, ConfigError
 from megatron_grpo.distributed.placement import RankPlacement, place_ranks
-from megatron_grpo.distributed.setup import validate_parallel
+from megatron_grpo.distributed.validate import validate_parallel
 from megatron_grpo.dry_run.budget import TokenBudget, resolve_token_budget
 from megatron_grpo.dry_run.memory import (
     DTYPE_BYTES,

@@ -71,8 +71,12 @@ PRESETS: dict[str, dict] = {
     # Qwen/Qwen3-30B-A3B's config.json: every layer MoE, 128 experts of width 768, top-8
     # renormalised, QK-norm; the dense intermediate_size (6144) is unused
     "Qwen3-30B-A3B": qwen3_moe(
-        (2048, 48, 32, 4, 128, 6144, False), experts=128, top_k=8, width=768,
-        vocab_size=151936, rope_theta=1e6,
+        (2048, 48, 32, 4, 128, 6144, False),
+        experts=128,
+        top_k=8,
+        width=768,
+        vocab_size=151936,
+        rope_theta=1e6,
     ),  # fmt: skip
 }
 

@@ -15,7 +15,8 @@ from pathlib import Path
 from megatron_grpo.config import Config, ConfigError
 from megatron_grpo.data import build_prompt_source
 from megatron_grpo.distributed.placement import validate_world
-from megatron_grpo.distributed.setup import check_experts, rank_device
+from megatron_grpo.distributed.setup import rank_device
+from megatron_grpo.distributed.validate import check_experts
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.models.prepare import check_model_path
 from megatron_grpo.models.shapes import resolve_spec

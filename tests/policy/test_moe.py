@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megatron_grpo.config.schema import ConfigError, ParallelConfig
-from megatron_grpo.distributed.setup import check_experts, validate_parallel
+from megatron_grpo.distributed.validate import check_experts, validate_parallel
 from megatron_grpo.layouts import hf
 from megatron_grpo.layouts import megatron as mg
 from megatron_grpo.layouts.io import gather_schedule
