@@ -83,7 +83,7 @@ def _call(fn: Callable[[], Any]) -> Any:
     return fn()
 
 
-class AheadRollout:
+class WindowBuffer:
     """The window buffer: the loop's source of each step's batch (``take``) and its rewards
     (``take_scores``), prefetched within one sync window. ``ahead=0`` generates one step at a
     time, Algorithm 1's serial schedule. It is not a ``Rollout`` but sits on one: it calls

@@ -36,7 +36,7 @@ from megatron_grpo.policy import Policy
 from megatron_grpo.policy.policy import build_policy
 from megatron_grpo.rewards import build_reward
 from megatron_grpo.rewards.scoring import GroupScorer
-from megatron_grpo.rollout.ahead import AheadRollout
+from megatron_grpo.rollout.ahead import WindowBuffer
 from megatron_grpo.rollout.interface import Rollout, RolloutFactory, build_rollout, sampling_args
 from megatron_grpo.rollout.server import DisaggregatedWorld, join_world, serve
 from megatron_grpo.trainer.checkpointer import Checkpointer, Preemption
@@ -180,7 +180,7 @@ def _schedule_text(cfg: Config) -> str:
 
 def window_buffer(cfg: Config, prompts: PromptSource, rollout: Rollout, memory: ColocatedMemory,
                  eos_token_id: int, score: Callable[[list, list], Any] | None = None,
-                 schedule: SyncSchedule | None = None) -> AheadRollout:  # fmt: skip
+                 schedule: SyncSchedule | None = None) -> WindowBuffer:  # fmt: skip
     """Each step's prompts (from ``prompts``, a data source), samples and rewards (``score``):
     with rollout.ahead = a, up to a + 1 steps of the sync window are generated at once (0:
     one step at a time, Algorithm 1's serial order) and scored as they arrive; vLLM wakes
@@ -197,7 +197,7 @@ def window_buffer(cfg: Config, prompts: PromptSource, rollout: Rollout, memory: 
         finally:
             memory.after_generate()
 
-    return AheadRollout(prompts, cfg.grpo.prompts_per_step, r.ahead, cfg.sync.interval,
+    return WindowBuffer(prompts, cfg.grpo.prompts_per_step, r.ahead, cfg.sync.interval,
                         cfg.steps, r.seed, launch, score, rollout.share,
                         schedule.window_end if schedule is not None else None)  # fmt: skip
 

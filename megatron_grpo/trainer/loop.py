@@ -42,7 +42,7 @@ from megatron_grpo.metrics import MetricsLogger, PhaseTimer
 from megatron_grpo.metrics.console import console_out, say_rank0
 from megatron_grpo.metrics.row import step_row
 from megatron_grpo.policy import Policy
-from megatron_grpo.rollout.ahead import AheadRollout
+from megatron_grpo.rollout.ahead import WindowBuffer
 from megatron_grpo.rollout.interface import Rollout, RolloutFailure
 from megatron_grpo.trainer.checkpointer import Checkpointer, loop_state_of
 from megatron_grpo.trainer.collate import attach_advantages, collate, dp_shard, mini_batches
@@ -67,7 +67,7 @@ class GRPOTrainer:
     ref: Policy | None  # pi_ref; None without a KL term
     rollout: Rollout
     sender: WeightSender  # the bridge: pushes the policy's weights into the engines
-    window: AheadRollout  # the window buffer: each step's prompts, samples and rewards
+    window: WindowBuffer  # each step's prompts, samples and rewards
     advantage_fn: AdvantageFn
     loss_fn: LossFn
     memory: ColocatedMemory

@@ -10,7 +10,7 @@ import pytest
 from megatron_grpo.algorithms.seeds import sampling_seed
 from megatron_grpo.config import ConfigError
 from megatron_grpo.config.schema import RolloutConfig
-from megatron_grpo.rollout.ahead import AheadRollout, window_steps
+from megatron_grpo.rollout.ahead import WindowBuffer, window_steps
 from megatron_grpo.rollout.colocated import ColocatedRollout, engine_slice
 from megatron_grpo.rollout.interface import sampling_args
 
@@ -97,7 +97,7 @@ def test_ahead_gives_the_serial_batches_and_saves_the_consumed_position():
     want = serial(range(1, steps + 1), p, 5, Source())
     calls: list = []
     src = Source()
-    ahead = AheadRollout(src, p, 3, v, steps, 5, recording_launch(calls))
+    ahead = WindowBuffer(src, p, 3, v, steps, 5, recording_launch(calls))
     states = {}
     for s in range(1, steps + 1):
         _, samples = ahead.take(s)
@@ -111,7 +111,7 @@ def test_ahead_gives_the_serial_batches_and_saves_the_consumed_position():
     assert states == {s: s * p for s in range(1, steps + 1)}
     # resuming from the checkpoint of step 6 (mid-window) regenerates 7, 8 and goes on
     calls.clear()
-    resumed = AheadRollout(Source(states[6]), p, 3, v, steps, 5, recording_launch(calls))
+    resumed = WindowBuffer(Source(states[6]), p, 3, v, steps, 5, recording_launch(calls))
     for s in range(7, steps + 1):
         assert resumed.take(s)[1] == want[s]
     assert calls == [
@@ -121,7 +121,7 @@ def test_ahead_gives_the_serial_batches_and_saves_the_consumed_position():
 
 
 def test_ahead_refuses_out_of_order_steps():
-    ahead = AheadRollout(Source(), 2, 3, 4, 8, 0, recording_launch([]))
+    ahead = WindowBuffer(Source(), 2, 3, 4, 8, 0, recording_launch([]))
     ahead.take(1)
     with pytest.raises(RuntimeError, match="asked for step 3's batch but step 2's"):
         ahead.take(3)
@@ -150,7 +150,7 @@ def test_rewards_are_scored_as_batches_arrive():
             step2_scored.set()
         return ("rewards of", samples[0])
 
-    ahead = AheadRollout(Source(), 2, 1, 2, 2, 0, launch, score)
+    ahead = WindowBuffer(Source(), 2, 1, 2, 2, 0, launch, score)
     release[1].set()
     _, samples1 = ahead.take(1)
     assert ahead.take_scores() == ("rewards of", samples1[0])
@@ -168,7 +168,7 @@ def test_a_failed_generation_fails_its_take_and_the_rest_of_the_window():
 
         return [lambda: fake_generate(steps[0][0], steps[0][1]), boom, boom][: len(steps)]
 
-    ahead = AheadRollout(Source(), 2, 2, 3, 3, 0, launch, lambda p, s: 0)
+    ahead = WindowBuffer(Source(), 2, 2, 3, 3, 0, launch, lambda p, s: 0)
     ahead.take(1)
     assert ahead.take_scores() == 0
     with pytest.raises(RuntimeError, match="engine died"):

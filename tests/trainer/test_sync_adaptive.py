@@ -13,7 +13,7 @@ import torch
 from megatron_grpo.algorithms.drift import adaptive_sync_due, drift_from_sums, k3_drift_sums
 from megatron_grpo.config import ConfigError, load_config
 from megatron_grpo.metrics.summary import format_summary, summarize
-from megatron_grpo.rollout.ahead import AheadRollout
+from megatron_grpo.rollout.ahead import WindowBuffer
 from megatron_grpo.trainer.sync_schedule import SyncSchedule
 
 ln = math.log
@@ -135,7 +135,7 @@ def test_ahead_generates_no_step_past_the_adaptive_window():
         launched.append([seed for _, seed in steps])
         return [lambda: ["sample"] for _ in steps]
 
-    ahead = AheadRollout(Source(), 1, 5, 99, 8, 0, launch, window_end=s.window_end)
+    ahead = WindowBuffer(Source(), 1, 5, 99, 8, 0, launch, window_end=s.window_end)
     for step in range(1, 9):
         ahead.take(step)
         if step == 4:
