@@ -15,9 +15,9 @@ import time
 import pytest
 import torch
 
-from megatron_grpo.config.schema import ModelConfig, OptimConfig
 from megatron_grpo.models.shapes import preset_spec
 from tests.gpu.conftest import needs_cuda
+from tests.helpers.steps import preset_policy, suite_batch, suite_loss
 
 GIB = float(1 << 30)
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
@@ -26,30 +26,6 @@ HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def _batch(vocab: int, rows: int = 8, length: int = 64, seed: int = 5) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (rows, length), generator=g)
-    attn = torch.ones(rows, length)
-    attn[1, length // 2 :] = 0
-    mask = attn.clone()
-    mask[:, : length // 4] = 0
-    adv = torch.linspace(-1, 1, rows)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask, "advantages": adv}
-
-
-def _loss(logp, entropy, mb):
-    mask = mb["loss_mask"]
-    return -(mb["advantages"][:, None] * logp * mask).sum() / 1000.0, {}
-
-
-def _policy(ctx, preset, dtype, impl="local", **optim):
-    from megatron_grpo.policy import build_policy
-
-    spec = preset_spec(preset)
-    opt = OptimConfig(**{"lr": 1e-3, "clip_grad": 1.0, **optim})
-    return spec, build_policy(spec, ctx, ModelConfig(dtype=dtype, transformer_impl=impl), opt)
 
 
 def _bf16(device):
@@ -62,13 +38,13 @@ def test_policy_trains_in_bf16(ctx, device, figures, impl):
         pytest.skip("Transformer-Engine not installed (or no CUDA)")
     # lr 1e-2: Adam moves each weight by about lr per step, and a bf16 norm weight of 1.0
     # only changes once its fp32 main param has moved by half a bf16 ulp (2**-8).
-    spec, policy = _policy(ctx, "tiny", _bf16(device), impl, lr=1e-2)
-    batch = _batch(spec.vocab_size)
+    spec, policy = preset_policy(ctx, "tiny", _bf16(device), impl, lr=1e-2)
+    batch = suite_batch(spec.vocab_size)
     before = {n: p.detach().clone() for n, p in policy.named_shards()}
-    m1 = policy.train_step(batch, _loss, micro_batch_size=4)
+    m1 = policy.train_step(batch, suite_loss, micro_batch_size=4)
     _sync()
     t0 = time.perf_counter()
-    m2 = policy.train_step(batch, _loss, micro_batch_size=4)
+    m2 = policy.train_step(batch, suite_loss, micro_batch_size=4)
     _sync()
     seconds = time.perf_counter() - t0
     assert all(torch.isfinite(torch.tensor([m["loss"], m["grad_norm"]])).all() for m in (m1, m2))
@@ -82,10 +58,10 @@ def test_policy_trains_in_bf16(ctx, device, figures, impl):
 
 
 def test_logprob_parity_bf16_vs_fp32(ctx, device, figures):
-    spec, p32 = _policy(ctx, "tiny", "float32")
-    _, p16 = _policy(ctx, "tiny", _bf16(device))
+    spec, p32 = preset_policy(ctx, "tiny", "float32")
+    _, p16 = preset_policy(ctx, "tiny", _bf16(device))
     p16.copy_weights_from(p32)
-    batch = _batch(spec.vocab_size)
+    batch = suite_batch(spec.vocab_size)
     a = p32.compute_logprobs(batch, micro_batch_size=4)
     b = p16.compute_logprobs(batch, micro_batch_size=4)
     m = batch["attention_mask"].bool()
@@ -101,12 +77,12 @@ def test_logprob_parity_bf16_vs_fp32(ctx, device, figures):
 
 
 def test_distributed_optimizer_step(ctx, device, figures):
-    spec, dist_on = _policy(ctx, "tiny", "bfloat16", distributed_optimizer="on")
-    _, dist_off = _policy(ctx, "tiny", "bfloat16", distributed_optimizer="off")
+    spec, dist_on = preset_policy(ctx, "tiny", "bfloat16", distributed_optimizer="on")
+    _, dist_off = preset_policy(ctx, "tiny", "bfloat16", distributed_optimizer="off")
     dist_off.copy_weights_from(dist_on)
-    batch = _batch(spec.vocab_size)
-    a = dist_on.train_step(batch, _loss, micro_batch_size=4)
-    b = dist_off.train_step(batch, _loss, micro_batch_size=4)
+    batch = suite_batch(spec.vocab_size)
+    a = dist_on.train_step(batch, suite_loss, micro_batch_size=4)
+    b = dist_off.train_step(batch, suite_loss, micro_batch_size=4)
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
     worst = max(
         (x.float() - y.float()).abs().max().item()
@@ -126,14 +102,14 @@ def test_offload_reload(ctx, device, figures):
     from megatron_grpo.policy.offload import TrainerOffload
 
     preset = "Qwen2.5-0.5B" if device.type == "cuda" else "tiny"
-    spec, a = _policy(ctx, preset, _bf16(device))
-    _, b = _policy(ctx, preset, _bf16(device))
+    spec, a = preset_policy(ctx, preset, _bf16(device))
+    _, b = preset_policy(ctx, preset, _bf16(device))
     b.copy_weights_from(a)
     off = TrainerOffload(a)
     expected = Counter(off._expected_host_bytes())
-    batch = _batch(spec.vocab_size, rows=4, length=128)
-    a.train_step(batch, _loss, micro_batch_size=2)
-    b.train_step(batch, _loss, micro_batch_size=2)
+    batch = suite_batch(spec.vocab_size, rows=4, length=128)
+    a.train_step(batch, suite_loss, micro_batch_size=2)
+    b.train_step(batch, suite_loss, micro_batch_size=2)
     _sync()
     alloc0 = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     rep = off.offload()
@@ -160,8 +136,8 @@ def test_offload_reload(ctx, device, figures):
     figures["offload_gb_per_s"] = rep.bytes / 1e9 / max(rep.seconds, 1e-9)
     assert back.bytes == rep.bytes > 0
     assert all(r.bytes == rep.bytes for r in steady)
-    a.train_step(batch, _loss, micro_batch_size=2)
-    b.train_step(batch, _loss, micro_batch_size=2)
+    a.train_step(batch, suite_loss, micro_batch_size=2)
+    b.train_step(batch, suite_loss, micro_batch_size=2)
     assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a.named_shards(), b.named_shards()))
     # The buffers allocated ahead are the ones the offload took (else it pinned on the spot).
     assert taken == expected, (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.gpu.conftest import needs_cuda
-from tests.gpu.test_gpu import _batch, _loss, _policy
+from tests.helpers.steps import preset_policy, suite_batch, suite_loss
 
 
 def test_fused_adam_is_in_use_on_cuda(ctx, figures):
@@ -19,7 +19,7 @@ def test_fused_adam_is_in_use_on_cuda(ctx, figures):
     from megatron_grpo.bench.ops.count import OpCounter
     from megatron_grpo.policy.optimizer import torch_adams
 
-    spec, on = _policy(ctx, "tiny", "bfloat16")
+    spec, on = preset_policy(ctx, "tiny", "bfloat16")
     adams = torch_adams(on.optimizer)
     if not adams:  # megatron found TE or Apex: their FusedAdam, not torch's
         inner = on.optimizer.chained_optimizers[0].optimizer
@@ -27,13 +27,13 @@ def test_fused_adam_is_in_use_on_cuda(ctx, figures):
         pytest.skip(f"megatron runs {type(inner).__module__}.FusedAdam (fused already)")
     assert type(on.optimizer.chained_optimizers[0]).__name__ == "DistributedOptimizer"
     assert {g["fused"] for o in adams for g in o.param_groups} == {True}
-    _, off = _policy(ctx, "tiny", "bfloat16", fused_adam="off")
+    _, off = preset_policy(ctx, "tiny", "bfloat16", fused_adam="off")
     off.copy_weights_from(on)
-    batch, counts = _batch(spec.vocab_size), {}
+    batch, counts = suite_batch(spec.vocab_size), {}
     for name, policy in (("fused", on), ("foreach", off)):
         ops = OpCounter(sites=False)
         with ops:
-            policy.train_step(batch, _loss, micro_batch_size=4)
+            policy.train_step(batch, suite_loss, micro_batch_size=4)
         counts[name] = ops.counts.by_name
         figures[f"adam_{name}_train_step_aten_ops"] = sum(ops.counts.by_name.values())
     assert counts["fused"].get("_fused_adamw_", 0) >= 1, counts["fused"]

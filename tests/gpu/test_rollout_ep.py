@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.policy.test_moe import MOE_VARIANTS
+from tests.helpers.layouts import MOE_VARIANTS
 
 
 def _needs_vllm_ep() -> None:

@@ -1,7 +1,8 @@
 """Batches and losses for one policy train step: the parity batch and its loss
 (``make_batch``, ``pg_loss``, ``hf_reference``: transformers' log-probs), the DP batch and
 REINFORCE loss, and the GPU-configuration batch, loss and policy (``gpu_batch``,
-``adv_loss``, ``build_policy_at``), and ``refusal``: the text of the error a step raises."""
+``adv_loss``, ``build_policy_at``), the GPU suite's (``suite_batch``, ``suite_loss``,
+``preset_policy``), and ``refusal``: the text of the error a step raises."""
 
 from __future__ import annotations
 
@@ -110,6 +111,34 @@ def train_steps(policy, ctx, first: int, last: int) -> list[float]:
 def shard_copies(policy) -> dict[str, torch.Tensor]:
     """A detached copy of each of the policy's shards, by name."""
     return {n: p.detach().clone() for n, p in policy.named_shards()}
+
+
+def suite_batch(vocab: int, rows: int = 8, length: int = 64, seed: int = 5) -> dict:
+    """The GPU suite's batch (tests/gpu): one row half padded, a prompt quarter unmasked."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (rows, length), generator=g)
+    attn = torch.ones(rows, length)
+    attn[1, length // 2 :] = 0
+    mask = attn.clone()
+    mask[:, : length // 4] = 0
+    adv = torch.linspace(-1, 1, rows)
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask, "advantages": adv}
+
+
+def suite_loss(logp, entropy, mb):
+    mask = mb["loss_mask"]
+    return -(mb["advantages"][:, None] * logp * mask).sum() / 1000.0, {}
+
+
+def preset_policy(ctx, preset, dtype, impl="local", **optim):
+    """(spec, a fresh ``Policy``) of ``models/tiny.py`` preset ``preset``: ``dtype``, layer
+    ``impl``, Adam with lr 1e-3 and clip 1.0 unless ``optim`` says otherwise."""
+    from megatron_grpo.models.shapes import preset_spec
+    from megatron_grpo.policy import build_policy
+
+    spec = preset_spec(preset)
+    opt = OptimConfig(**{"lr": 1e-3, "clip_grad": 1.0, **optim})
+    return spec, build_policy(spec, ctx, ModelConfig(dtype=dtype, transformer_impl=impl), opt)
 
 
 def refusal(error: type[Exception], fn, *args, **kwargs) -> str | None:

@@ -17,7 +17,7 @@ from megatron_grpo.layouts import megatron as mg
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.models.shapes import resolve_spec
 from megatron_grpo.trainer.preflight import check_moe
-from tests.policy.test_moe import moe_spec
+from tests.helpers.layouts import moe_spec
 
 EP = ["rollout.expert_parallel=true", "rollout.tp=2", "parallel.dp=2"]
 
