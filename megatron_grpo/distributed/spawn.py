@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import random
 import signal
 import socket
 import subprocess
@@ -48,11 +49,40 @@ class RankFailed(RuntimeError):
     """A spawned rank raised, died, or the ranks ran past their time limit."""
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+"""Linux's ephemeral ports: what the kernel hands to every bind to port 0 and every connect."""
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
+    """A TCP port free a moment ago on 127.0.0.1, for a rendezvous that rank 0 binds seconds
+    later. Drawn at random below the kernel's ephemeral range (``EPHEMERAL_RANGE``): a port
+    of that range, once released, can go to any process's bind(0) before rank 0 listens,
+    and another job's gloo ranks listen on such ports, so this job's ranks would knock on
+    that job's mesh and break it. Below the range only a caller naming the port can take
+    it; ``spawn_ranks`` retries the rare draw that collides. Port 0's pick where the range
+    is unknown."""
+    for port in _draws_below_ephemeral():
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _draws_below_ephemeral(tries: int = 64) -> list[int]:
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return []
+    first = max(10000, low - 16384)
+    if low - first < 1024:
+        return []
+    draw = random.SystemRandom()  # not the seeded global stream: two spawns draw apart
+    return [draw.randrange(first, low) for _ in range(tries)]
 
 
 def _rank_main(
@@ -141,8 +171,8 @@ def spawn_ranks(
         try:
             return _spawn_once(fn, world, args, timeout_s, env, threads, setup, result_types)
         except RankFailed as e:
-            # free_port's port was taken between its check and rank 0's TCPStore bind (a
-            # race with any other process on the machine): the ranks failed at their
+            # free_port's port was taken between its check and rank 0's TCPStore bind (by
+            # another caller that drew the same port): the ranks failed at their
             # rendezvous, before fn's work, so a fresh port is a clean retry.
             if "EADDRINUSE" not in str(e) or attempt == PORT_ATTEMPTS - 1:
                 raise

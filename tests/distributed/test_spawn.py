@@ -97,3 +97,27 @@ def test_a_taken_rendezvous_port_is_retried_and_nothing_else_is(tmp_path):
     other.mkdir()
     with pytest.raises(RankFailed, match="some other failure"):
         spawn_ranks(_port_taken_once, 2, str(other), "some other failure", timeout_s=150)
+
+
+def test_free_port_is_drawn_below_the_ephemeral_range(monkeypatch, tmp_path):
+    """A rendezvous port outside the kernel's ephemeral range, so no bind(0) or connect of
+    another job (gloo's pair listeners) takes it before rank 0 listens; drawn apart even
+    under one seed; port 0's pick where the range is unknown."""
+    import random
+    import socket
+
+    from megatron_grpo.distributed import spawn
+
+    fake = tmp_path / "ip_local_port_range"
+    fake.write_text("32768\t60999\n")
+    monkeypatch.setattr(spawn, "EPHEMERAL_RANGE", fake)
+    ports = []
+    for _ in range(8):
+        random.seed(0)
+        ports.append(spawn.free_port())
+    assert all(16384 <= p < 32768 for p in ports), ports
+    assert len(set(ports)) > 1, ports
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))  # free, as promised
+    monkeypatch.setattr(spawn, "EPHEMERAL_RANGE", tmp_path / "missing")
+    assert 0 < spawn.free_port() < 65536

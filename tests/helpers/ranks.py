@@ -9,16 +9,11 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
-import socket
 import time
 
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_grpo.distributed.spawn import free_port
 
 
 def _worker(rank: int, world: int, port: int, fn, args: tuple, queue) -> None:
@@ -57,7 +52,7 @@ def run_spawned(fn, world: int, args: tuple = (), timeout_s: float = 120.0) -> d
     """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo processes; return results."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)
     ]
