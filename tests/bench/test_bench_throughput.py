@@ -104,24 +104,6 @@ def test_rounds_are_pooled_and_ratios_are_also_taken_round_by_round():
     )
 
 
-def test_sync_table_reports_gb_per_s_against_raw():
-    from megatron_grpo.bench.throughput.report import sync_markdown
-
-    d = dict(bytes=2 * 10**9, wire_bytes=10**9, seconds=4.0, transport_s=2.0)
-    res = dict(model="m", model_params=1e6, train_tp=2, train_pp=1, train_dp=1, rollout_tp=1,
-               world=2, sink="vllm", repeats=1, verified=True, verified_transfer=True,
-               direct_by_bucket={"64.0": d}, baseline=d,
-               raw=dict(bytes=2 * 10**9, wire_bytes=10**9, seconds=1.0))  # fmt: skip
-    text = sync_markdown(res)
-    assert (
-        "| direct, bucket 64 MB | 1907.3 | 953.7 | 4.000 | 0.500 | 2.000 | 1.000 | 2.00x |" in text
-    )
-    assert (
-        "| raw (1 flat buffer per link) | 1907.3 | 953.7 | 1.000 | 2.000 | 1.000 | 2.000 | 1.00x |"
-        in text
-    )
-
-
 def test_ahead_pairs_carry_their_override_and_their_speedup_over_serial(tmp_path):
     a = ThroughputArgs(vs=[4], steps=5, aheads=[0, 3])
     assert train_command(a, 4, tmp_path / "x", 3)[-1] == "rollout.ahead=3"

@@ -201,57 +201,6 @@ def plot_projection(p: Mapping[str, Any], path: str | os.PathLike) -> Path:
     return Path(path)
 
 
-def projection_markdown(p: Mapping[str, Any]) -> str:
-    vs = p["vs"]
-    lines = [
-        "| scenario | S per sync (s) | "
-        + " | ".join(f"v={sync_interval}" for sync_interval in vs)
-        + " | source |",
-        "|---|---|" + "---|" * len(vs) + "---|",
-    ]
-    for s in p["scenarios"]:
-        lines.append(
-            f"| {s['name']} | {s['sync_s']:.4g} | "
-            + " | ".join(f"{_at(s['ratios'], sync_interval):.4f}" for sync_interval in vs)
-            + f" | {s['source']} |"
-        )
-    return "\n".join(lines)
-
-
-def sync_markdown(res: Mapping[str, Any]) -> str:
-    """A ``bench sync`` JSON as a table with GB/s: end to end (vLLM's load included) and the
-    transport alone (wall minus vLLM's load and post-processing), against the raw flat
-    transfer of the same bytes over the same process group in the same run."""
-    raw = res["raw"]
-    lines = [
-        f"{res['model']} ({res['model_params'] / 1e6:.1f}M params), trainer tp={res['train_tp']}"
-        f" pp={res['train_pp']} dp={res['train_dp']} -> vLLM tp={res['rollout_tp']} x"
-        f"{res['world'] // res['rollout_tp']} engines, sink={res['sink']}, median of "
-        f"{res['repeats']}; verified={res['verified']} (transfer bit-exact: "
-        f"{res['verified_transfer']})",
-        "",
-        "| method | MiB moved | wire MiB | seconds | GB/s | transport s | transport GB/s "
-        "| transport vs raw |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-
-    def row(name: str, d: Mapping[str, Any]) -> str:
-        t = d.get("transport_s", d["seconds"])
-        gbps = d["bytes"] / d["seconds"] / 1e9 if d["seconds"] else float("nan")
-        tgbps = d["bytes"] / t / 1e9 if t else float("nan")
-        vs_raw = t / raw["seconds"] if raw["seconds"] else float("nan")
-        return (
-            f"| {name} | {d['bytes'] / 2**20:.1f} | {d['wire_bytes'] / 2**20:.1f} | "
-            f"{d['seconds']:.3f} | {gbps:.3f} | {t:.3f} | {tgbps:.3f} | {vs_raw:.2f}x |"
-        )
-
-    for b, d in res["direct_by_bucket"].items():
-        lines.append(row(f"direct, bucket {float(b):g} MB", d))
-    lines.append(row("baseline gather+bcast", res["baseline"]))
-    lines.append(row("raw (1 flat buffer per link)", raw))
-    return "\n".join(lines)
-
-
 def plot_ahead_timeline(
     r: float,
     t: float,
