@@ -1,53 +1,14 @@
 """The vLLM side of the resharding bridge: load already-sharded per-rank tensors, in vLLM's
 own layout, into the model held by one vLLM worker.
 
-Why not ``model.load_weights``: vLLM's loaders take *full* HF tensors and narrow them to
-this rank (``vllm/model_executor/parameter.py``: ``load_qkv_weight``,
-``load_merged_column_weight``, ``load_row_parallel_weight`` narrow by ``self.tp_rank``;
-``vllm/model_executor/layers/vocab_parallel_embedding.py: weight_loader`` asserts the full
-vocabulary). The bridge sends each rank exactly its shard (docs/layouts.md, the vLLM
-table), already narrowed, fused (``qkv_proj`` = this rank's q heads, then k, then v;
-``gate_up_proj`` = its gate rows then its up rows) and vocabulary-padded. So the shard must
-be copied as is.
-
-Why not write into the parameters: on CPU, vLLM repacks linear weights after loading
-(``vllm/model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm`` replaces
-``layer.weight`` by an empty ``(0,)`` parameter and keeps a packed oneDNN/sgl handle), and
-quantized GPU layers do the same. Weights must re-enter through vLLM's reload path
-(``vllm/model_executor/model_loader/reload/layerwise.py``):
-
-1. ``initialize_layerwise_reload(model)`` saves the processed ("kernel") tensors, puts each
-   layer back in its loadable form (meta tensors of the logical shapes, recorded at model
-   build by ``record_metadata_for_reloading``) and wraps every parameter's
-   ``weight_loader`` in ``online_process_loader``, which buffers the loader call and counts
-   loaded elements (``CopyCounter``).
-2. When a layer has received all its elements, ``_layerwise_process`` materializes it, runs
-   the buffered loader calls, runs ``quant_method.process_weights_after_loading`` (the CPU
-   repacking) and copies the result into the saved kernel tensors.
-3. ``finalize_layerwise_reload`` processes the remaining layers and restores unloaded ones.
-
-For models without quantized layers a session skips that machinery (``bridge.sessions.
-DirectSession``):
-shards are written into the live parameters where they keep their logical shape, and a
-repacked layer is rebuilt from its shards, processed by vLLM's own
-``process_weights_after_loading`` and copied into its kernel tensors -- the same steps
-``_layerwise_process`` takes, without moving every module to meta and back, running each
-loader twice (``CopyCounter``) or walking every module at finish. The rest of this text is
-the layerwise path, kept for quantized layers and HF reloads.
-
-The one change a layerwise session makes (``bridge.sessions.LayerwiseSession``): inside a
-bridge session, each parameter's *original* loader (the one the wrapper calls) is a plain
-shape-checked copy, installed by re-wrapping the parameter with vLLM's own
-``make_online_process_loader``; the previous loaders are put back at ``finish``. Everything
-else (buffering, processing, repacking, kernel-tensor preservation) is vLLM's.
-
-Read-back: after processing the live parameters may be repacked, so the logical tensors are
-captured at the moment vLLM processes each layer (a wrapper around
-``quant_method.process_weights_after_loading``): what is captured is exactly the tensor vLLM
-repacks. Unprocessed parameters (norms, embeddings, everything on GPU without quantization)
-are read live. ``checksums()`` thus proves what each parameter held in vLLM's layout right
-before post-load processing; it does not prove that the repacking itself is right -- the
-logprob checks in the tests cover that.
+Not ``model.load_weights``: vLLM's loaders take full HF tensors and narrow them to the rank,
+and the bridge sends each rank exactly its shard, already narrowed, fused and padded. Not a
+plain write into the parameters either: vLLM repacks layers after loading (CPU GEMMs,
+quantized layers). A session takes the direct path (unquantized layers:
+``sessions.DirectSession``) or vLLM's own layerwise reload with a shape-checked copy as each
+loader (``sessions.LayerwiseSession``); ``checksums()`` reads back what each parameter held
+right before post-load processing. Design: docs/rollout.md, "Weight receiver", and
+docs/bridge.md, "vLLM side".
 """
 
 from __future__ import annotations

@@ -1,42 +1,6 @@
-"""Megatron-core GPTModel parameter names and per-TP-rank shards, as HF slices.
-
-Verified against megatron-core 0.16.1 (paths under megatron/core/):
-
-- Fused QKV (transformer/attention.py ``SelfAttention.get_query_key_value_tensors``): the
-  output rows are, per query group g, ``[its np/ng query heads; k_g; v_g]``
-  ("q1 q2 k1 v1 | q3 q4 k2 v2"). ``linear_qkv`` is a ColumnParallelLinear
-  (tensor_parallel/layers.py), so TP rank r holds the contiguous rows
-  ``[r*L/T, (r+1)*L/T)`` of that interleaved tensor (L = ng*(np/ng+2)*hn). When
-  ng < T (allowed: transformer_config.py requires ng to be a multiple or a divisor of T)
-  a group is split over T/ng ranks and a rank holds part of "q.. k v"; attention then
-  all-gathers the columns (attention.py, the ``num_query_groups < world_size`` branch).
-  The QKV bias (``add_qkv_bias``) follows the same order.
-- ``linear_proj`` / ``linear_fc2``: RowParallelLinear, columns ``[r*in/T, ...)``.
-- ``linear_fc1`` with gated_linear_unit: rank r holds ``[gate_r; up_r]`` (transformer/mlp.py
-  chunks the local output in two; ``apply_swiglu_sharded_factory`` describes the same).
-- Embedding and output layer: VocabParallelEmbedding / ColumnParallelLinear rows
-  ``[r*Vm/T, ...)`` of the padded vocabulary Vm; rows >= V are padding (zero here).
-- Tied embeddings (models/common/language_module/language_module.py
-  ``setup_embeddings_and_output_layer``; models/gpt/gpt_model.py
-  ``skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights``):
-  with PP=1 the output layer has no weight; with PP>1 the last stage holds
-  ``output_layer.weight`` as a copy of the embedding.
-- Norm names: local spec ``input_layernorm.weight`` / ``pre_mlp_layernorm.weight``; TE spec
-  folds them into ``self_attention.linear_qkv.layer_norm_weight`` /
-  ``mlp.linear_fc1.layer_norm_weight`` (models/gpt/gpt_layer_specs.py, the local spec's
-  ``sharded_state_dict_keys_map`` maps one onto the other). QK-norm:
-  ``self_attention.q_layernorm.weight`` / ``k_layernorm.weight`` of size hn, replicated.
-- MoE layers (transformer/moe/moe_layer.py, experts.py ``SequentialMLP``): ``mlp.router.weight``
-  (E, h), replicated; this rank's E/ep experts as ``mlp.experts.local_experts.{j}.linear_fc1``
-  / ``linear_fc2``, each a dense MLP of width ``moe_ffn_hidden_size`` split over TP like the
-  dense ``linear_fc1``/``linear_fc2`` (expert TP = TP). Local expert j on EP rank e is global
-  expert ``e*E/ep + j`` (moe_layer.py ``local_expert_indices``). Qwen2-MoE's shared expert
-  (moe/shared_experts.py ``SharedExpertMLP``): ``mlp.shared_experts.linear_fc1``/``fc2`` split
-  over TP like a dense MLP, on every EP rank, and its gate ``mlp.shared_experts.gate_weight``
-  (1, h), replicated.
-- Layer numbering (transformer/transformer_layer.py ``get_transformer_layer_offset``, even
-  split): chunk (pp_rank, vp_stage) holds global layers from
-  ``vp_stage*(L/vpp) + pp_rank*(L/(pp*vpp))``, named with the local index from 0.
+"""Megatron-core GPTModel parameter names and per-TP-rank shards (dense and MoE, local and TE
+specs, any PP/VPP chunk), as HF slices, verified against megatron-core's layers. Each
+layout, its shapes and the megatron source it follows: docs/layouts.md, "Megatron".
 """
 
 from __future__ import annotations

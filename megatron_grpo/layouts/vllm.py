@@ -1,44 +1,6 @@
-"""vLLM (Llama/Qwen2/Qwen3) parameter names and per-TP-rank shards, as HF slices.
-
-Verified against vLLM 0.32 (paths under vllm/model_executor/):
-
-- ``qkv_proj`` (layers/linear.py ``QKVParallelLinear``): per rank ``[q; k; v]`` with
-  np/T query heads (``shard_rank = tp_rank``) and ``max(1, ng/T)`` KV heads; when T >= ng
-  each KV head is replicated on ``T/ng`` ranks (``num_kv_head_replicas``) and the k/v shard
-  index is ``tp_rank // num_kv_head_replicas`` (``weight_loader``). Bias alike.
-- ``gate_up_proj`` (``MergedColumnParallelLinear.weight_loader``): ``[gate_r; up_r]``, each
-  ``F/T`` rows starting at ``tp_rank*F/T``.
-- ``o_proj`` / ``down_proj`` (``RowParallelLinear.weight_loader``): input columns
-  ``[tp_rank*in/T, ...)``.
-- ``embed_tokens`` / ``lm_head`` (layers/vocab_parallel_embedding.py): the vocabulary is
-  padded to a multiple of 64 (``pad_vocab_size``, ``DEFAULT_VOCAB_PADDING_SIZE``), split
-  evenly (``divide`` asserts T divides it); rank r's real rows are
-  ``[r*Vv/T, (r+1)*Vv/T)`` clipped to V, written at the start of the shard and the rest
-  zero-filled (``weight_loader``: ``param[:n].copy_(...); param[n:].fill_(0)``).
-- Tied embeddings: ``lm_head = lm_head.tie_weights(embed_tokens)`` (models/llama.py,
-  qwen2.py, qwen3.py), so ``named_parameters`` lists only ``model.embed_tokens.weight``.
-- QK-norm (models/qwen3.py): ``self_attn.q_norm.weight`` / ``k_norm.weight`` (hn,),
-  replicated.
-- Norms: ``input_layernorm``, ``post_attention_layernorm``, ``model.norm``, replicated.
-- Qwen3-MoE (models/qwen3_moe.py; layers/fused_moe/layer.py ``weight_loader``): the router
-  ``mlp.gate.weight`` (E, h) is replicated (``GateLinear``); every layer's experts are two
-  fused parameters ``mlp.experts.routed_experts.w13_weight`` (E, 2*I/T, h: per expert its
-  gate rows ``[r*I/T, ...)`` then its up rows) and ``...w2_weight`` (E, h, I/T: columns of
-  ``down_proj``). Without vLLM's expert parallelism each TP rank holds every
-  expert, local slot e = expert e. With it (``enable_expert_parallel``; layers/fused_moe/
-  config.py ``FusedMoEParallelConfig.make``: ep_size = tp_size, ep_rank = tp_rank for one
-  engine, and the experts' own TP is 1) rank r holds whole experts, the contiguous run
-  ``determine_expert_map`` (layers/fused_moe/expert_map_manager.py, ``linear`` placement)
-  gives it (``vllm_local_experts``): w13 (E_r, 2I, h), w2 (E_r, h, I), local row j = global
-  expert ``vllm_local_experts(...)[j]``. The piece algebra cuts along one
-  dimension, so the bridge addresses one expert's slice of a fused parameter as its own
-  tensor, the *expert slot* ``<fused name>.<e>`` (``expert_slot``): w13 slot (2I/T, h) along
-  dim 0, w2 slot (h, I/T) along dim 1, exactly the dense ``gate_up_proj`` / ``down_proj``;
-  the receiver writes slot e into row e of the fused parameter (under vLLM EP, slot j is
-  local row j).
-- Qwen2-MoE (models/qwen2_moe.py): as Qwen3-MoE, plus the shared expert, a dense MLP
-  ``mlp.shared_expert.gate_up_proj`` / ``down_proj`` split like ``gate_up_proj`` /
-  ``down_proj``, and its gate ``mlp.shared_expert_gate.weight`` (1, h), replicated.
+"""vLLM (Llama/Qwen2/Qwen3, Qwen3-MoE/Qwen2-MoE) parameter names and per-TP-rank shards,
+as HF slices, verified against vLLM 0.32's loaders. Each layout, its shapes and the vLLM
+source lines it follows: docs/layouts.md, "vLLM (0.32)".
 """
 
 from __future__ import annotations

@@ -1,38 +1,9 @@
 """Core attention on ``torch.nn.functional.scaled_dot_product_attention`` for megatron's
 local layer spec: the ``core_attention`` submodule of ``SelfAttention``, in place of
-megatron's ``DotProductAttention`` (megatron/core/transformer/dot_product_attention.py).
-
-Why: megatron's local ``DotProductAttention`` materializes the [b, heads, s, s] scores (and
-their fp32 softmax) of every layer and keeps them for backward, so memory grows with s^2 and
-the step runs as many small kernels. SDPA picks a fused kernel (flash / cuDNN /
-memory-efficient on CUDA, the flash-style CPU kernel on CPU) that never holds the scores.
-Transformer-Engine is not needed; where TE is installed the TE spec is used instead
-(``kernels.resolve_transformer_impl``).
-
-Same contract as megatron's module, so ``SelfAttention`` needs no change:
-
-- ``forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
-  packed_seq_params)`` with this rank's TP shard of the heads: query [s, b, np/tp, hn],
-  key/value [s, b, ng/tp, hn] (``bshd``), returns [s, b, np/tp * hn]. Grouped-query
-  attention: query head ``j`` reads KV head ``j // (np/ng)``, the ``repeat_interleave`` order
-  megatron expands KV in, which is what SDPA's ``enable_gqa`` does. Head counts are read
-  from the tensors: ``SelfAttention`` may hand over gathered KV heads when ng < tp.
-- Mask: with ``attention_mask=None`` a causal mask (``AttnMaskType.causal``), as megatron's
-  ``FusedScaleMaskSoftmax`` builds one; a given mask (megatron's convention: True = masked
-  out) replaces it.
-- Packed sequences (``packed_seq_params.qkv_format == "thd"``, query [t, np/tp, hn]): the
-  documents given by ``cu_seqlens_q`` attend causally within themselves only (block-diagonal
-  causal), returning [t, np/tp * hn]. RoPE, positions restarting at 0 in each document, is
-  applied here from the pack's cos/sin (``policy.rope``; the model builder makes the model
-  leave it to this module), or by ``SelfAttention`` for params built elsewhere. On CPU the documents go through one custom op
-  (``varlen_attention_cpu``: torch's CPU flash kernel per document, exact, no work
-  outside the documents); on CUDA one ``torch.nn.attention.varlen.varlen_attn`` call when
-  this torch has it (``_VARLEN``), the per-document calls otherwise
-  (tests/gpu/test_gpu.py ``test_sdpa_packed_attention_on_cuda`` compares the two).
-
-What it refuses (each would change the math; megatron's module stays reachable with
-``model.local_attention=unfused``): attention dropout, sliding windows, a softmax other
-than ``vanilla``, context parallelism, an attention bias.
+megatron's ``DotProductAttention``, which keeps every layer's [b, heads, s, s] scores for
+backward; SDPA's fused kernels never hold them. Same contract as megatron's module, packed
+(``thd``) documents attending within themselves only. The contract and what it refuses:
+docs/architecture-policy.md, "Attention and packing".
 """
 
 from __future__ import annotations

@@ -1,37 +1,10 @@
-"""``RolloutEngine``: a thin layer over ``vllm.LLM`` that samples GRPO groups with logprobs.
-
-Two placements (docs/rollout.md, ``RolloutEngine``):
-
-- ``colocated``: the engine is created inside an already running ``torch.distributed``
-  world (torchrun, or processes spawned with a gloo group) with
-  ``distributed_executor_backend="external_launcher"``. Every process hosts one vLLM TP rank
-  in-process; no engine or worker process is spawned. vLLM builds its own groups over the
-  existing world (``vllm/distributed/parallel_state.py:initialize_model_parallel``: ranks
-  laid out ``ExternalDP x DP x PP x PCP x TP``), so with world size W and rollout TP t,
-  ranks ``[k*t, (k+1)*t)`` form rollout replica k and there are W/t independent engines
-  ("ExternalDP"). vLLM's parallel state lives in ``vllm.distributed.parallel_state`` and
-  Megatron's in ``megatron.core.parallel_state``: separate modules whose groups are all made
-  with ``torch.distributed.new_group`` over the same WORLD, so they coexist as long as every
-  rank creates them in the same order (which both do: every rank builds every group).
-- ``disaggregated``: a plain ``LLM(...)`` that spawns its own engine-core and worker
-  processes (``vllm/v1/executor/multiproc_executor.py``). On CPU with TP > 1, vLLM's NUMA
-  auto-binding asserts on small machines; ``VLLM_CPU_OMP_THREADS_BIND`` is set to one core
-  per worker unless the caller set it (``vllm/utils/ompmultiprocessing.py``).
-
-Logprobs (``vllm/config/model.py: logprobs_mode``, ``vllm/v1/sample/sampler.py``): vLLM
-0.32 returns ``raw_logprobs`` by default: ``log_softmax`` of the model's logits *before*
-temperature, top-k and top-p, i.e. the policy's logprob at temperature 1.
-``logprobs_mode="processed"`` returns the logprob under the distribution actually sampled
-from (after temperature scaling and top-k/top-p masking); the trainer and eval use it
-(``from_config``), and the policy divides its logits by the same temperature, so the ratio
-pi/alpha compares the sampled distribution on both sides (docs/algorithms.md,
-"Temperature"). At T=0 (greedy) vLLM's processed log-probs are the T=1 ``log_softmax``
-(``Sampler.sample``, all-greedy branch). Prompt logprobs are the raw T=1 values in both modes
-(``gpu_model_runner._get_prompt_logprobs_dict``).
-
-Weight sync goes through ``megatron_grpo.bridge.receiver`` (vLLM's reload protocol); this
-module only exposes it per placement. ``LLM(...)``'s arguments: ``rollout.vllm_setup``; a
-generate's requests and the ``Sample``s of its outputs: ``rollout.samples``.
+"""``RolloutEngine``: a thin layer over ``vllm.LLM`` that samples GRPO groups with logprobs,
+``colocated`` (in-process inside the trainer's torch.distributed world, vLLM's
+``external_launcher``) or ``disaggregated`` (vLLM's own processes). Log-probs are vLLM's
+``processed`` ones for the trainer and eval (the sampled distribution, after temperature);
+weights arrive through ``bridge.receiver``. ``LLM(...)``'s arguments: ``rollout.vllm_setup``;
+requests and ``Sample``s: ``rollout.samples``. Placements, groups, log-probs and sleep:
+docs/rollout.md, "RolloutEngine".
 """
 
 from __future__ import annotations

@@ -1,33 +1,9 @@
-"""Where the paper's 1.35x comes from: a step-time model of off-policy GRPO at sync period v.
-
-    step_time(v) = T_other + S / v
-    T_other = rollout + reward + logprob recompute + train      (paid every step)
-    S       = wire + in-process copies + fixed                  (paid once per sync)
-    fixed   = engine reload (vLLM ``load_weights`` + post-processing) + wake/sleep + cache reset
-    throughput ratio(v) = step_time(1) / step_time(v)
-
-v may be a mean: with ``sync.mode=adaptive`` the syncs are S per sync over N steps with N /
-syncs = the observed mean interval (``summary.json``'s ``mean_sync_interval``), and the
-step time is the same ``T_other + S / mean interval`` (``bench project --mean-interval``).
-
-**Calibration from the paper** (Mroueh et al., arXiv 2505.22257: Qwen2.5-7B, one 8xH100
-node, vLLM TP=4 colocated; 0.02828 it/s at v=1, 0.03828 it/s at v=10). Two throughputs
-give two equations in (T_other, S)::
-
-    1/x_a = T_other + S/v_a,   1/x_b = T_other + S/v_b
-    S       = (1/x_a - 1/x_b) / (1/v_a - 1/v_b)
-    T_other = 1/x_a - S/v_a
-
-(:func:`calibrate`): S = 10.26 s per sync, T_other = 25.10 s per step.
-
-**Sync cost candidates** for the same model and node (:func:`default_scenarios`): the wire
-time of the resharding bridge's bytes (the static plan, ``bridge.plan.build_plan``) and of
-the anchors' gather-to-one-rank + broadcast, at NVLink4 speed; the anchors' published sync
-times (verl, NeMo-RL); the physical limits of NVLink4 / PCIe Gen5 / 400G NIC for the
-model's bytes; the paper's implied S itself. Each gives a predicted ratio(v) with the
-paper's T_other. Every assumption is a named field (:class:`Assumptions`) and is printed.
-
-Pure Python (plus the plan, which is GPU-free), deterministic, fast.
+"""Where the paper's 1.35x comes from: a step-time model of off-policy GRPO at sync period v,
+``step_time(v) = T_other + S / v``, calibrated on the paper's two throughputs
+(:func:`calibrate`), with candidate sync costs S for the same model and node
+(:func:`default_scenarios`; every assumption a named field of :class:`Assumptions`). Pure
+Python (plus the GPU-free plan), deterministic, fast. The model, the calibration and the
+scenarios: docs/benchmarks.md §3.
 """
 
 from __future__ import annotations

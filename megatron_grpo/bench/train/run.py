@@ -1,51 +1,12 @@
 """``megatron-grpo bench train``: the project's policy against Hugging Face models of the
-same shape, on the same GRPO batch, on the same device, in one process.
-
-The sides (docs/benchmarks.md, "bench train"; ``--sides`` picks them):
-
-- **project**: ``policy.build_policy`` at world size 1 (``Policy.compute_logprobs`` and
-  ``Policy.train_step``: megatron-core GPTModel, DDP, megatron's optimizer; bf16 on GPU with
-  fp32 main weights, fp32 on CPU).
-- **hf**: ``transformers``' ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` / ``Qwen3ForCausalLM``
-  built from the same ``ModelSpec``, ``attn_implementation="sdpa"``, the model's weights in
-  the bench's dtype (bf16 on GPU: weights, gradients and AdamW moments all bf16, no fp32 master
-  copy), ``torch.optim.AdamW(fused=True)`` on CUDA, ``clip_grad_norm_`` at the same clip:
-  what an FSDP/TRL user runs without extra installs. Micro-batches are the same rows, each
-  trimmed to its own longest sequence (right padding: causal attention needs no mask).
-- **hf-packed**: the same model as a verl/OpenRLHF user runs it, padding removed: rows packed
-  end to end under the project's token budget, positions restarting per document, varlen
-  attention over the documents (the project's ``packed_attention``, registered with
-  transformers' ``AttentionInterface``: ``varlen_attn`` on CUDA), chunked log-probs, fused
-  AdamW on CUDA, and Liger-Kernel's RMSNorm / SwiGLU / RoPE where installed on CUDA
-  (``--liger``). Its log-probs against the padded side's on the same weights are printed.
-
-All start from the same weights: the project's initial weights are converted to HF names
-by ``layouts.io.gather_hf_state_dict`` and loaded into the HF models, so the log-prob passes
-must agree (``logprob_parity`` in the result; fp32 on CPU agrees to ~1e-6).
-All compute log-probs and entropies chunked over the vocabulary (the project through
-``policy.scoring``, fused by default; the HF sides from their logits with
-``policy.logprob.token_logprobs``) and the same GRPO loss (``algorithms.aggregation.make_loss_fn``: clipped surrogate, k3 KL,
-token-mean), so the comparison isolates the model, its attention, and the optimizer.
-
-The batch (``make_batch``): ``rows`` sequences, prompts of ~``prompt_len`` tokens (uniform in
-``[7/8 prompt_len, prompt_len]``), responses uniform in ``[min_len, max_len]`` (seeded),
-right-padded to the longest. The log-prob pass runs first; its log-probs become the batch's
-``old_logp`` / ``ref_logp``, and ``rollout_logp`` is them plus N(0, 0.05) noise (a lagged
-policy), as in a GRPO step.
-
-Figures per side and phase: median seconds of ``steps`` timed repeats after ``warmup``
-untimed ones, useful (non-pad) tokens/s, MFU at ``6N`` (train) / ``2N`` (log-prob) FLOPs per
-useful token with N the parameters of the matrix products (attention's own FLOPs not
-included; ``mfu_with_attention`` adds them), peak memory (``torch.cuda.max_memory_allocated``
-since the end of the warm-up; None on CPU). And per side, the longest single sequence that
-trains: lengths 1024, 2048, ... up to ``search_cap``, stopping at the first CUDA OOM.
+same shape (``hf``, and ``hf-packed``: padding removed, varlen attention, Liger where
+installed), on the same GRPO batch and weights, on the same device, in one process.
 
 The parts: ``train.args`` (the arguments, device and spec), ``train.batch`` (the batch),
-``train.sides`` (the sides), ``train.measure`` (timing, MFU, the length search, parity)
-and ``train.table`` (the console table); this module runs them in order.
-
-Imports: torch, transformers, megatron-core and the project's own modules, none of vLLM,
-``datasets`` or ``math-verify`` (tests/bench/test_bench_train.py runs the command with them blocked).
+``train.sides`` (the sides), ``train.measure`` (timing, MFU, the length search, parity) and
+``train.table`` (the console table); this module runs them in order. No vLLM, ``datasets``
+or ``math-verify`` is imported (tests/bench/test_bench_train.py blocks them). What each side
+runs, the batch and the figures: docs/benchmarks.md §6.
 """
 
 from __future__ import annotations
