@@ -32,19 +32,18 @@ import json, sys
 def main():
     from megatron_grpo.bridge.verify import fixed_sequences, pad_batch
     from megatron_grpo.config.schema import ModelConfig, ParallelConfig
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.models.spec import load_spec
     from megatron_grpo.policy.policy import build_policy
     from megatron_grpo.evaluation.source import load_megatron_weights, resolve_model
 
     source = resolve_model(sys.argv[1])
     spec = load_spec(source.hf_dir)
-    ctx = init_distributed(ParallelConfig(tp=1, pp=1, backend="gloo"), spec)
-    policy = build_policy(spec, ctx, ModelConfig(dtype="float32", transformer_impl="local"))
-    load_megatron_weights(policy, source)
-    seqs = fixed_sequences(spec.vocab_size)
-    logp = policy.compute_logprobs(pad_batch(seqs), micro_batch_size=len(seqs))["logp"]
-    destroy_distributed()
+    with distributed_context(ParallelConfig(tp=1, pp=1, backend="gloo"), spec) as ctx:
+        policy = build_policy(spec, ctx, ModelConfig(dtype="float32", transformer_impl="local"))
+        load_megatron_weights(policy, source)
+        seqs = fixed_sequences(spec.vocab_size)
+        logp = policy.compute_logprobs(pad_batch(seqs), micro_batch_size=len(seqs))["logp"]
     # logp[:, t]: token t given tokens < t (0 at t = 0; bridge/verify.py logprob_parity)
     out = {"seqs": seqs, "logp": [logp[i, 1 : len(s)].tolist() for i, s in enumerate(seqs)]}
     open(sys.argv[2], "w").write(json.dumps(out))

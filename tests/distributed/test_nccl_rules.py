@@ -106,30 +106,29 @@ class _CpuLogprobPolicy:
 def _call_sites(rank: int, world: int) -> dict:
     from megatron_grpo.algorithms.aggregation import compute_global_normalizers
     from megatron_grpo.config.schema import ParallelConfig
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.trainer.checkpointer import Preemption
     from megatron_grpo.trainer.logprobs import dp_logprobs
     from tests.nccl_rules import NcclRuleError
 
-    ctx = init_distributed(ParallelConfig(tp=1, pp=1, backend="gloo"))
-    preemption = Preemption()  # this rank process's own signal handlers
-    preemption.requested = rank == 1
-    batch = {"input_ids": torch.arange(12).view(4, 3), "loss_mask": torch.ones(4, 3)}
-    sites = {
-        "Preemption.agreed": lambda: preemption.agreed(ctx),
-        "compute_global_normalizers": lambda: compute_global_normalizers(
-            torch.ones(2, 3), group=ctx.dp_group
-        ),
-        "dp_logprobs": lambda: dp_logprobs(_CpuLogprobPolicy(), batch, ctx, 2, None),
-    }
-    out = {}
-    for name, fn in sites.items():
-        try:
-            value = fn()
-            out[name] = ("ok", value)
-        except NcclRuleError as exc:
-            out[name] = ("refused", str(exc))
-    destroy_distributed()
+    with distributed_context(ParallelConfig(tp=1, pp=1, backend="gloo")) as ctx:
+        preemption = Preemption()  # this rank process's own signal handlers
+        preemption.requested = rank == 1
+        batch = {"input_ids": torch.arange(12).view(4, 3), "loss_mask": torch.ones(4, 3)}
+        sites = {
+            "Preemption.agreed": lambda: preemption.agreed(ctx),
+            "compute_global_normalizers": lambda: compute_global_normalizers(
+                torch.ones(2, 3), group=ctx.dp_group
+            ),
+            "dp_logprobs": lambda: dp_logprobs(_CpuLogprobPolicy(), batch, ctx, 2, None),
+        }
+        out = {}
+        for name, fn in sites.items():
+            try:
+                value = fn()
+                out[name] = ("ok", value)
+            except NcclRuleError as exc:
+                out[name] = ("refused", str(exc))
     return out
 
 

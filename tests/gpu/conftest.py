@@ -51,9 +51,8 @@ def needs_cuda():
 def ctx():
     """A world-1 trainer context (nccl with CUDA, gloo otherwise) for the whole session."""
     from megatron_grpo.config.schema import ParallelConfig
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
     from megatron_grpo.models.shapes import preset_spec
 
-    c = init_distributed(ParallelConfig(), preset_spec("tiny"), seed=7)
-    yield c
-    destroy_distributed()
+    with distributed_context(ParallelConfig(), preset_spec("tiny"), seed=7) as c:
+        yield c

@@ -77,11 +77,10 @@ def test_each_choice_resolves_where_it_can_run(monkeypatch):
 # ------------------------------------------------------------------ built models, world 1
 @pytest.fixture(scope="module")
 def ctx():
-    from megatron_grpo.distributed import destroy_distributed, init_distributed
+    from megatron_grpo.distributed import distributed_context
 
-    c = init_distributed(ParallelConfig(), preset_spec("tiny"), seed=7)
-    yield c
-    destroy_distributed()
+    with distributed_context(ParallelConfig(), preset_spec("tiny"), seed=7) as c:
+        yield c
 
 
 SPECS = {
