@@ -274,6 +274,30 @@ def test_refused_job_prints_one_line_whichever_rank_refuses_first(
     assert not Path(env["RUN_DIR"]).exists()
 
 
+# Task 0 fails; task 1 ignores TERM, as a torchrun that TERM reaches mid-shutdown may.
+_STUBBORN_TASK = """
+if [[ $SLURM_NODEID == 0 ]]; then sleep 0.5; exit 3; fi
+trap 'echo "task 1: TERM ignored"' TERM
+for i in $(seq 1 600); do sleep 0.1; done
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_fake_srun_kills_a_task_still_running_after_kill_wait(tmp_path: Path) -> None:
+    """Like srun --kill-on-bad-exit (slurmstepd's KillWait), the fake sends TERM, then KILL
+    to a task still running, and exits with the failed task's status."""
+    env = {**os.environ, "FAKE_SLURM_KILL_WAIT": "2"}
+    env.pop("FAKE_SLURM_DIR", None)
+    # Left running, task 1 would take 60 s: past the timeout, which fails the test.
+    out = subprocess.run(
+        [str(FAKE_SLURM / "srun"), "--nodes=2", "--kill-on-bad-exit=1", "bash", "-c",
+         _STUBBORN_TASK], env=env, capture_output=True, text=True, timeout=40,
+    )  # fmt: skip
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert "task 1: TERM ignored" in out.stdout
+
+
 @pytest.mark.slow
 def test_template_outside_slurm_fails_clearly(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
