@@ -130,8 +130,9 @@ class Advantages:
 
     ``advantages``: ``[P, G]`` float, 0 where not kept.
     ``keep``: ``[P, G]`` bool; False for RED-Drop's dropped samples and zero-variance groups.
-    The trainer multiplies ``loss_mask`` by ``keep.reshape(-1)[:, None]`` before computing the
-    global normalizers, so a dropped sample contributes neither loss, KL nor a token count.
+    The trainer's ``loss_mask`` is the response mask times ``keep.reshape(-1)[:, None]``
+    (trainer/collate.py ``with_advantages``), so a dropped sample contributes neither loss,
+    KL nor a token count.
     ``metrics``: scalars (python floats) for logging.
     """
 

@@ -1,6 +1,7 @@
 """Loss aggregation with GLOBAL normalizers, and the trainer-facing ``loss_fn``.
 
-``make_loss_fn`` returns ``loss_fn(logp, entropy, mb) -> (loss, metrics)``; the policy applies
+``make_loss_fn`` returns ``GRPOLoss``, ``loss_fn(logp, entropy, mb) -> (loss, metrics)`` with
+``needs``, the log-probs its terms read by role (the trainer scores those); the policy applies
 the gradient of the SUM of its losses over the mini-batch's micro-batches and DP ranks, so
 every loss is pre-divided by normalizers spanning the whole mini-batch
 (:func:`compute_global_normalizers`, once per mini-batch). The keys read from ``mb``, the
@@ -11,15 +12,16 @@ aggregation: the trainer contract".
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from megatron_grpo.algorithms.kl import get_kl_estimator
 from megatron_grpo.algorithms.losses import entropy_bonus, masked_mean
-from megatron_grpo.algorithms.policy_loss import build_policy_loss
-from megatron_grpo.algorithms.staleness import build_split_policy_loss
-from megatron_grpo.algorithms.step_batch import LossFn, StepBatch
+from megatron_grpo.algorithms.policy_loss import PolicyLoss, Role, RoleLogprobs, build_policy_loss
+from megatron_grpo.algorithms.step_batch import AdvantagedBatch, LossBatch, Metrics, Normalizers
+from megatron_grpo.config.schema import GRPOConfig
 
 
 # ------------------------------------------------------------------------ pure aggregators
@@ -49,23 +51,25 @@ def agg_constant(
 
 
 AGGREGATORS: dict[str, tuple[Callable[..., Tensor], str]] = {
-    "token_mean": (agg_token_mean, "global_num_tokens"),
-    "seq_mean_token_mean": (agg_seq_mean_token_mean, "global_num_seqs"),
-    "seq_mean_token_sum": (agg_seq_mean_token_sum, "global_num_seqs"),
-    "constant": (agg_constant, "global_num_rows"),
+    "token_mean": (agg_token_mean, "num_tokens"),
+    "seq_mean_token_mean": (agg_seq_mean_token_mean, "num_seqs"),
+    "seq_mean_token_sum": (agg_seq_mean_token_sum, "num_seqs"),
+    "constant": (agg_constant, "num_rows"),
 }
-"""``grpo.loss_agg`` -> (the aggregator, the ``mb`` normalizer it divides by)."""
+"""``grpo.loss_agg`` -> (the aggregator, the ``Normalizers`` field it divides by)."""
 
 
-def _aggregator(c, max_response_len: int | None) -> Callable[[Tensor, Tensor, StepBatch], Tensor]:
-    """``(loss_BT, mask_BT, mb) -> loss`` for ``grpo.loss_agg``, its normalizer read from ``mb``."""
+def _aggregator(
+    c: GRPOConfig, max_response_len: int | None
+) -> Callable[[Tensor, Tensor, Normalizers], Tensor]:
+    """``(loss_BT, mask_BT, normalizers) -> loss`` for ``grpo.loss_agg``."""
     if c.loss_agg not in AGGREGATORS:
         raise ValueError(
             f"grpo.loss_agg={c.loss_agg!r}: use token_mean, seq_mean_token_mean, "
             "seq_mean_token_sum or constant."
         )
     agg, key = AGGREGATORS[c.loss_agg]
-    extra: tuple = ()
+    extra: tuple[float, ...] = ()
     if c.loss_agg == "constant":
         constant = c.loss_agg_constant or max_response_len
         if not constant:
@@ -76,8 +80,8 @@ def _aggregator(c, max_response_len: int | None) -> Callable[[Tensor, Tensor, St
             )
         extra = (constant,)
 
-    def aggregate(loss: Tensor, mask: Tensor, mb: StepBatch) -> Tensor:
-        return agg(loss, mask, _need(mb, key, f"grpo.loss_agg={c.loss_agg}"), *extra)
+    def aggregate(loss: Tensor, mask: Tensor, normalizers: Normalizers) -> Tensor:
+        return agg(loss, mask, getattr(normalizers, key), *extra)
 
     return aggregate
 
@@ -100,28 +104,28 @@ def local_loss_counts(loss_masks: Tensor | Sequence[Tensor]) -> Tensor:
     return counts
 
 
-def normalizers_from_counts(counts: Tensor) -> dict[str, Tensor]:
-    """Summed ``[num_tokens, num_seqs, num_rows]`` -> the ``mb`` normalizer entries (each at
-    least 1, so that an all-masked mini-batch gives loss 0 instead of NaN)."""
+def normalizers_from_counts(counts: Tensor) -> Normalizers:
+    """Summed ``[num_tokens, num_seqs, num_rows]`` -> ``Normalizers`` (each at least 1, so
+    that an all-masked mini-batch gives loss 0 instead of NaN)."""
     c = counts.clamp(min=1).to(torch.float32)
-    return {"global_num_tokens": c[0], "global_num_seqs": c[1], "global_num_rows": c[2]}
+    return Normalizers(num_tokens=c[0], num_seqs=c[1], num_rows=c[2])
 
 
-def normalizer_mask(mb: StepBatch, loss_normalizer: str) -> Tensor:
+def normalizer_mask(mb: AdvantagedBatch, loss_normalizer: str) -> Tensor:
     """The mask the global normalizers count for ``grpo.loss_normalizer``: ``kept`` ->
-    ``mb["loss_mask"]`` (after the advantage step's keep mask); ``all`` ->
-    ``mb["response_mask"]`` (every response token, before it). See docs/algorithms.md."""
+    ``mb.loss_mask`` (after the advantage step's keep mask); ``all`` -> ``mb.response_mask``
+    (every response token, before it). See docs/algorithms.md."""
     if loss_normalizer == "kept":
-        return mb["loss_mask"]
+        return mb.loss_mask
     if loss_normalizer == "all":
-        return _need(mb, "response_mask", "grpo.loss_normalizer=all")
+        return mb.response_mask
     raise ValueError(f"grpo.loss_normalizer={loss_normalizer!r}: use kept or all.")
 
 
 def compute_global_normalizers(
     loss_masks: Tensor | Sequence[Tensor],
     group: torch.distributed.ProcessGroup | None = None,
-) -> dict[str, Tensor]:
+) -> Normalizers:
     """Normalizers of one mini-batch, summed over its micro-batches and the DP ``group``.
 
     Args:
@@ -129,8 +133,8 @@ def compute_global_normalizers(
             micro-batches' masks (their ``T`` may differ).
         group: the data-parallel process group to all-reduce over; None for one rank.
     Returns:
-        ``{"global_num_tokens", "global_num_seqs", "global_num_rows"}`` float 0-dim tensors; put both into every
-        micro-batch ``mb`` of this mini-batch. Every DP rank must call this (a collective).
+        ``Normalizers`` of float 0-dim tensors, for the mini-batch's ``LossBatch``. Every DP
+        rank must call this (a collective).
     """
     counts = local_loss_counts(loss_masks)
     if group is not None and torch.distributed.is_initialized():
@@ -138,54 +142,59 @@ def compute_global_normalizers(
     return normalizers_from_counts(counts)
 
 
-def _need(mb: StepBatch, key: str, why: str) -> Tensor:
-    try:
-        return mb[key]
-    except KeyError:
-        raise KeyError(
-            f"loss_fn needs mb[{key!r}] ({why}); the trainer must put it in every "
-            f"micro-batch. Present keys: {sorted(mb)}."
-        ) from None
-
-
 # --------------------------------------------------------------------------------- loss_fn
-def make_loss_fn(grpo_cfg, max_response_len: int | None = None) -> LossFn:
-    """Build the per-micro-batch ``loss_fn(logp, entropy, mb) -> (loss, metrics)``.
+@dataclass(frozen=True)
+class GRPOLoss:
+    """The per-micro-batch ``loss_fn(logp, entropy, mb) -> (loss, metrics)``: the policy loss,
+    the KL to pi_ref in the loss, the entropy bonus, aggregated by the global normalizers.
+    ``needs``: the log-probs its terms read by role; the trainer scores exactly those
+    (trainer/logprobs.py). Metrics are detached 0-dim tensors, means over this micro-batch's
+    loss tokens (``num_tokens`` is the local count, to weight them over micro-batches)."""
 
-    Chooses once: the policy loss (:func:`build_policy_loss`), KL-in-loss and its estimator,
-    the entropy bonus and the aggregation mode. ``max_response_len`` (``rollout.max_new_tokens``)
-    is the Dr.GRPO constant when ``grpo.loss_agg_constant == 0``.
+    policy_loss: PolicyLoss
+    aggregate: Callable[[Tensor, Tensor, Normalizers], Tensor]
+    kl_coef: float = 0.0
+    """beta of the KL in the loss; 0: none (or in the reward)."""
+    kl_estimator: Callable[[Tensor, Tensor], Tensor] | None = None
+    entropy_coef: float = 0.0
 
-    Returned metrics are detached 0-dim tensors, means over this micro-batch's loss tokens
-    (``num_tokens`` is the local count, to weight them when averaging over micro-batches).
-    """
-    c = grpo_cfg
-    split = c.score_alpha  # staleness and numerics apart (algorithms/staleness.py)
-    policy_loss = build_split_policy_loss(c) if split else build_policy_loss(c)
-    exact = c.ratio_mode == "exact"
-    kl_in_loss = c.kl_coef > 0 and not c.kl_in_reward
-    kl_est = get_kl_estimator(c.kl_estimator)
-    beta, ent_coef = c.kl_coef, c.entropy_coef
+    @property
+    def needs(self) -> frozenset[Role]:
+        kl = {Role.PI_REF} if self.kl_coef else set()
+        return self.policy_loss.needs | kl
 
-    aggregate = _aggregator(c, max_response_len)
-
-    def loss_fn(logp: Tensor, entropy: Tensor, mb: StepBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        mask = _need(mb, "loss_mask", "response tokens").to(logp.dtype)
-        adv = _need(mb, "advantages", "per-sequence advantages")
-        rollout_logp = _need(mb, "rollout_logp", "alpha's log-probs from the rollout")
-        old_logp = _need(mb, "old_logp", "ratio_mode=exact") if exact else None
-        alpha = (_need(mb, "alpha_logp", "grpo.score_alpha"),) if split else ()
-        tok_loss, metrics = policy_loss(logp, adv, mask, rollout_logp, old_logp, *alpha)
+    def __call__(self, logp: Tensor, entropy: Tensor, mb: LossBatch) -> tuple[Tensor, Metrics]:
+        mask = mb.loss_mask.to(logp.dtype)
+        lp = RoleLogprobs(
+            alpha_engine=mb.alpha_engine_logp,
+            alpha_trainer=mb.alpha_trainer_logp,
+            pi_k=mb.pi_k_logp,
+            pi_ref=mb.pi_ref_logp,
+        )
+        tok_loss, metrics = self.policy_loss(logp, adv=mb.advantages, mask_BT=mask, lp=lp)
         metrics["pg_loss"] = masked_mean(tok_loss, mask)
-        if kl_in_loss:
-            kl = kl_est(logp, _need(mb, "ref_logp", "kl_coef > 0 with the KL in the loss"))
-            tok_loss = tok_loss + beta * kl
+        if self.kl_coef and self.kl_estimator is not None:
+            kl = self.kl_estimator(logp, lp.of(Role.PI_REF))
+            tok_loss = tok_loss + self.kl_coef * kl
             metrics["kl_ref"] = masked_mean(kl, mask)
-        if ent_coef != 0:
-            tok_loss = tok_loss + entropy_bonus(entropy, ent_coef)
+        if self.entropy_coef != 0:
+            tok_loss = tok_loss + entropy_bonus(entropy, self.entropy_coef)
         metrics["entropy"] = masked_mean(entropy, mask)
         metrics["num_tokens"] = mask.detach().sum()
-        loss = aggregate(tok_loss, mask, mb)
-        return loss, metrics
+        return self.aggregate(tok_loss, mask, mb.normalizers), metrics
 
-    return loss_fn
+
+def make_loss_fn(grpo_cfg: GRPOConfig, max_response_len: int | None = None) -> GRPOLoss:
+    """Build the per-micro-batch ``loss_fn(logp, entropy, mb) -> (loss, metrics)`` once: the
+    policy loss (:func:`build_policy_loss`), KL-in-loss and its estimator, the entropy bonus
+    and the aggregation mode. ``max_response_len`` (``rollout.max_new_tokens``) is the
+    Dr.GRPO constant when ``grpo.loss_agg_constant == 0``."""
+    c = grpo_cfg
+    kl_in_loss = c.kl_coef > 0 and not c.kl_in_reward
+    return GRPOLoss(
+        policy_loss=build_policy_loss(c),
+        aggregate=_aggregator(c, max_response_len),
+        kl_coef=c.kl_coef if kl_in_loss else 0.0,
+        kl_estimator=get_kl_estimator(c.kl_estimator) if kl_in_loss else None,
+        entropy_coef=c.entropy_coef,
+    )

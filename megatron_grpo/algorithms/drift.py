@@ -15,7 +15,7 @@ token-mean is the drift (per-token KL; a sequence of L tokens carries about L ti
 the chain rule). docs/algorithms.md, "Adaptive sync", states the rule and its link to the
 bound.
 
-Shapes: ``logp_BT`` (pi_k, the trainer), ``rollout_logp_BT`` (alpha, vLLM) are ``[B, T]``
+Shapes: ``logp_BT`` (pi_k, the trainer), ``alpha_logp_BT`` (alpha, vLLM) are ``[B, T]``
 log-probs of the sampled tokens; ``mask_BT`` ``[B, T]`` is 1 on response tokens, 0
 elsewhere (a weight: any non-negative value weighs its token).
 """
@@ -28,19 +28,19 @@ from torch import Tensor
 from megatron_grpo.algorithms.losses import LOG_RATIO_CLAMP
 
 
-def k3_drift_sums(logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
+def k3_drift_sums(logp_BT: Tensor, alpha_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """``[2]`` float64: (sum over ``mask`` of the per-token k3 estimate of KL(alpha || pi),
     sum of ``mask``). Sums, not the mean, so data-parallel shards add up exactly (all-reduce
     both, then :func:`drift_from_sums`). The log-ratio is clamped to +-20, as every ratio of
     this package (``losses.LOG_RATIO_CLAMP``)."""
-    if logp_BT.shape != rollout_logp_BT.shape or logp_BT.shape != mask_BT.shape:
+    if logp_BT.shape != alpha_logp_BT.shape or logp_BT.shape != mask_BT.shape:
         raise ValueError(
-            f"k3_drift_sums: logp {tuple(logp_BT.shape)}, rollout_logp "
-            f"{tuple(rollout_logp_BT.shape)} and mask {tuple(mask_BT.shape)} must be the same "
+            f"k3_drift_sums: logp {tuple(logp_BT.shape)}, alpha_logp "
+            f"{tuple(alpha_logp_BT.shape)} and mask {tuple(mask_BT.shape)} must be the same "
             "[B, T] shape (position-aligned log-probs of the sampled tokens)."
         )
     m = mask_BT.detach().double()
-    d = (logp_BT.detach().double() - rollout_logp_BT.detach().double()) * (m != 0)
+    d = (logp_BT.detach().double() - alpha_logp_BT.detach().double()) * (m != 0)
     d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     k3 = torch.expm1(d) - d  # (rho - 1) - log rho, with rho = exp(d)
     return torch.stack([(k3 * m).sum(), m.sum()])

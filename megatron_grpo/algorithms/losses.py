@@ -4,14 +4,14 @@ Every function here is pure tensor math and returns an UNAGGREGATED per-token lo
 (to be minimised) plus a dict of detached scalar metrics computed over ``mask_BT``. Turning
 ``[B, T]`` into one scalar is :mod:`megatron_grpo.algorithms.aggregation`'s job.
 
-Shapes: ``logp_BT`` (current policy pi, differentiable), ``rollout_logp_BT`` (alpha, the
-rollout server's policy, from vLLM), ``old_logp_BT`` (pi_k recomputed on the trainer,
-``ratio_mode=exact`` only) are ``[B, T]`` log-probs of the sampled tokens; ``adv`` is ``[B]``
-(broadcast over tokens) or ``[B, T]``; ``mask_BT`` is 1 on response tokens, 0 elsewhere.
+Shapes: ``logp_BT`` (current policy pi, differentiable) and the other ``*_logp_BT``, named
+by the policy they are of (``pi_old``: the ratio's old policy, pi_k or alpha; ``pi_k``;
+``alpha_engine``: alpha as the engine served it; ``trainer``: pi_k or alpha scored on the
+trainer) are ``[B, T]`` log-probs of the sampled tokens; ``adv`` is ``[B]`` (broadcast over
+tokens) or ``[B, T]``; ``mask_BT`` is 1 on response tokens, 0 elsewhere.
 
 :func:`megatron_grpo.algorithms.policy_loss.build_policy_loss` picks the variant once from
-``GRPOConfig`` and returns a :data:`PolicyLossFn` closure; nothing dispatches on strings per
-call.
+``GRPOConfig`` and returns a ``PolicyLoss``; nothing dispatches on strings per call.
 
 Sources: Mroueh et al. 2505.22257 eqs. (6)-(7) (``f_eps(r, r', A)``); Yao et al. 2509.24203
 (REC masks and weights, AsymRE, OPMD); DAPO 2503.14476 (asymmetric eps); Ye et al. 1912.09729
@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-Metrics = dict[str, Tensor]
+from megatron_grpo.algorithms.step_batch import Metrics
 
 LOG_RATIO_CLAMP = 20.0
 """Every log-ratio is clamped to ``[-20, 20]`` before it is exponentiated (verl's
@@ -38,10 +38,6 @@ beyond. Outside the band the ratio is constant, so such a token passes no gradie
 def ratio_exp(log_ratio: Tensor) -> Tensor:
     """``exp(clamp(log_ratio, -20, 20))``: the one way a ratio is formed in this package."""
     return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-
-
-# (logp_BT, adv, mask_BT, rollout_logp_BT, old_logp_BT or None) -> (loss_BT, metrics)
-PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, "Tensor | None"], tuple[Tensor, Metrics]]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -81,28 +77,28 @@ def ratio_metrics(ratio_BT: Tensor, mask_BT: Tensor) -> Metrics:
     }
 
 
-def approx_kl_k3(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
+def approx_kl_k3(logp_BT: Tensor, pi_old_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """Detached k3 estimate of KL(pi_old || pi)-style drift, for logging only."""
-    d = (old_logp_BT - logp_BT).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    d = (pi_old_logp_BT - logp_BT).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return masked_mean(torch.exp(d) - d - 1, mask_BT)
 
 
 # ------------------------------------------------------------- off-policy clipped surrogate
 def off_policy_clip_loss(
     logp_BT: Tensor,
-    rollout_logp_BT: Tensor,
+    base_logp_BT: Tensor,
     adv: Tensor,
     mask_BT: Tensor,
     eps_low: float,
     eps_high: float,
-    old_logp_BT: Tensor | None = None,
+    pi_k_logp_BT: Tensor | None = None,
     dual_clip_c: float | None = None,
 ) -> tuple[Tensor, Metrics]:
     """``-f_eps(r, r', A)`` per token (off-policy GRPO eq. 6-7).
 
-    ``r = exp(logp - rollout_logp)`` (pi / alpha; under ``grpo.tis`` the caller passes pi_k's
-    log-probs as the denominator: PPO around pi_k), ``r' = exp(old_logp - rollout_logp)``
-    (pi_k / alpha; exactly 1 when ``old_logp_BT`` is None) and
+    ``r = exp(logp - base_logp)``: pi over alpha (the behaviour policy), or over pi_k in
+    TIS's PPO-around-pi_k form (policy_loss.OffPolicyClip); ``r' = exp(pi_k_logp - base_logp)``
+    (pi_k / alpha; exactly 1 when ``pi_k_logp_BT`` is None) and
     ``f = min(r*A, clip(r, max(r' - eps_low, 0), r' + eps_high) * A)``.
     With r' = 1 this is PPO/GRPO clipping, with ``eps_high > eps_low`` DAPO's clip-higher.
     Dual-clip (``c > 1``): for ``A < 0`` the objective is ``max(f, c*A)``, bounding the loss
@@ -113,12 +109,12 @@ def off_policy_clip_loss(
     ratio mean/min/max and ``approx_kl`` (k3 of pi vs the ratio's denominator).
     """
     a = _adv_BT(adv, logp_BT)
-    log_r = (logp_BT - rollout_logp_BT.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_r = (logp_BT - base_logp_BT.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     r = torch.exp(log_r)
-    if old_logp_BT is None:
+    if pi_k_logp_BT is None:
         r_prime = torch.ones_like(r)
     else:
-        r_prime = ratio_exp(old_logp_BT.detach() - rollout_logp_BT.detach())
+        r_prime = ratio_exp(pi_k_logp_BT.detach() - base_logp_BT.detach())
     low = (r_prime - eps_low).clamp(min=0.0)
     high = r_prime + eps_high
     surr_unclipped = r * a
@@ -193,7 +189,7 @@ def rec_weight_tis(rho_BT: Tensor, eps_low: float, eps_high: float) -> Tensor:
 
 def rec_loss(
     logp_BT: Tensor,
-    old_logp_BT: Tensor,
+    pi_old_logp_BT: Tensor,
     adv: Tensor,
     mask_BT: Tensor,
     clip_mask_fn: Callable[[Tensor, Tensor], Tensor],
@@ -201,12 +197,12 @@ def rec_loss(
 ) -> tuple[Tensor, Metrics]:
     """Group-relative REINFORCE (Yao et al.): ``loss_t = -w_t * A * logp_t * M_t``.
 
-    ``rho_t = stopgrad(exp(logp - old_logp))``; ``M_t = clip_mask_fn(rho, A)`` and
+    ``rho_t = stopgrad(exp(logp - pi_old_logp))``; ``M_t = clip_mask_fn(rho, A)`` and
     ``w_t = weight_fn(rho)`` are chosen at build time (``rec_mask_*``, ``rec_weight_*``).
     Metric ``rec_masked_frac``: fraction of loss tokens with ``M_t = 0``.
     """
     a = _adv_BT(adv, logp_BT)
-    rho = ratio_exp(logp_BT.detach() - old_logp_BT.detach())
+    rho = ratio_exp(logp_BT.detach() - pi_old_logp_BT.detach())
     m = clip_mask_fn(rho, a.expand_as(rho))
     w = weight_fn(rho)
     loss = -w * a * logp_BT * m
@@ -214,7 +210,7 @@ def rec_loss(
         "rec_masked_frac": masked_mean(1.0 - m, mask_BT),
         "rec_weight_mean": masked_mean(w, mask_BT),
         **ratio_metrics(rho, mask_BT),
-        "approx_kl": approx_kl_k3(logp_BT, old_logp_BT, mask_BT),
+        "approx_kl": approx_kl_k3(logp_BT, pi_old_logp_BT, mask_BT),
     }
     return loss, metrics
 
@@ -222,13 +218,13 @@ def rec_loss(
 # ------------------------------------------------------------------------------------ GSPO
 def gspo_loss(
     logp_BT: Tensor,
-    old_logp_BT: Tensor,
+    pi_old_logp_BT: Tensor,
     adv: Tensor,
     mask_BT: Tensor,
     eps_low: float,
     eps_high: float,
 ) -> tuple[Tensor, Metrics]:
-    """GSPO (Zheng et al.): sequence ratio ``s = exp(mean_t (logp - old_logp))`` clipped.
+    """GSPO (Zheng et al.): sequence ratio ``s = exp(mean_t (logp - pi_old_logp))`` clipped.
 
     Per token the value is ``-min(s*A, clip(s, 1-eps_low, 1+eps_high)*A)`` (the same for every
     token of a sequence), written GSPO-token style ``s_t = sg(s) * exp(logp_t - sg(logp_t))``
@@ -240,7 +236,7 @@ def gspo_loss(
         raise ValueError(f"GSPO needs one advantage per sequence, [B]; got {tuple(adv.shape)}.")
     m = mask_BT.to(logp_BT.dtype)
     n = m.sum(dim=1, keepdim=True).clamp(min=1)
-    log_s = ((logp_BT.detach() - old_logp_BT.detach()) * m).sum(dim=1, keepdim=True) / n
+    log_s = ((logp_BT.detach() - pi_old_logp_BT.detach()) * m).sum(dim=1, keepdim=True) / n
     log_s = log_s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     s_tok = torch.exp(log_s + logp_BT - logp_BT.detach())  # value s, gradient s * dlogp_t
     a = _adv_BT(adv, logp_BT)
@@ -250,22 +246,24 @@ def gspo_loss(
         "clip_frac_low": masked_mean(((a < 0) & (s < 1 - eps_low)).float(), mask_BT),
         "clip_frac_high": masked_mean(((a > 0) & (s > 1 + eps_high)).float(), mask_BT),
         **ratio_metrics(s, mask_BT),
-        "approx_kl": approx_kl_k3(logp_BT, old_logp_BT, mask_BT),
+        "approx_kl": approx_kl_k3(logp_BT, pi_old_logp_BT, mask_BT),
     }
     return -obj, metrics
 
 
 # ------------------------------------------------- TIS: rollout-vs-trainer mismatch weights
-def token_is_ratio(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
+def token_is_ratio(
+    trainer_logp_BT: Tensor, alpha_engine_logp_BT: Tensor, mask_BT: Tensor
+) -> Tensor:
     """Token ratio ``exp(logp_train_old - logp_rollout)``, ``[B, T]`` (1 off the mask)."""
-    d = (old_logp_BT - rollout_logp_BT).detach() * mask_BT.to(old_logp_BT.dtype)
+    d = (trainer_logp_BT - alpha_engine_logp_BT).detach() * mask_BT.to(trainer_logp_BT.dtype)
     return ratio_exp(d)
 
 
-def seq_is_ratio(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
+def seq_is_ratio(trainer_logp_BT: Tensor, alpha_engine_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """Sequence ratio ``exp(sum_t (logp_train_old - logp_rollout))`` broadcast to ``[B, T]``."""
-    d = (old_logp_BT - rollout_logp_BT).detach() * mask_BT.to(old_logp_BT.dtype)
-    return ratio_exp(d.sum(dim=1, keepdim=True)).expand_as(old_logp_BT)
+    d = (trainer_logp_BT - alpha_engine_logp_BT).detach() * mask_BT.to(trainer_logp_BT.dtype)
+    return ratio_exp(d.sum(dim=1, keepdim=True)).expand_as(trainer_logp_BT)
 
 
 def truncate_weight(ratio_BT: Tensor, cap: float) -> Tensor:
@@ -279,8 +277,8 @@ def mask_weight(ratio_BT: Tensor, cap: float) -> Tensor:
 
 
 def mismatch_tis_weight(
-    old_logp_BT: Tensor,
-    rollout_logp_BT: Tensor,
+    trainer_logp_BT: Tensor,
+    alpha_engine_logp_BT: Tensor,
     mask_BT: Tensor,
     ratio_fn: Callable[[Tensor, Tensor, Tensor], Tensor],
     cap_fn: Callable[[Tensor], Tensor],
@@ -289,7 +287,7 @@ def mismatch_tis_weight(
     ``cap_fn(ratio_fn(old, rollout, mask))``, e.g. ``min(exp(logp_old - logp_rollout), C)``.
     It corrects vLLM-vs-trainer numerics only where old is alpha on the trainer (v = 1, or
     grpo.score_alpha: staleness.py); REC's ``rec_weight=tis`` is a clamp of ``pi/pi_old``."""
-    ratio = ratio_fn(old_logp_BT, rollout_logp_BT, mask_BT)
+    ratio = ratio_fn(trainer_logp_BT, alpha_engine_logp_BT, mask_BT)
     w = cap_fn(ratio)
     return w, {
         "tis_weight_mean": masked_mean(w, mask_BT),
@@ -304,9 +302,9 @@ def asymre_term(logp_BT: Tensor, coef: float) -> Tensor:
     return -coef * logp_BT
 
 
-def opmd_term(logp_BT: Tensor, old_logp_BT: Tensor, coef: float) -> Tensor:
-    """OPMD: ``c * (logp_t - old_logp_t)^2`` (a proximal pull toward the old policy)."""
-    return coef * (logp_BT - old_logp_BT.detach()) ** 2
+def opmd_term(logp_BT: Tensor, pi_old_logp_BT: Tensor, coef: float) -> Tensor:
+    """OPMD: ``c * (logp_t - pi_old_logp_t)^2`` (a proximal pull toward the old policy)."""
+    return coef * (logp_BT - pi_old_logp_BT.detach()) ** 2
 
 
 def entropy_bonus(entropy_BT: Tensor, coef: float) -> Tensor:

@@ -1,18 +1,26 @@
-"""The policy loss, composed once from ``GRPOConfig``: which surrogate of
-:mod:`~megatron_grpo.algorithms.losses`, which TIS weight, which regularizer, and which
-log-probs play which role (``build_policy_loss``'s docstring). ``grpo.score_alpha``'s split
-loss (:mod:`~megatron_grpo.algorithms.staleness`) is built from the same parts."""
+"""The policy loss, composed once from ``GRPOConfig``: a surrogate (``grpo.policy_loss``:
+:class:`OffPolicyClip`, :class:`Rec`, :class:`Gspo`, or a user's class named
+``path/to/file.py:Name`` / ``package.module:Name``), times the ``grpo.tis`` weight, plus the
+``grpo.regularizer`` term (:func:`build_policy_loss`).
+
+Every part is a :class:`LossTerm`: it declares the log-probs it reads by role (``needs``) and
+receives them by name in a :class:`RoleLogprobs`, so the trainer scores exactly the passes
+the loss declares (trainer/logprobs.py) and a new loss is one class in one module
+(docs/algorithms.md, "Write your own loss"). The per-token math is algorithms/losses.py.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
 from functools import partial
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from torch import Tensor
 
 from megatron_grpo.algorithms.losses import (
     Metrics,
-    PolicyLossFn,
     asymre_term,
     gspo_loss,
     mask_weight,
@@ -31,149 +39,313 @@ from megatron_grpo.algorithms.losses import (
     token_is_ratio,
     truncate_weight,
 )
+from megatron_grpo.config.plugins import load_object
+from megatron_grpo.config.schema import ConfigError, GRPOConfig
 
-TisFn = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Metrics]]
-CoreFn = Callable[..., tuple[Tensor, Metrics]]  # (logp, adv, mask, rollout_logp, old_logp)
+
+class Role(StrEnum):
+    """Which policy a log-prob tensor is of, in the paper's terms (docs/algorithms.md,
+    "Which log-probs play which role"); the differentiable policy pi is the loss's own
+    ``logp_BT``."""
+
+    ALPHA_ENGINE = "alpha_engine"
+    """alpha, the behaviour policy, as the engine served it (its log-probs come with the
+    samples: always there)."""
+    ALPHA_TRAINER = "alpha_trainer"
+    """alpha's weights scored on the trainer's numerics (``grpo.score_alpha``)."""
+    PI_K = "pi_k"
+    """the trainer's weights before the step's first update."""
+    PI_REF = "pi_ref"
+    """the KL reference."""
 
 
-def tis_weight_fn(c, exact: bool) -> TisFn | None:
-    """``grpo.tis``: the truncated (or masked) token/sequence IS weight ``pi_k/alpha``."""
-    if c.tis == "none":
-        return None
-    if not exact:
-        raise ValueError(
-            f"grpo.tis={c.tis!r} needs grpo.ratio_mode=exact (the trainer's pi_k log-probs): "
-            "set grpo.ratio_mode=exact or grpo.tis=none."
+@dataclass(frozen=True, kw_only=True)
+class RoleLogprobs:
+    """The log-probs a loss reads, by role: ``[B, T]``, position-aligned with ``logp_BT``;
+    None where the step did not score that role (no loss term declared it)."""
+
+    alpha_engine: Tensor
+    alpha_trainer: Tensor | None = None
+    pi_k: Tensor | None = None
+    pi_ref: Tensor | None = None
+
+    def of(self, role: Role) -> Tensor:
+        """The log-probs of ``role``; a one-line error when the step did not score them."""
+        t: Tensor | None = getattr(self, role.value)
+        if t is None:
+            raise ValueError(
+                f"the loss reads {role.value}'s log-probs, which the step did not score: "
+                f"add Role.{role.name} to the loss term's `needs` (the trainer scores what "
+                "its loss declares)."
+            )
+        return t
+
+
+@runtime_checkable
+class LossTerm(Protocol):
+    """A per-token term of the policy loss: ``term(logp_BT, adv=, mask_BT=, lp=) ->
+    (loss_BT, metrics)``, unaggregated (algorithms/aggregation.py aggregates), with
+    ``needs``, the roles of ``lp`` it reads. ``adv`` is ``[B]`` or ``[B, T]``; ``mask_BT``
+    is 1 on the loss tokens; metrics are detached 0-dim tensors over ``mask_BT``."""
+
+    @property
+    def needs(self) -> frozenset[Role]: ...
+
+    def __call__(
+        self, logp_BT: Tensor, *, adv: Tensor, mask_BT: Tensor, lp: RoleLogprobs
+    ) -> tuple[Tensor, Metrics]: ...
+
+
+def _alpha_role(c: GRPOConfig) -> Role:
+    """Whose alpha the surrogate's ratios are taken against: the trainer's scoring of it
+    under ``grpo.score_alpha`` (the staleness ratio, algorithms/staleness.py), else the
+    engine's."""
+    return Role.ALPHA_TRAINER if c.score_alpha else Role.ALPHA_ENGINE
+
+
+def _pi_old(c: GRPOConfig) -> Role:
+    """pi_old of the ratio rho = pi / pi_old (REC, GSPO, OPMD): pi_k under
+    ``ratio_mode=exact``, else alpha."""
+    return Role.PI_K if c.ratio_mode == "exact" else _alpha_role(c)
+
+
+# ------------------------------------------------------------------------------- surrogates
+@dataclass(frozen=True)
+class OffPolicyClip:
+    """``-f_eps(r, r', A)`` (off-policy GRPO eq. 6-7): ``r = pi/alpha``, ``r' = pi_k/alpha``
+    under ``ratio_mode=exact`` else 1; with ``around_pi_k`` (``grpo.tis`` without
+    ``score_alpha``) PPO around pi_k, ``r = pi/pi_k``, ``r' = 1``, which the TIS weight
+    ``min(pi_k/alpha, C)`` multiplies: the truncated form of the exact objective."""
+
+    eps_low: float
+    eps_high: float
+    dual_clip_c: float | None
+    alpha: Role
+    exact: bool
+    around_pi_k: bool
+
+    @classmethod
+    def from_config(cls, c: GRPOConfig) -> OffPolicyClip:
+        around = c.tis != "none" and not c.score_alpha
+        return cls(c.clip_eps_low, c.clip_eps_high, c.dual_clip_c, _alpha_role(c),
+                   c.ratio_mode == "exact", around)  # fmt: skip
+
+    @property
+    def needs(self) -> frozenset[Role]:
+        if self.around_pi_k:
+            return frozenset({Role.PI_K})
+        return frozenset({self.alpha, *([Role.PI_K] if self.exact else [])})
+
+    def __call__(
+        self, logp_BT: Tensor, *, adv: Tensor, mask_BT: Tensor, lp: RoleLogprobs
+    ) -> tuple[Tensor, Metrics]:
+        eps = {"eps_low": self.eps_low, "eps_high": self.eps_high, "dual_clip_c": self.dual_clip_c}
+        if self.around_pi_k:
+            return off_policy_clip_loss(logp_BT, lp.of(Role.PI_K), adv, mask_BT, **eps)
+        pi_k = lp.of(Role.PI_K) if self.exact else None
+        return off_policy_clip_loss(
+            logp_BT, lp.of(self.alpha), adv, mask_BT, pi_k_logp_BT=pi_k, **eps
         )
-    ratio_fn = token_is_ratio if c.tis.startswith("token") else seq_is_ratio
-    cap_fn = partial(truncate_weight if c.tis.endswith("truncate") else mask_weight, cap=c.tis_cap)
-    return partial(mismatch_tis_weight, ratio_fn=ratio_fn, cap_fn=cap_fn)
 
 
-def _off_policy_clip_fn(c, exact: bool, with_tis: bool) -> CoreFn:
-    eps = {"eps_low": c.clip_eps_low, "eps_high": c.clip_eps_high}
-    clip = partial(off_policy_clip_loss, **eps, dual_clip_c=c.dual_clip_c)
-    if with_tis:
+@dataclass(frozen=True)
+class Rec:
+    """Group-relative REINFORCE (Yao et al.): ``-w(rho) * A * logp * M(rho, A)`` with
+    ``rho = pi/pi_old``, the mask ``grpo.rec_clip`` and the weight ``grpo.rec_weight``."""
 
-        def core(logp, adv, mask, rollout_logp, old_logp):
-            return clip(logp, old_logp, adv, mask)
-    elif exact:
+    clip_mask_fn: Callable[[Tensor, Tensor], Tensor]
+    weight_fn: Callable[[Tensor], Tensor]
+    pi_old: Role
 
-        def core(logp, adv, mask, rollout_logp, old_logp):
-            return clip(logp, rollout_logp, adv, mask, old_logp_BT=old_logp)
-    else:
+    @classmethod
+    def from_config(cls, c: GRPOConfig) -> Rec:
+        eps = {"eps_low": c.clip_eps_low, "eps_high": c.clip_eps_high}
+        ring = {"ring_eps_low": c.rec_ring_eps_low, "ring_eps_high": c.rec_ring_eps_high}
+        masks: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+            "none": rec_mask_none,
+            "one_side": partial(rec_mask_one_side, **eps),
+            "two_side": partial(rec_mask_two_side, **eps),
+            "ring": partial(rec_mask_ring, **eps, **ring),
+        }
+        weights: dict[str, Callable[[Tensor], Tensor]] = {
+            "none": rec_weight_none,
+            "is": rec_weight_is,
+            "tis": partial(
+                rec_weight_tis, eps_low=c.rec_ring_eps_low, eps_high=c.rec_ring_eps_high
+            ),
+        }
+        return cls(masks[c.rec_clip], weights[c.rec_weight], _pi_old(c))
 
-        def core(logp, adv, mask, rollout_logp, old_logp):
-            return clip(logp, rollout_logp, adv, mask)
+    @property
+    def needs(self) -> frozenset[Role]:
+        return frozenset({self.pi_old})
 
-    return core
-
-
-def _rec_fn(c) -> CoreFn:
-    eps_lo, eps_hi = c.clip_eps_low, c.clip_eps_high
-    mask_fn = {
-        "none": rec_mask_none,
-        "one_side": partial(rec_mask_one_side, eps_low=eps_lo, eps_high=eps_hi),
-        "two_side": partial(rec_mask_two_side, eps_low=eps_lo, eps_high=eps_hi),
-        "ring": partial(
-            rec_mask_ring,
-            eps_low=eps_lo,
-            eps_high=eps_hi,
-            ring_eps_low=c.rec_ring_eps_low,
-            ring_eps_high=c.rec_ring_eps_high,
-        ),
-    }[c.rec_clip]
-    weight_fn = {
-        "none": rec_weight_none,
-        "is": rec_weight_is,
-        "tis": partial(rec_weight_tis, eps_low=c.rec_ring_eps_low, eps_high=c.rec_ring_eps_high),
-    }[c.rec_weight]
-    return partial(rec_loss, clip_mask_fn=mask_fn, weight_fn=weight_fn)
+    def __call__(
+        self, logp_BT: Tensor, *, adv: Tensor, mask_BT: Tensor, lp: RoleLogprobs
+    ) -> tuple[Tensor, Metrics]:
+        return rec_loss(logp_BT, lp.of(self.pi_old), adv, mask_BT,
+                        clip_mask_fn=self.clip_mask_fn, weight_fn=self.weight_fn)  # fmt: skip
 
 
-def surrogate_fn(c, exact: bool, with_tis: bool) -> CoreFn:
-    """``grpo.policy_loss``: ``(logp, adv, mask, rollout_logp, old_logp) -> (loss_BT,
-    metrics)``; rec and gspo take ``pi_old`` = ``old_logp`` (exact) or ``rollout_logp``."""
-    if c.policy_loss == "off_policy_clip":
-        return _off_policy_clip_fn(c, exact, with_tis)
-    if c.policy_loss == "rec":
-        ratio_loss = _rec_fn(c)
-    elif c.policy_loss == "gspo":
-        ratio_loss = partial(gspo_loss, eps_low=c.clip_eps_low, eps_high=c.clip_eps_high)
-    else:
-        raise ValueError(f"grpo.policy_loss={c.policy_loss!r}: use off_policy_clip, rec or gspo.")
+@dataclass(frozen=True)
+class Gspo:
+    """GSPO (Zheng et al.): the sequence ratio ``exp(mean_t log(pi/pi_old))`` clipped."""
 
-    def core(logp, adv, mask, rollout_logp, old_logp):
-        return ratio_loss(logp, old_logp if exact else rollout_logp, adv, mask)
+    eps_low: float
+    eps_high: float
+    pi_old: Role
 
-    return core
+    @classmethod
+    def from_config(cls, c: GRPOConfig) -> Gspo:
+        return cls(c.clip_eps_low, c.clip_eps_high, _pi_old(c))
+
+    @property
+    def needs(self) -> frozenset[Role]:
+        return frozenset({self.pi_old})
+
+    def __call__(
+        self, logp_BT: Tensor, *, adv: Tensor, mask_BT: Tensor, lp: RoleLogprobs
+    ) -> tuple[Tensor, Metrics]:
+        return gspo_loss(logp_BT, lp.of(self.pi_old), adv, mask_BT, self.eps_low, self.eps_high)
 
 
-def regularizer_fn(c) -> Callable[[Tensor, Tensor], Tensor] | None:
-    """``grpo.regularizer``: ``(logp, pi_old logp) -> per-token term``, or None."""
+SURROGATES: dict[str, Any] = {"off_policy_clip": OffPolicyClip, "rec": Rec, "gspo": Gspo}
+"""``grpo.policy_loss`` -> its class; each builds itself with ``from_config(grpo_cfg)``."""
+
+
+# ------------------------------------------------------------ TIS weight and regularizers
+@dataclass(frozen=True)
+class TisWeight:
+    """``grpo.tis``: the detached weight ``cap(ratio)`` of the rollout mismatch, the ratio
+    ``numerator / alpha_engine`` per token or per sequence; the numerator is pi_k, or
+    alpha_trainer under ``grpo.score_alpha`` (the numerics ratio alone)."""
+
+    numerator: Role
+    token_level: bool
+    truncate: bool
+    cap: float
+
+    @classmethod
+    def from_config(cls, c: GRPOConfig) -> TisWeight | None:
+        if c.tis == "none":
+            return None
+        if c.ratio_mode != "exact" and not c.score_alpha:
+            raise ConfigError(
+                f"grpo.tis={c.tis!r} needs grpo.ratio_mode=exact (the trainer's pi_k log-probs): "
+                "set grpo.ratio_mode=exact or grpo.tis=none."
+            )
+        numerator = Role.ALPHA_TRAINER if c.score_alpha else Role.PI_K
+        return cls(numerator, c.tis.startswith("token"), c.tis.endswith("truncate"), c.tis_cap)
+
+    @property
+    def needs(self) -> frozenset[Role]:
+        return frozenset({self.numerator, Role.ALPHA_ENGINE})
+
+    def __call__(self, *, mask_BT: Tensor, lp: RoleLogprobs) -> tuple[Tensor, Metrics]:
+        ratio_fn = token_is_ratio if self.token_level else seq_is_ratio
+        cap = self.cap
+
+        def cap_fn(ratio: Tensor) -> Tensor:
+            return truncate_weight(ratio, cap) if self.truncate else mask_weight(ratio, cap)
+
+        return mismatch_tis_weight(lp.of(self.numerator), lp.of(Role.ALPHA_ENGINE), mask_BT,
+                                   ratio_fn=ratio_fn, cap_fn=cap_fn)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AsymRE:
+    """AsymRE: ``-c * logp`` (the advantages shifted by ``+c``)."""
+
+    coef: float
+    needs: ClassVar[frozenset[Role]] = frozenset()
+
+    def __call__(
+        self, logp_BT: Tensor, *, adv: Tensor, mask_BT: Tensor, lp: RoleLogprobs
+    ) -> tuple[Tensor, Metrics]:
+        return asymre_term(logp_BT, self.coef), {}
+
+
+@dataclass(frozen=True)
+class Opmd:
+    """OPMD: ``c * (logp - log pi_old)^2``, a proximal pull toward pi_old."""
+
+    coef: float
+    pi_old: Role
+
+    @property
+    def needs(self) -> frozenset[Role]:
+        return frozenset({self.pi_old})
+
+    def __call__(
+        self, logp_BT: Tensor, *, adv: Tensor, mask_BT: Tensor, lp: RoleLogprobs
+    ) -> tuple[Tensor, Metrics]:
+        return opmd_term(logp_BT, lp.of(self.pi_old), self.coef), {}
+
+
+def regularizer_of(c: GRPOConfig) -> LossTerm | None:
+    """``grpo.regularizer`` as a term, or None."""
     if c.regularizer == "none" or c.regularizer_coef == 0:
         return None
     if c.regularizer == "asymre":
-        return lambda logp, old: asymre_term(logp, c.regularizer_coef)
+        return AsymRE(c.regularizer_coef)
     if c.regularizer == "opmd":
-        return lambda logp, old: opmd_term(logp, old, c.regularizer_coef)
+        return Opmd(c.regularizer_coef, _pi_old(c))
     raise ValueError(f"grpo.regularizer={c.regularizer!r}: use none, asymre or opmd.")
 
 
-def build_policy_loss(grpo_cfg) -> PolicyLossFn:
-    """Compose the policy-loss closure from ``GRPOConfig`` once.
+# ------------------------------------------------------------------------------- the loss
+@dataclass(frozen=True)
+class PolicyLoss:
+    """``surrogate * tis + regularizer`` per token; needs what its parts need."""
 
-    Which log-probs play which role:
+    surrogate: LossTerm
+    tis: TisWeight | None = None
+    regularizer: LossTerm | None = None
 
-    - ``policy_loss=off_policy_clip``: ``ratio_mode=one`` uses ``r = pi/alpha`` (alpha from
-      ``rollout_logp``) and ``r' = 1``; ``exact`` adds ``r' = pi_k/alpha`` from ``old_logp``.
-      With ``tis != none`` the surrogate is PPO around pi_k (``r = pi/pi_k``, ``r' = 1``) times
-      the TIS weight ``min(pi_k/alpha, C)``: untruncated, ``(pi_k/alpha) * f(pi/pi_k, 1, A)``
-      equals ``f_eps(pi/alpha, r', A)`` with multiplicative instead of additive eps, so TIS
-      is the truncated form of the exact off-policy objective (decoupled PPO).
-    - ``rec`` / ``gspo``: ``rho = pi/pi_old`` with ``pi_old = old_logp`` (exact) or
-      ``rollout_logp`` (one); the TIS weight, if any, multiplies the per-token loss.
-    - regularizer OPMD pulls toward the same ``pi_old``; AsymRE needs none.
+    @property
+    def needs(self) -> frozenset[Role]:
+        out = set(self.surrogate.needs)
+        for part in (self.tis, self.regularizer):
+            if part is not None:
+                out |= part.needs
+        return frozenset(out)
 
-    The returned function is ``(logp_BT, adv, mask_BT, rollout_logp_BT, old_logp_BT) ->
-    (loss_BT, metrics)``; ``old_logp_BT`` may be None only when ``ratio_mode=one``.
-    """
-    c = grpo_cfg
-    exact = c.ratio_mode == "exact"
-    tis_fn = tis_weight_fn(c, exact)
-    core = surrogate_fn(c, exact, with_tis=tis_fn is not None)
-    reg_fn = regularizer_fn(c)
-
-    combined = compose_policy_loss(core, tis_fn, reg_fn, exact)
-
-    def policy_loss(logp_BT, adv, mask_BT, rollout_logp_BT, old_logp_BT):
-        # alpha is vLLM's rollout log-prob; TIS weighs pi_k against it
-        return combined(
-            logp_BT, adv, mask_BT, rollout_logp_BT, old_logp_BT, old_logp_BT, rollout_logp_BT
-        )
-
-    return policy_loss
-
-
-def compose_policy_loss(core, tis_fn, reg_fn, exact: bool):
-    """The surrogate ``core`` (ratios against ``alpha_BT``), times the TIS weight of
-    ``tis_logp_BT`` against ``rollout_logp_BT`` when ``tis_fn`` is set, plus the regularizer
-    toward pi_old (``old_logp_BT`` under ``ratio_mode=exact``, else alpha): the one
-    composition behind ``build_policy_loss`` and ``staleness.build_split_policy_loss``."""
-
-    def combined(logp_BT, adv, mask_BT, alpha_BT, old_logp_BT, tis_logp_BT, rollout_logp_BT):
-        if exact and old_logp_BT is None:
-            raise ValueError(
-                "grpo.ratio_mode=exact needs the trainer's pi_k log-probs (mb['old_logp']); "
-                "compute them before the SGD pass or set grpo.ratio_mode=one."
-            )
-        loss, metrics = core(logp_BT, adv, mask_BT, alpha_BT, old_logp_BT)
-        if tis_fn is not None:
-            w, tis_metrics = tis_fn(tis_logp_BT, rollout_logp_BT, mask_BT)
+    def __call__(
+        self, logp_BT: Tensor, *, adv: Tensor, mask_BT: Tensor, lp: RoleLogprobs
+    ) -> tuple[Tensor, Metrics]:
+        loss, metrics = self.surrogate(logp_BT, adv=adv, mask_BT=mask_BT, lp=lp)
+        if self.tis is not None:
+            w, tis_metrics = self.tis(mask_BT=mask_BT, lp=lp)
             loss = loss * w
             metrics.update(tis_metrics)
-        if reg_fn is not None:
-            loss = loss + reg_fn(logp_BT, old_logp_BT if exact else alpha_BT)
+        if self.regularizer is not None:
+            term, reg_metrics = self.regularizer(logp_BT, adv=adv, mask_BT=mask_BT, lp=lp)
+            loss = loss + term
+            metrics.update(reg_metrics)
         return loss, metrics
 
-    return combined
+
+def build_policy_loss(grpo_cfg: GRPOConfig) -> PolicyLoss:
+    """The policy loss of ``grpo_cfg``, composed once. Which log-probs play which role:
+    docs/algorithms.md, "Which log-probs play which role"; under ``grpo.score_alpha``
+    alpha_trainer takes alpha's place in every ratio and TIS weighs it against
+    alpha_engine (algorithms/staleness.py)."""
+    c = grpo_cfg
+    return PolicyLoss(surrogate_of(c), TisWeight.from_config(c), regularizer_of(c))
+
+
+def surrogate_of(c: GRPOConfig) -> LossTerm:
+    """``grpo.policy_loss``: a built-in name, or a user's class ``path/to/file.py:Name`` /
+    ``package.module:Name`` built as ``Name(grpo_cfg)``."""
+    if c.policy_loss in SURROGATES:
+        term: LossTerm = SURROGATES[c.policy_loss].from_config(c)
+        return term
+    cls = load_object(c.policy_loss, "loss", "class", "grpo.policy_loss=mypkg.losses:MyLoss")
+    term = cls(c)
+    if not isinstance(term, LossTerm) or not isinstance(term.needs, frozenset):
+        raise ConfigError(
+            f"grpo.policy_loss={c.policy_loss!r}: {cls.__name__}(grpo) must have `needs` (a "
+            "frozenset of Role) and be called as term(logp_BT, adv=, mask_BT=, lp=) -> "
+            "(loss_BT, metrics): see docs/algorithms.md, 'Write your own loss'."
+        )
+    return term

@@ -1,52 +1,39 @@
 """Staleness and engine numerics, measured apart (``grpo.score_alpha``; issue 33).
 
-The rollout log-probs vLLM returns are alpha's on vLLM's kernels (``rollout_logp``); with
+The rollout log-probs vLLM returns are alpha's on vLLM's kernels (``alpha_engine_logp``); with
 ``grpo.score_alpha`` the trainer also scores the samples under alpha's weights on its own
-kernels (``alpha_logp``). Per token, today's log-ratio log pi_k - log alpha_vLLM splits as
+kernels (``alpha_trainer_logp``). Per token, today's log-ratio log pi_k - log alpha_vLLM splits as
 
     numerics  = log alpha_trainer - log alpha_vLLM   (same weights, two engines)
     staleness = log pi_k - log alpha_trainer         (same engine, weights v steps apart)
 
 and each part goes where it belongs: the off-policy clip, REC/GSPO and OPMD read the
-staleness ratio (alpha_trainer in the place of alpha), ``grpo.tis`` truncates or masks the
-numerics ratio only, and ``sync.mode=adaptive`` reads the staleness KL
-(docs/algorithms.md, "Staleness and numerics").
+staleness ratio (alpha_trainer in the place of alpha: algorithms/policy_loss.py
+``Role.ALPHA_TRAINER``), ``grpo.tis`` truncates or masks the numerics ratio only, and
+``sync.mode=adaptive`` reads the staleness KL (docs/algorithms.md, "Staleness and numerics").
 
-Shapes: ``logp_BT`` (pi, differentiable), ``old_logp_BT`` (pi_k, before the step's update),
-``alpha_logp_BT`` (alpha on the trainer), ``rollout_logp_BT`` (alpha from vLLM) are ``[B, T]``
+Shapes: ``logp_BT`` (pi, differentiable), ``pi_k_logp_BT`` (pi_k, before the step's update),
+``alpha_trainer_logp_BT`` (alpha on the trainer), ``alpha_engine_logp_BT`` (alpha from vLLM) are ``[B, T]``
 log-probs of the sampled tokens, position-aligned; ``mask_BT`` is 1 on response tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
-from megatron_grpo.algorithms.losses import LOG_RATIO_CLAMP, Metrics, seq_is_ratio, token_is_ratio
-from megatron_grpo.algorithms.policy_loss import (
-    compose_policy_loss,
-    regularizer_fn,
-    surrogate_fn,
-    tis_weight_fn,
-)
-
-# (logp, adv, mask, rollout_logp, old_logp or None, alpha_logp) -> (loss_BT, metrics)
-SplitPolicyLossFn = Callable[
-    [Tensor, Tensor, Tensor, Tensor, "Tensor | None", Tensor], tuple[Tensor, Metrics]
-]
+from megatron_grpo.algorithms.losses import LOG_RATIO_CLAMP, seq_is_ratio, token_is_ratio
 
 RATIO_PARTS = ("numerics", "staleness")
 """The two parts, in the order :func:`decomposition_sums` returns them."""
 
 
 def split_log_ratios(
-    old_logp_BT: Tensor, alpha_logp_BT: Tensor, rollout_logp_BT: Tensor
+    pi_k_logp_BT: Tensor, alpha_trainer_logp_BT: Tensor, alpha_engine_logp_BT: Tensor
 ) -> tuple[Tensor, Tensor]:
     """``(numerics, staleness)`` ``[B, T]``: ``alpha - rollout`` and ``pi - alpha``; their
     sum is ``pi - rollout``, the log of today's ratio pi_k / alpha_vLLM."""
-    return alpha_logp_BT - rollout_logp_BT, old_logp_BT - alpha_logp_BT
+    return alpha_trainer_logp_BT - alpha_engine_logp_BT, pi_k_logp_BT - alpha_trainer_logp_BT
 
 
 def _k3(d_BT: Tensor) -> Tensor:
@@ -56,13 +43,17 @@ def _k3(d_BT: Tensor) -> Tensor:
 
 
 def tis_touched_BT(
-    old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor, token_level: bool, cap: float
+    pi_k_logp_BT: Tensor,
+    alpha_engine_logp_BT: Tensor,
+    mask_BT: Tensor,
+    token_level: bool,
+    cap: float,
 ) -> Tensor:
     """Bool ``[B, T]``: the response tokens whose TIS/MIS weight differs from the ratio
     (``ratio > cap``: truncated by ``*_truncate``, dropped by ``*_mask``), the ratio being
     ``exp(old - rollout)`` per token or per sequence (losses.token_is_ratio / seq_is_ratio)."""
     ratio_fn = token_is_ratio if token_level else seq_is_ratio
-    ratio = ratio_fn(old_logp_BT.double(), rollout_logp_BT.double(), mask_BT)
+    ratio = ratio_fn(pi_k_logp_BT.double(), alpha_engine_logp_BT.double(), mask_BT)
     return (ratio > cap) & (mask_BT != 0)
 
 
@@ -73,9 +64,9 @@ DECOMPOSITION_SUMS = (
 
 
 def decomposition_sums(
-    old_logp_BT: Tensor,
-    alpha_logp_BT: Tensor,
-    rollout_logp_BT: Tensor,
+    pi_k_logp_BT: Tensor,
+    alpha_trainer_logp_BT: Tensor,
+    alpha_engine_logp_BT: Tensor,
     mask_BT: Tensor,
     tis: tuple[bool, float] | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -90,16 +81,16 @@ def decomposition_sums(
     m = mask_BT != 0
     numerics, staleness = (
         x.detach().double() * m
-        for x in split_log_ratios(old_logp_BT, alpha_logp_BT, rollout_logp_BT)
+        for x in split_log_ratios(pi_k_logp_BT, alpha_trainer_logp_BT, alpha_engine_logp_BT)
     )
     seq_has = m.any(dim=1)
     sums = [numerics.sum(), staleness.sum(), (_k3(numerics) * m).sum(),
             (_k3(staleness) * m).sum(), m.sum().double()]  # fmt: skip
-    for old in (alpha_logp_BT, old_logp_BT):
+    for old in (alpha_trainer_logp_BT, pi_k_logp_BT):
         if tis is None:
             sums += [numerics.new_zeros(())] * 2  # on the inputs' device, as every sum
             continue
-        touched = tis_touched_BT(old.detach(), rollout_logp_BT.detach(), mask_BT, *tis)
+        touched = tis_touched_BT(old.detach(), alpha_engine_logp_BT.detach(), mask_BT, *tis)
         sums += [touched.sum().double(), touched.any(dim=1).sum().double()]
     sums.append(seq_has.sum().double())
     maxima = torch.stack([numerics.abs().max(), staleness.abs().max()]) if m.numel() else (
@@ -125,28 +116,3 @@ def decomposition_metrics(sums: Tensor, maxima: Tensor, with_tis: bool) -> dict[
             out[f"{name}_tokens_frac"] = s[f"{name}_tokens"] / tokens
             out[f"{name}_seqs_frac"] = s[f"{name}_seqs"] / seqs
     return out
-
-
-def build_split_policy_loss(grpo_cfg) -> SplitPolicyLossFn:
-    """The policy loss of ``grpo.score_alpha``: :func:`policy_loss.build_policy_loss`'s
-    composition with alpha_trainer (``alpha_logp``) where it reads alpha, so every ratio of
-    the surrogate is the staleness ratio (``off_policy_clip``: r = pi/alpha_trainer, r' =
-    pi_k/alpha_trainer under ratio_mode=exact, else 1; ``rec``/``gspo``/OPMD: pi_old = pi_k
-    under exact, else alpha_trainer), and the ``grpo.tis`` weight is
-    ``cap(alpha_trainer/alpha_vLLM)``, the numerics ratio only. The surrogate is never the
-    TIS form around pi_k: the staleness ratio is the off-policy clip's to handle."""
-    c = grpo_cfg
-    exact = c.ratio_mode == "exact"
-    tis_fn = tis_weight_fn(c, exact=True)  # alpha_trainer is there whatever ratio_mode says
-    core = surrogate_fn(c, exact, with_tis=False)
-    reg_fn = regularizer_fn(c)
-
-    combined = compose_policy_loss(core, tis_fn, reg_fn, exact)
-
-    def split_policy_loss(logp_BT, adv, mask_BT, rollout_logp_BT, old_logp_BT, alpha_logp_BT):
-        # the ratios against alpha_trainer; TIS weighs alpha_trainer against alpha_vLLM
-        return combined(
-            logp_BT, adv, mask_BT, alpha_logp_BT, old_logp_BT, alpha_logp_BT, rollout_logp_BT
-        )
-
-    return split_policy_loss

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from megatron_grpo.algorithms.step_batch import Rows
 from megatron_grpo.bridge.checksum import Checksum
 
 
@@ -116,15 +117,15 @@ def fixed_sequences(
     return [torch.randint(3, hi, (length - (i % 3),), generator=g).tolist() for i in range(n)]
 
 
-def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """``{"input_ids", "attention_mask"}`` right-padded, for ``Policy.compute_logprobs``."""
+def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int = 0) -> Rows:
+    """``input_ids`` and ``attention_mask`` right-padded, for ``Policy.compute_logprobs``."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(list(s))
         mask[i, : len(s)] = 1
-    return {"input_ids": ids, "attention_mask": mask}
+    return Rows(input_ids=ids, attention_mask=mask)
 
 
 PARITY_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3}

@@ -296,6 +296,10 @@ class RolloutConfig:
             )
 
 
+POLICY_LOSSES = ("off_policy_clip", "rec", "gspo")
+"""The built-in ``grpo.policy_loss`` names (algorithms/policy_loss.py ``SURROGATES``)."""
+
+
 @dataclass
 class GRPOConfig:
     group_size: int = 8
@@ -331,9 +335,11 @@ class GRPOConfig:
     """RED-Drop: drop surplus negatives in groups with more negatives than positives."""
     zero_variance_mask: bool = True
     """Groups whose G rewards are all equal contribute nothing (paper eq. 8 mask)."""
-    policy_loss: Literal["off_policy_clip", "rec", "gspo"] = "off_policy_clip"
+    policy_loss: str = "off_policy_clip"
     """``off_policy_clip``: f_eps(r, r', A) (PPO/DAPO/dual-clip family); ``rec``: group-relative
-    REINFORCE with clip masks and weights (Yao et al.); ``gspo``: sequence-level ratio."""
+    REINFORCE with clip masks and weights (Yao et al.); ``gspo``: sequence-level ratio; or a
+    loss class of your own, ``path/to/file.py:Name`` or ``package.module:Name``, built as
+    ``Name(grpo)`` (docs/algorithms.md, "Write your own loss")."""
     ratio_mode: Literal["one", "exact"] = "one"
     """r' = pi_k/alpha: ``one`` approximates r' = 1 (paper's runs); ``exact`` recomputes pi_k's
     log-probs on the trainer and keeps alpha's from the rollout."""
@@ -405,7 +411,12 @@ class GRPOConfig:
                 "an integer >= 0 (0: grpo.micro_batch_size full-length sequences)."
             )
         _check_choice("grpo.advantage", self.advantage, ("grpo", "drgrpo", "red_weight"))
-        _check_choice("grpo.policy_loss", self.policy_loss, ("off_policy_clip", "rec", "gspo"))
+        if ":" not in self.policy_loss and self.policy_loss not in POLICY_LOSSES:
+            raise ConfigError(  # a class path is loaded (and checked) by make_loss_fn
+                f"grpo.policy_loss={self.policy_loss!r} is not one of {list(POLICY_LOSSES)}: set "
+                "grpo.policy_loss to one of them, or to a loss class 'path/to/file.py:Name' "
+                "(docs/algorithms.md, 'Write your own loss')."
+            )
         _check_choice("grpo.ratio_mode", self.ratio_mode, ("one", "exact"))
         _check_choice("grpo.rec_clip", self.rec_clip, ("none", "one_side", "two_side", "ring"))
         _check_choice("grpo.rec_weight", self.rec_weight, ("none", "is", "tis"))

@@ -4,12 +4,10 @@ train step (DDP + megatron optimizer)."""
 
 from megatron_grpo.policy.logprob import token_logprobs, vocab_parallel_logprob_entropy
 from megatron_grpo.policy.lr_schedule import LRSchedule
-from megatron_grpo.policy.policy import LossFn, Policy, StepBatch, build_policy
+from megatron_grpo.policy.policy import Policy, build_policy
 
 __all__ = [
-    "StepBatch",
     "LRSchedule",
-    "LossFn",
     "Policy",
     "build_policy",
     "token_logprobs",

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.algorithms.step_batch import LossFn, StepBatch
+from megatron_grpo.algorithms.step_batch import Rows, ScoreFn
 from megatron_grpo.config.schema import ModelConfig
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.policy.kernels import resolve_transformer_impl
@@ -53,13 +53,13 @@ class MicroBatchForward:
             else None
         )
 
-    def split(self, batch: StepBatch, micro_batch_size: int, token_budget: int | None) -> list:
+    def split(self, batch: Rows, micro_batch_size: int, token_budget: int | None) -> list:
         return split_batch(
             batch, micro_batch_size, token_budget, self._length_multiple, can_pack=self.can_pack
         )
 
     def run(
-        self, chunks: list, mbs: list, score: LossFn, *, temperature: float, forward_only: bool
+        self, chunks: list, mbs: list, score: ScoreFn, *, temperature: float, forward_only: bool
     ) -> list:
         """megatron's schedule over ``chunks`` (DDP-wrapped or bare) and the micro-batches
         ``mbs`` of ``split``; each micro-batch's output is scored at ``temperature`` and
@@ -73,7 +73,7 @@ class MicroBatchForward:
                 "micro_batch_size or the batch size."
             )
         shapes = [
-            (mb["input_ids"] if pack is None else pack.input_ids).shape for _, _, mb, pack in mbs
+            (mb.input_ids if pack is None else pack.input_ids).shape for _, _, mb, pack in mbs
         ]
         iters: list[Iterator] = [iter([(mb, pack) for _, _, mb, pack in mbs]) for _ in chunks]
         return self._forward_backward(
@@ -86,7 +86,7 @@ class MicroBatchForward:
             forward_only=forward_only,
         )
 
-    def _step(self, score: LossFn, temperature: float) -> Callable:
+    def _step(self, score: ScoreFn, temperature: float) -> Callable:
         """megatron's ``forward_step_func`` for one micro-batch: its tensors moved to the
         device in one copy, the model's output (logits or hidden states, ``self.scoring``),
         and a reduction that scores it (``logp``, ``entropy`` [n, L] of the padded rows) and
@@ -96,7 +96,7 @@ class MicroBatchForward:
         def step(data_iterator, model):
             mb, pack = self._to_device(*next(data_iterator))
             if self.routing is not None:  # this micro-batch's vLLM experts, on every stage
-                routed = mb.get("routed_experts") if pack is None else pack.routed_experts
+                routed = mb.routed_experts if pack is None else pack.routed_experts
                 self.routing.set_targets(routed, packed=pack is not None)
             out = self._model_forward(model, mb, pack)
 
@@ -110,23 +110,21 @@ class MicroBatchForward:
 
         return step
 
-    def _to_device(
-        self, mb: StepBatch, pack: PackedRows | None
-    ) -> tuple[StepBatch, PackedRows | None]:
+    def _to_device(self, mb: Rows, pack: PackedRows | None) -> tuple[Rows, PackedRows | None]:
         """The micro-batch's and the pack's tensors on the device, in one copy
         (``policy.transfer``); other values as they are."""
-        tensors = {f"mb.{k}": v for k, v in mb.items() if isinstance(v, torch.Tensor)}
+        tensors = {f"mb.{k}": v for k, v in mb.tensors().items()}
         if pack is not None:
             tensors.update({f"pack.{k}": v for k, v in pack.tensors().items()})
         moved = to_device(tensors, self.ctx.device)
-        mb = {k: moved.get(f"mb.{k}", v) for k, v in mb.items()}
+        mb = mb.with_tensors({k[3:]: v for k, v in moved.items() if k.startswith("mb.")})
         if pack is not None:
             pack = pack.on(
                 {k: t for k in pack.TENSORS if (t := moved.get(f"pack.{k}")) is not None}
             )
         return mb, pack
 
-    def _model_forward(self, model, mb: StepBatch, pack: PackedRows | None) -> torch.Tensor:
+    def _model_forward(self, model, mb: Rows, pack: PackedRows | None) -> torch.Tensor:
         """The last stage's output (``self.scoring``: logits [n, L, V/tp] or hidden states) of
         the padded rows, or of the pack ([1, T, ...]); tensors on the device."""
         if pack is not None:
@@ -143,16 +141,16 @@ class MicroBatchForward:
                 pack.input_ids, positions, None, packed_seq_params=params,
                 **self.scoring.forward_kwargs,
             )  # fmt: skip
-        ids = mb["input_ids"]
+        ids = mb.input_ids
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         # attention_mask=None: the local/TE core attention applies its causal mask
         # (AttnMaskType.causal in the GPT layer spec).
         return model(ids, positions, None, **self.scoring.forward_kwargs)
 
-    def _row_logp_entropy(self, out, mb: StepBatch, pack: PackedRows | None, temperature: float):
+    def _row_logp_entropy(self, out, mb: Rows, pack: PackedRows | None, temperature: float):
         """``logp``, ``entropy`` [n, L] of the micro-batch's rows, position-aligned; the
         temperature divides each fp32 chunk inside: no divided copy of the logits."""
-        ids = mb["input_ids"]
+        ids = mb.input_ids
         if pack is None:
             return self.scoring.token_logprobs(out, ids, temperature)
         logp, ent = self.scoring.token_logprobs(out, pack.input_ids, temperature)

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
-from megatron_grpo.algorithms.step_batch import StepBatch
+from megatron_grpo.algorithms.step_batch import Rows
 from megatron_grpo.config.schema import Config, ConfigError
+
+R = TypeVar("R", bound=Rows)
 
 
 def micro_batch_token_budget(cfg: Config) -> int | None:
@@ -36,52 +39,37 @@ def micro_batch_token_budget(cfg: Config) -> int | None:
     return g.micro_batch_size * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
 
 
-def _check_batch(batch: StepBatch) -> tuple[int, int]:
-    ids = batch["input_ids"]
-    if ids.dim() != 2:
-        raise ValueError(f"input_ids must be [B, L], got shape {tuple(ids.shape)}")
-    b, seq = ids.shape
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] != b:
-            raise ValueError(
-                f"batch[{k!r}] has leading dim {v.shape[0]}, input_ids has B={b}: every "
-                "per-sequence tensor must have the batch as its first dim."
-            )
-    return b, seq
-
-
-def _row_lengths(batch: StepBatch) -> list[int]:
+def _row_lengths(batch: Rows) -> list[int]:
     """Each row's length: its last position with ``attention_mask`` 1, plus one (at least 1);
     the full width without a mask."""
-    b, seq = batch["input_ids"].shape
-    if "attention_mask" not in batch:
+    b, seq = batch.input_ids.shape
+    if batch.attention_mask is None:
         return [seq] * b
-    am = batch["attention_mask"] != 0
+    am = batch.attention_mask != 0
     last = torch.where(am.any(1), seq - am.flip(1).int().argmax(1), 1)
     return last.tolist()
 
 
-def _slice_rows(batch: StepBatch, rows: slice, padded: int) -> StepBatch:
-    """``batch``'s rows ``rows``, every [B, L, ...] tensor cut (or right-padded with zeros)
-    to ``padded`` positions."""
-    seq = batch["input_ids"].shape[1]
-    mb = {}
-    for k, v in batch.items():
-        if not isinstance(v, torch.Tensor) or v.dim() == 0:
-            mb[k] = v
-            continue
+def _slice_rows(batch: R, rows: slice, padded: int) -> R:
+    """``batch``'s rows ``rows``, every [B, L, ...] tensor cut (or right-padded) to ``padded``
+    positions: with zeros, and ``routed_experts`` with -1 (no expert: the router's own
+    choice, and no routing mismatch counted, policy/routing_replay.py)."""
+    seq = batch.input_ids.shape[1]
+
+    def cut(name: str, v: torch.Tensor) -> torch.Tensor:
         t = v[rows]
         if t.dim() >= 2 and t.shape[1] == seq:
             t = t[:, :padded]
             if t.shape[1] < padded:  # right padding is invisible to causal attention
-                t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, padded - seq))
-        mb[k] = t.contiguous()
-    return mb
+                fill = -1 if name == "routed_experts" else 0
+                pad = (0, 0) * (t.dim() - 2) + (0, padded - seq)
+                t = torch.nn.functional.pad(t, pad, value=fill)
+        return t.contiguous()
+
+    return batch.map_rows(cut)
 
 
-def micro_batches(
-    batch: StepBatch, micro_batch_size: int, multiple: int = 1
-) -> list[tuple[slice, int, StepBatch]]:
+def micro_batches(batch: R, micro_batch_size: int, multiple: int = 1) -> list[tuple[slice, int, R]]:
     """Split ``batch`` into (row slice, trimmed length, micro-batch dict).
 
     ``multiple``: the micro-batch tensors' length is the trimmed length rounded up to a
@@ -90,7 +78,7 @@ def micro_batches(
     megatron/core/tensor_parallel/mappings.py ``_split_along_first_dim``). The returned
     length stays the unpadded one: the positions callers read back.
     """
-    b, _ = _check_batch(batch)
+    b = batch.num_rows
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
     lengths = _row_lengths(batch)
@@ -213,8 +201,8 @@ def _pack_routed(routed: torch.Tensor, lengths: list[int], size: int) -> torch.T
 
 
 def packed_micro_batches(
-    batch: StepBatch, token_budget: int, multiple: int = 1
-) -> list[tuple[slice, int, StepBatch, PackedRows]]:
+    batch: R, token_budget: int, multiple: int = 1
+) -> list[tuple[slice, int, R, PackedRows]]:
     """Split ``batch`` into micro-batches of consecutive rows holding at most
     ``token_budget`` real tokens each (a row longer than the budget is a micro-batch of its
     own), packed end to end (``PackedRows``): no compute on padding, and the number of rows
@@ -222,7 +210,7 @@ def packed_micro_batches(
 
     Returns (row slice, trimmed length, rows dict for ``loss_fn`` [n, length], pack).
     """
-    b, _ = _check_batch(batch)
+    b = batch.num_rows
     if token_budget < 1:
         raise ValueError(f"token_budget={token_budget} must be >= 1")
     lengths = _row_lengths(batch)
@@ -236,20 +224,20 @@ def packed_micro_batches(
     out = []
     for rows in groups:
         length = max(lengths[rows])
-        routed = batch["routed_experts"][rows] if "routed_experts" in batch else None
-        pack = PackedRows.build(batch["input_ids"][rows], lengths[rows], multiple, routed)
+        routed = None if batch.routed_experts is None else batch.routed_experts[rows]
+        pack = PackedRows.build(batch.input_ids[rows], lengths[rows], multiple, routed)
         out.append((rows, length, _slice_rows(batch, rows, length), pack))
     return out
 
 
 def split_batch(
-    batch: StepBatch,
+    batch: R,
     micro_batch_size: int,
     token_budget: int | None,
     multiple: int = 1,
     *,
     can_pack: bool = True,
-) -> list[tuple[slice, int, StepBatch, PackedRows | None]]:
+) -> list[tuple[slice, int, R, PackedRows | None]]:
     """Micro-batches of ``batch``: packed under ``token_budget`` when it is given, else
     ``micro_batch_size`` padded rows (pack None). ``can_pack`` is False under megatron's
     unfused attention, which refuses packed sequences."""

@@ -12,12 +12,12 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.algorithms.step_batch import LossFn, StepBatch
+from megatron_grpo.algorithms.step_batch import Metrics, Rows
 from megatron_grpo.config.schema import ConfigError, ModelConfig, OptimConfig
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec
@@ -33,6 +33,8 @@ from megatron_grpo.policy.optimizer import (
 )
 from megatron_grpo.policy.routing_replay import RoutingReplay
 from megatron_grpo.policy.scoring import Scoring
+
+R = TypeVar("R", bound=Rows)
 
 
 class Policy:
@@ -136,7 +138,7 @@ class Policy:
 
     @torch.no_grad()
     def compute_logprobs(
-        self, batch: StepBatch, micro_batch_size: int, *, token_budget: int | None = None
+        self, batch: Rows, micro_batch_size: int, *, token_budget: int | None = None
     ) -> dict[str, torch.Tensor]:
         """Per-token ``logp`` and ``entropy`` [B, L] (fp32, on CPU), on every rank.
 
@@ -147,10 +149,10 @@ class Policy:
         """
         # the pass reads only the tokens (and the mask that gives each row's length), and
         # vLLM's experts of each token where the batch carries them
-        keys = ("input_ids", "attention_mask", "routed_experts")
-        batch = {k: batch[k] for k in keys if k in batch}
+        batch = Rows(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                     routed_experts=batch.routed_experts)  # fmt: skip
         mbs = self.forward.split(batch, micro_batch_size, token_budget)
-        ids = batch["input_ids"]
+        ids = batch.input_ids
         for m in self.models:
             m.eval()
 
@@ -167,14 +169,14 @@ class Policy:
                 out[1, rows, :length] = r["entropy"][:, :length].float()
         self.forward.broadcast_from_last_stage(out)
         out = out.cpu()
-        if "attention_mask" in batch:
-            out *= batch["attention_mask"].to(out.dtype)
+        if batch.attention_mask is not None:
+            out *= batch.attention_mask.to(out.dtype)
         return {"logp": out[0], "entropy": out[1]}
 
     def train_step(
         self,
-        batch: StepBatch,
-        loss_fn: LossFn,
+        batch: R,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor, R], tuple[torch.Tensor, Metrics]],
         micro_batch_size: int,
         *,
         token_budget: int | None = None,
@@ -235,7 +237,7 @@ class Policy:
                 f"{self.nan_steps_in_row} optimizer steps in a row had a non-finite loss "
                 f"({loss}) or grad norm ({grad_norm}), more than "
                 f"optim.max_nan_steps_in_row={self.optim_cfg.max_nan_steps_in_row}: lower "
-                "optim.lr, check the loss inputs (advantages, old_logp), or raise the limit."
+                "optim.lr, check the loss inputs (advantages, pi_k_logp), or raise the limit."
             )
         self.optimizer.zero_grad()
         return True
@@ -332,4 +334,4 @@ def build_policy(
                   temperature=temperature, routing_replay=routing_replay)  # fmt: skip
 
 
-__all__ = ["StepBatch", "LRSchedule", "LossFn", "Policy", "build_policy"]
+__all__ = ["LRSchedule", "Policy", "build_policy"]

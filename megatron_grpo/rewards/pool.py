@@ -14,8 +14,6 @@ call's deadline.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import multiprocessing as mp
 import signal
@@ -24,8 +22,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 
+from megatron_grpo.config.plugins import load_object
 from megatron_grpo.platform.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -33,51 +31,10 @@ log = logging.getLogger(__name__)
 _MAX_DETAIL = 500
 
 
-def _load_file(file: str, path: str):
-    """The module of a Python file given as ``path/to/file.py`` (relative to the working
-    directory); loaded under a private name, again in each reward worker."""
-    source = Path(file).resolve()
-    if not source.is_file():
-        raise ValueError(
-            f"reward file {file!r} of reward {path!r} does not exist (looked at {source}): "
-            "give the path of a .py file, relative to the working directory or absolute."
-        )
-    name = f"_mgrpo_reward_{abs(hash(str(source)))}"
-    spec = importlib.util.spec_from_file_location(name, source)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        raise ValueError(
-            f"reward file {source} failed to load ({type(e).__name__}: {e}): fix the file."
-        ) from e
-    return module
-
-
 def load_callable(path: str) -> Callable:
     """Import ``"package.module:function"`` or ``"path/to/file.py:function"`` and return
     the function."""
-    mod_name, sep, attr = path.rpartition(":")
-    if not sep or not mod_name or not attr:
-        raise ValueError(
-            f"reward function {path!r} is not 'package.module:function' or "
-            "'path/to/file.py:function': write it as e.g. reward.name=mypkg.rewards:score."
-        )
-    try:
-        if mod_name.endswith(".py"):
-            module = _load_file(mod_name, path)
-        else:
-            module = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ValueError(
-            f"cannot import module {mod_name!r} of reward {path!r} ({e}): put it on PYTHONPATH "
-            "or install its package."
-        ) from e
-    fn = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise ValueError(f"module {mod_name!r} has no attribute {attr!r} (reward {path!r}).")
+    fn = load_object(path, "reward", "function", "reward.name=mypkg.rewards:score")
     if not callable(fn):
         raise ValueError(f"reward {path!r} is not callable (got {type(fn).__name__}).")
     return fn

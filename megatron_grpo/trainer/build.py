@@ -21,6 +21,7 @@ import torch
 
 from megatron_grpo.algorithms.advantages import build_advantage_fn
 from megatron_grpo.algorithms.aggregation import make_loss_fn
+from megatron_grpo.algorithms.policy_loss import Role
 from megatron_grpo.checkpoint import LoopState
 from megatron_grpo.config import Config, format_config, save_config
 from megatron_grpo.data import PromptSource, build_prompt_source
@@ -65,13 +66,14 @@ def build_trainer(
     rank = int(os.environ.get("RANK", "0"))
     # Layout, reward and data checks: one line now, not after the warm start or vLLM.
     num_engines = check_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    loss_fn = make_loss_fn(cfg.grpo, cfg.rollout.max_new_tokens)  # a user's loss loads here
     hf_dir = prepare_model_dir(cfg, rank, cfg.parallel.timeout_s)
     spec = load_spec(hf_dir)
     sub_world = world.trainer_world() if world is not None else {}  # the trainer ranks only
     ctx = init_distributed(cfg.parallel, spec, seed=cfg.seed, **sub_world)
     _say_run(cfg, ctx, hf_dir, spec, num_engines)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    policy, ref, served, alpha = _build_policies(cfg, spec, ctx, hf_dir)
+    policy, ref, served, alpha = _build_policies(cfg, spec, ctx, hf_dir, loss_fn.needs)
     budget = gpu_token_budget(spec, cfg, ctx)
     say_rank0(ctx, f"micro-batches: {budget.line()}")
     t0 = time.perf_counter()
@@ -96,7 +98,7 @@ def build_trainer(
     trainer = GRPOTrainer(
         cfg=cfg, ctx=ctx, tokenizer=tokenizer, policy=policy, ref=ref, rollout=rollout,
         sender=sender, schedule=schedule, window=window, advantage_fn=build_advantage_fn(cfg.grpo),
-        loss_fn=make_loss_fn(cfg.grpo, cfg.rollout.max_new_tokens), memory=memory,
+        loss_fn=loss_fn, memory=memory,
         checkpointer=checkpointer, logger=logger, timer=PhaseTimer.for_device(ctx.device),
         validator=validator, alpha=alpha, budget=budget,
         closers=[logger.close, reward_fn.close, rollout.shutdown, destroy_distributed],
@@ -122,11 +124,12 @@ def _say_run(
 
 
 def _build_policies(
-    cfg: Config, spec: ModelSpec, ctx: ParallelContext, hf_dir: Path
+    cfg: Config, spec: ModelSpec, ctx: ParallelContext, hf_dir: Path, needs: frozenset[Role]
 ) -> tuple[Policy, Policy | None, Policy | None, Policy | None]:
-    """The policy, warm-started from ``hf_dir``, and its copies: pi_ref (grpo.kl_coef > 0),
-    the served copy (exact resume of a lagging sync) and alpha (grpo.score_alpha: the
-    weights vLLM serves, on the trainer; the served copy when there is one)."""
+    """The policy, warm-started from ``hf_dir``, and its copies: pi_ref (grpo.kl_coef > 0,
+    or a loss that reads it), the served copy (exact resume of a lagging sync) and alpha
+    (a loss that reads alpha_trainer, i.e. grpo.score_alpha: the weights vLLM serves, on
+    the trainer; the served copy when there is one). ``needs``: what the loss reads."""
     g = cfg.grpo
     batch = g.prompts_per_step * g.group_size
     optimizer_steps = cfg.steps * g.sgd_iterations * (batch // (g.mini_batch_size or batch))
@@ -140,11 +143,11 @@ def _build_policies(
         temperature=cfg.rollout.temperature,  # log-probs of softmax(logits / T), as sampled
         routing_replay=cfg.rollout.routing_replay == "on",  # vLLM's experts (docs/moe.md)
     )
-    ref = policy.make_reference() if g.kl_coef > 0 else None
+    ref = policy.make_reference() if g.kl_coef > 0 or Role.PI_REF in needs else None
     keep_served = cfg.checkpoint.exact_resume and cfg.sync.can_lag
     served = policy.make_reference() if keep_served else None
     alpha = None
-    if g.score_alpha and cfg.sync.can_lag:
+    if (g.score_alpha or Role.ALPHA_TRAINER in needs) and cfg.sync.can_lag:
         alpha = served if served is not None else policy.make_reference()
     return policy, ref, served, alpha
 

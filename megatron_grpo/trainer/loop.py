@@ -28,10 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_grpo.algorithms.advantages import AdvantageFn
-from megatron_grpo.algorithms.aggregation import compute_global_normalizers, normalizer_mask
+from megatron_grpo.algorithms.advantages import AdvantageFn, Advantages
+from megatron_grpo.algorithms.aggregation import (
+    GRPOLoss,
+    compute_global_normalizers,
+    normalizer_mask,
+)
 from megatron_grpo.algorithms.seeds import advantage_seed, mini_batch_seed
-from megatron_grpo.algorithms.step_batch import LossFn
+from megatron_grpo.algorithms.step_batch import LossBatch, SampledBatch, extend
 from megatron_grpo.bridge.accounting import SyncReport
 from megatron_grpo.bridge.weight_sync import WeightSender
 from megatron_grpo.checkpoint import LoopState, find_latest
@@ -45,7 +49,7 @@ from megatron_grpo.policy import Policy
 from megatron_grpo.rollout.ahead import WindowBuffer
 from megatron_grpo.rollout.interface import Rollout, RolloutFailure
 from megatron_grpo.trainer.checkpointer import Checkpointer, loop_state_of
-from megatron_grpo.trainer.collate import attach_advantages, collate, dp_shard, mini_batches
+from megatron_grpo.trainer.collate import collate, mini_batches, with_advantages
 from megatron_grpo.trainer.colocated_memory import ColocatedMemory
 from megatron_grpo.trainer.logprobs import StepLogprobs
 from megatron_grpo.trainer.sync_schedule import SyncSchedule
@@ -69,7 +73,7 @@ class GRPOTrainer:
     sender: WeightSender  # the bridge: pushes the policy's weights into the engines
     window: WindowBuffer  # each step's prompts, samples and rewards
     advantage_fn: AdvantageFn
-    loss_fn: LossFn
+    loss_fn: GRPOLoss  # what it reads (``needs``) decides the step's scoring passes
     memory: ColocatedMemory
     checkpointer: Checkpointer
     logger: MetricsLogger
@@ -90,7 +94,7 @@ class GRPOTrainer:
         if self.schedule is None:
             self.schedule = SyncSchedule.from_config(self.cfg.sync)
         self.logprobs = StepLogprobs(self.cfg, self.ctx, self.policy, self.ref, self.alpha,
-                                     self.timer, self.budget.tokens)  # fmt: skip
+                                     self.timer, self.budget.tokens, self.loss_fn.needs)  # fmt: skip
 
     @property
     def policy_version(self) -> int:
@@ -114,10 +118,10 @@ class GRPOTrainer:
                 rewards, reward_info = self.window.take_scores()
             batch = collate(samples, self.tokenizer.pad_token_id)
             with timer.phase("logprobs"):
-                batch, kl_seq = self.reference_logprobs(batch)
+                pi_ref, kl_seq = self.logprobs.reference(batch)
             adv = self.group_advantages(rewards, kl_seq, step)
             with timer.phase("train"):
-                train, drift, ratio_parts = self.train_on(batch, adv, step)
+                train, drift, ratio_parts = self.train_on(batch, adv, pi_ref, step)
             sync_report = eval_metrics = None
             if self.schedule.due(step, drift):
                 with timer.phase("sync"), self._bounded(f"the weight sync of step {step}"):
@@ -150,11 +154,9 @@ class GRPOTrainer:
             latest = find_latest(self.checkpointer.run_dir)
             raise RolloutFailure.during(step, e, latest, self.cfg.run_dir) from e
 
-    def reference_logprobs(self, batch):
-        """pi_ref's log-probs when the KL needs them; the per-sequence KL for KL-in-reward."""
-        return self.logprobs.reference(batch)
-
-    def group_advantages(self, rewards_PG, kl_seq, step):
+    def group_advantages(
+        self, rewards_PG: torch.Tensor, kl_seq: torch.Tensor | None, step: int
+    ) -> Advantages:
         g = self.cfg.grpo
         task_PG = rewards_PG  # the zero-variance mask looks at these, not at the KL penalty
         if kl_seq is not None:
@@ -162,27 +164,29 @@ class GRPOTrainer:
         gen = torch.Generator().manual_seed(advantage_seed(self.cfg.seed, step))
         return self.advantage_fn(rewards_PG, gen, task_PG)
 
-    def train_on(self, batch, adv, step) -> tuple[list[dict[str, Any]], float | None, dict | None]:
+    def train_on(
+        self, batch: SampledBatch, adv: Advantages, pi_ref: torch.Tensor | None, step: int
+    ) -> tuple[list[dict[str, Any]], float | None, dict[str, float] | None]:
         """i SGD iterations over mini-batches of this DP rank's share of the batch; returns
         the optimizer steps' metrics, the drift of pi_k from alpha measured before them
-        and, with grpo.score_alpha, the ratio's two parts (``StepLogprobs.before_sgd``)."""
+        and, with grpo.score_alpha, the ratio's two parts (``StepLogprobs.score``)."""
         g, ctx = self.cfg.grpo, self.ctx
-        attach_advantages(batch, adv, g.overlong_filter)
-        shard = dp_shard(batch, ctx.dp_rank, ctx.dp)
+        advantaged = with_advantages(batch, adv, g.overlong_filter)
         lag = step - 1 - self.policy_version
-        drift, ratio_parts = self.logprobs.before_sgd(shard, lag, self.schedule.adaptive)
+        scored = self.logprobs.score(advantaged, pi_ref, lag, self.schedule.adaptive)
         gen = torch.Generator().manual_seed(mini_batch_seed(self.cfg.seed, step))
+        group = ctx.dp_group if ctx.dp > 1 else None
         out = []
         for _ in range(g.sgd_iterations):
-            for mb in mini_batches(shard, g.mini_batch_size, ctx.dp, gen):
-                group = ctx.dp_group if ctx.dp > 1 else None
-                mb.update(compute_global_normalizers(normalizer_mask(mb, g.loss_normalizer), group=group))  # fmt: skip
+            for mini in mini_batches(scored.batch, g.mini_batch_size, ctx.dp, gen):
+                norms = compute_global_normalizers(normalizer_mask(mini, g.loss_normalizer), group)
+                mb = extend(LossBatch, mini, normalizers=norms)
                 out.append(
                     self.policy.train_step(
                         mb, self.loss_fn, g.micro_batch_size, token_budget=self.budget.tokens
                     )
                 )
-        return out, drift, ratio_parts
+        return out, scored.drift, scored.ratio_parts
 
     def routing_mismatch(self) -> float | None:
         """rollout.routing_replay: the step's share of routings where the policy's router

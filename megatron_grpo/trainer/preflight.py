@@ -1,8 +1,8 @@
 """Every check of a training run that can fail, run before anything expensive.
 
 Called by each rank first thing (``trainer.build.build_trainer``), and by ``megatron-grpo train`` run as one
-process before it starts the ranks: layout against the world size, the reward (a user
-function is imported), and the data (read and validated without a tokenizer; the prompt
+process before it starts the ranks: layout against the world size, the loss and the reward
+(a user's loss class or reward function is imported), and the data (read and validated without a tokenizer; the prompt
 length check, which needs the tokenizer, comes later). Each failure is one ConfigError line.
 """
 
@@ -12,6 +12,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+from megatron_grpo.algorithms.aggregation import make_loss_fn
 from megatron_grpo.config import Config, ConfigError
 from megatron_grpo.data import build_prompt_source
 from megatron_grpo.distributed.placement import validate_world
@@ -41,6 +42,7 @@ def check_run(cfg: Config, world_size: int) -> int:
     if data.template == "chat":  # needs the model's tokenizer: checked when it is loaded
         data = dataclasses.replace(data, template="{prompt}")
     try:
+        make_loss_fn(cfg.grpo, cfg.rollout.max_new_tokens)  # a user's loss class is imported
         check_reward(cfg.reward, cfg.data)
         quiet = logging.getLogger("megatron_grpo.data")  # the rows-skipped note comes later
         level, quiet.level = quiet.level, logging.ERROR

@@ -15,12 +15,19 @@ from megatron_grpo.algorithms import advantages as adv_mod
 from megatron_grpo.algorithms import aggregation as agg
 from megatron_grpo.algorithms import kl as kl_mod
 from megatron_grpo.algorithms import losses as L
-from megatron_grpo.algorithms.policy_loss import build_policy_loss
+from megatron_grpo.algorithms.policy_loss import RoleLogprobs, build_policy_loss
 from megatron_grpo.algorithms.shaping import overlong_filter_keep, overlong_penalty
 from megatron_grpo.config.schema import GRPOConfig
+from tests.helpers.batches import advantaged, loss_batch
 from tests.helpers.numerics import close, t
 
 ln = math.log
+
+
+def policy_loss(cfg, logp, adv, mask, alpha_engine, pi_k=None):
+    """``build_policy_loss(cfg)`` on one set of inputs, the log-probs by role."""
+    lp = RoleLogprobs(alpha_engine=alpha_engine, pi_k=pi_k)
+    return build_policy_loss(cfg)(logp, adv=adv, mask_BT=mask, lp=lp)
 
 
 # ------------------------------------------------------------------------------ advantages
@@ -134,7 +141,7 @@ def test_off_policy_clip_exact_r_prime():
     logp = t([[ln(1.5)], [ln(0.05)]])
     prox = t([[ln(1.4)], [ln(0.1)]])
     loss, m = L.off_policy_clip_loss(
-        logp, torch.zeros(2, 1), t([1.0, -1.0]), torch.ones(2, 1), 0.2, 0.2, old_logp_BT=prox
+        logp, torch.zeros(2, 1), t([1.0, -1.0]), torch.ones(2, 1), 0.2, 0.2, pi_k_logp_BT=prox
     )
     close(loss, [[-1.5], [0.05]])
     close(m["clip_frac_high"], 0.0)
@@ -184,8 +191,7 @@ def test_rec_tis_is_the_papers_clamp():
     # Built from the config: rec_weight=tis reads rec_ring_eps_low/high (eps'), A = 1, mask none
     # -> loss = -w * logp; logp = ln .3, old = 0 -> rho = .3 -> w = .4 -> loss = -.4 ln .3.
     cfg = GRPOConfig(policy_loss="rec", rec_clip="none", rec_weight="tis")
-    fn = build_policy_loss(cfg)
-    loss, _ = fn(t([[ln(0.3)]]), t([1.0]), t([[1.0]]), t([[0.0]]), None)
+    loss, _ = policy_loss(cfg, t([[ln(0.3)]]), t([1.0]), t([[1.0]]), t([[0.0]]))
     close(loss, [[-0.4 * ln(0.3)]])
 
 
@@ -248,9 +254,8 @@ def test_tis_in_policy_loss():
     # exact + token_truncate: loss = min(pi_k/alpha, 2) * PPO(pi/pi_k).
     # pi = pi_k (r = 1, unclipped), A = 1 -> PPO loss -1; pi_k/alpha = 3 -> w = 2 -> loss -2.
     cfg = GRPOConfig(ratio_mode="exact", tis="token_truncate", tis_cap=2.0)
-    fn = build_policy_loss(cfg)
     logp = t([[-1.0]])
-    loss, m = fn(logp, t([1.0]), t([[1.0]]), t([[-1.0 - ln(3.0)]]), t([[-1.0]]))
+    loss, m = policy_loss(cfg, logp, t([1.0]), t([[1.0]]), t([[-1.0 - ln(3.0)]]), t([[-1.0]]))
     close(loss, [[-2.0]])
     close(m["tis_frac_capped"], 1.0)
 
@@ -263,7 +268,7 @@ def test_regularizers_and_entropy():
     close(L.entropy_bonus(t([2.0]), 0.01), [-0.02])
     # Through the builder: rec NoIS no clip, A = 0 -> only the regularizer remains.
     cfg = GRPOConfig(policy_loss="rec", rec_clip="none", regularizer="opmd", regularizer_coef=0.5)
-    loss, _ = build_policy_loss(cfg)(t([[-1.0]]), t([0.0]), t([[1.0]]), t([[-1.5]]), None)
+    loss, _ = policy_loss(cfg, t([[-1.0]]), t([0.0]), t([[1.0]]), t([[-1.5]]))
     close(loss, [[0.125]])
 
 
@@ -298,8 +303,8 @@ def test_aggregation_modes_golden():
     close(agg.agg_constant(loss, mask, 2.0, 5.0), 1.0)
     # Normalizers: a fully masked row is not a sequence; micro-batches with different T sum.
     norms = agg.compute_global_normalizers([mask, t([[0, 0], [1, 1]])])
-    close(norms["global_num_tokens"], 6.0)
-    close(norms["global_num_seqs"], 3.0)
+    close(norms.num_tokens, 6.0)
+    close(norms.num_seqs, 3.0)
 
 
 def test_loss_fn_golden():
@@ -311,13 +316,12 @@ def test_loss_fn_golden():
     # token_mean over 2 global tokens: -1.9825590 / 2 = -0.9912795.
     cfg = GRPOConfig(kl_coef=0.1, entropy_coef=0.01)
     loss_fn = agg.make_loss_fn(cfg)
-    mb = {
-        "loss_mask": t([[1, 1]]),
-        "advantages": t([1.0]),
-        "rollout_logp": t([[-1.0, -1.0]]),
-        "ref_logp": t([[-1.5, -2.0]]),
-    }
-    mb.update(agg.compute_global_normalizers(mb["loss_mask"]))
+    mb = loss_batch(
+        loss_mask=t([[1, 1]]),
+        advantages=t([1.0]),
+        alpha_engine_logp=t([[-1.0, -1.0]]),
+        pi_ref_logp=t([[-1.5, -2.0]]),
+    )
     loss, m = loss_fn(t([[-1.0, -1.0]]), t([[2.0, 1.0]]), mb)
     close(loss, -0.9912795)
     close(m["kl_ref"], (0.106531 + 0.367879) / 2)
@@ -326,24 +330,16 @@ def test_loss_fn_golden():
 
 def test_loss_fn_errors_name_the_fix():
     loss_fn = agg.make_loss_fn(GRPOConfig(ratio_mode="exact"))
-    mb = {
-        "loss_mask": t([[1.0]]),
-        "advantages": t([1.0]),
-        "rollout_logp": t([[0.0]]),
-        "global_num_tokens": t(1.0),
-    }
-    with pytest.raises(KeyError, match="old_logp"):
+    mb = loss_batch(loss_mask=t([[1.0]]), advantages=t([1.0]), alpha_engine_logp=t([[0.0]]))
+    with pytest.raises(ValueError, match=r"pi_k's log-probs.*Role.PI_K"):
         loss_fn(t([[0.0]]), t([[0.0]]), mb)
     with pytest.raises(ValueError, match="max_response_len"):
         agg.make_loss_fn(GRPOConfig(loss_agg="constant"))
     # constant mode takes rollout.max_new_tokens when loss_agg_constant is 0.
     fn = agg.make_loss_fn(GRPOConfig(loss_agg="constant"), max_response_len=4)
-    mb2 = {
-        "loss_mask": t([[1.0, 1.0]]),
-        "advantages": t([1.0]),
-        "rollout_logp": t([[0.0, 0.0]]),
-        "global_num_rows": t(1.0),
-    }
+    mb2 = loss_batch(
+        loss_mask=t([[1.0, 1.0]]), advantages=t([1.0]), alpha_engine_logp=t([[0.0, 0.0]])
+    )
     close(fn(t([[0.0, 0.0]]), torch.zeros(1, 2), mb2)[0], -2.0 / 4)
 
 
@@ -387,7 +383,7 @@ def test_log_ratio_clamped_before_exp():
     close(L.token_is_ratio(big, zero, one), [[math.exp(20.0)]], tol=1e-4)
     close(L.seq_is_ratio(big, zero, one), [[math.exp(20.0)]], tol=1e-4)
     close(kl_mod.kl_k3(zero, big), [[math.exp(20.0) - 21.0]], tol=1e-4)
-    r_prime = L.off_policy_clip_loss(zero, zero, t([1.0]), one, 0.2, 0.2, old_logp_BT=big)
+    r_prime = L.off_policy_clip_loss(zero, zero, t([1.0]), one, 0.2, 0.2, pi_k_logp_BT=big)
     assert torch.isfinite(r_prime[0]).all()
 
 
@@ -402,19 +398,20 @@ def test_loss_normalizer_kept_vs_all_and_constant_is_constant():
     # per-token loss 1 on kept tokens -> sum 4.
     resp = torch.ones(4, 2)
     keep = t([[1, 1], [1, 1], [0, 0], [0, 0]])
-    mb = {"loss_mask": keep, "response_mask": resp}
+    mb = advantaged(loss_mask=keep, response_mask=resp)
     kept = agg.compute_global_normalizers(agg.normalizer_mask(mb, "kept"))
     every = agg.compute_global_normalizers(agg.normalizer_mask(mb, "all"))
     loss = torch.ones(4, 2)
     # kept: 4 / 4 tokens = 1 (DAPO renormalises); all: 4 / 8 = .5 (paper's E over all prompts)
-    close(agg.agg_token_mean(loss, keep, kept["global_num_tokens"]), 1.0)
-    close(agg.agg_token_mean(loss, keep, every["global_num_tokens"]), 0.5)
-    close(agg.agg_seq_mean_token_mean(loss, keep, every["global_num_seqs"]), 0.5)
+    close(agg.agg_token_mean(loss, keep, kept.num_tokens), 1.0)
+    close(agg.agg_token_mean(loss, keep, every.num_tokens), 0.5)
+    close(agg.agg_seq_mean_token_mean(loss, keep, every.num_seqs), 0.5)
     # constant: divided by the mini-batch's 4 rows x C = 2 whatever the masks: 4 / 8 = .5,
     # with the kept or the all counts alike (the old code divided by the 2 kept sequences).
     fn = agg.make_loss_fn(GRPOConfig(loss_agg="constant", loss_agg_constant=2.0))
     for norms in (kept, every):
-        full = {"advantages": t([-1.0] * 4), "rollout_logp": torch.zeros(4, 2), **mb, **norms}
+        full = loss_batch(loss_mask=keep, response_mask=resp, advantages=t([-1.0] * 4),
+                          alpha_engine_logp=torch.zeros(4, 2), normalizers=norms)  # fmt: skip
         close(fn(torch.zeros(4, 2), torch.zeros(4, 2), full)[0], 0.5)
 
 

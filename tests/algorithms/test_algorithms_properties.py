@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from megatron_grpo.algorithms import advantages as adv_mod
 from megatron_grpo.algorithms import aggregation as agg
 from megatron_grpo.algorithms import losses as L
+from megatron_grpo.algorithms.step_batch import Normalizers
 from megatron_grpo.config.schema import GRPOConfig
+from tests.helpers.batches import loss_batch
 
 
 def property_test(**strategies):
@@ -46,7 +48,7 @@ def test_r_prime_one_is_ppo_clipping(seed, b, tt, eps_low, eps_high):
     if eps_low > 1:  # pragma: no cover - excluded by the strategy; max(1 - eps, 0) is 1 - eps
         return
     one, _ = L.off_policy_clip_loss(logp, behav, adv, mask, eps_low, eps_high)
-    exact, _ = L.off_policy_clip_loss(logp, behav, adv, mask, eps_low, eps_high, old_logp_BT=behav)
+    exact, _ = L.off_policy_clip_loss(logp, behav, adv, mask, eps_low, eps_high, pi_k_logp_BT=behav)
     torch.testing.assert_close(one, ppo, rtol=0, atol=0)
     torch.testing.assert_close(exact, ppo, rtol=0, atol=0)
 
@@ -82,13 +84,12 @@ def test_zero_variance_groups_get_exactly_zero_gradient(
     entropy = torch.rand(n, tt, generator=gen).requires_grad_()
     mask = (torch.rand(n, tt, generator=gen) > 0.2).float()
     mask = mask * out.keep.reshape(-1, 1)
-    mb = {
-        "loss_mask": mask,
-        "advantages": out.advantages.reshape(-1),
-        "rollout_logp": (logp.detach() + 0.1 * _rand(seed + 3, n, tt).float()) * mask,
-        "ref_logp": logp.detach() - 0.2,
-    }
-    mb.update(agg.compute_global_normalizers(mask))
+    mb = loss_batch(
+        loss_mask=mask,
+        advantages=out.advantages.reshape(-1),
+        alpha_engine_logp=(logp.detach() + 0.1 * _rand(seed + 3, n, tt).float()) * mask,
+        pi_ref_logp=logp.detach() - 0.2,
+    )
     loss, _ = agg.make_loss_fn(cfg)(logp, entropy, mb)
     loss.backward()
     const_rows = slice(p * g, None)
@@ -159,29 +160,32 @@ def test_aggregation_invariant_to_micro_batch_and_dp_split(
     gen = torch.Generator().manual_seed(seed)
     logp = -torch.rand(b, tt, generator=gen, dtype=torch.float64) * 2
     mask = (torch.rand(b, tt, generator=gen) > 0.3).double()
-    full = {
-        "loss_mask": mask,
+    roles = {
         "advantages": torch.randn(b, generator=gen, dtype=torch.float64),
-        "rollout_logp": (logp + 0.2 * torch.randn(b, tt, generator=gen, dtype=torch.float64)),
-        "old_logp": logp + 0.1 * torch.randn(b, tt, generator=gen, dtype=torch.float64),
-        "ref_logp": logp - 0.3,
+        "alpha_engine_logp": logp + 0.2 * torch.randn(b, tt, generator=gen, dtype=torch.float64),
+        "pi_k_logp": logp + 0.1 * torch.randn(b, tt, generator=gen, dtype=torch.float64),
+        "pi_ref_logp": logp - 0.3,
     }
     entropy = torch.rand(b, tt, generator=gen, dtype=torch.float64)
     ranks = _split(b, dp_cuts)
     pieces = [[(lo + a, lo + c) for a, c in _split(hi - lo, mb_cuts)] for lo, hi in ranks]
     # Each rank counts its micro-batches; the DP all-reduce sums the counts.
     counts = sum(agg.local_loss_counts([mask[a:c] for a, c in mbs]) for mbs in pieces)
-    norms = {k: v.double() for k, v in agg.normalizers_from_counts(counts).items()}
-    ref_norms = {k: v.double() for k, v in agg.compute_global_normalizers(mask).items()}
-    torch.testing.assert_close(norms, ref_norms)
+    norms = _double(agg.normalizers_from_counts(counts))
+    ref_norms = _double(agg.compute_global_normalizers(mask))
+    torch.testing.assert_close(norms.parts(), ref_norms.parts())
+    full = loss_batch(loss_mask=mask, normalizers=norms, **roles)
 
     def run(a: int, c: int) -> torch.Tensor:
-        mb = {k: v[a:c] for k, v in full.items()} | norms
-        return loss_fn(logp[a:c], entropy[a:c], mb)[0]
+        return loss_fn(logp[a:c], entropy[a:c], full.select(slice(a, c)))[0]
 
     whole = run(0, b)
     summed = sum(run(a, c) for mbs in pieces for a, c in mbs)
     torch.testing.assert_close(summed, whole, rtol=1e-10, atol=1e-12)
+
+
+def _double(n: Normalizers) -> Normalizers:
+    return Normalizers(**{k: v.double() for k, v in n.parts().items()})
 
 
 def test_local_normalizers_would_break_invariance():
@@ -189,19 +193,14 @@ def test_local_normalizers_would_break_invariance():
     cfg = GRPOConfig()
     loss_fn = agg.make_loss_fn(cfg)
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    mb = {
-        "loss_mask": mask,
-        "advantages": torch.tensor([1.0, 1.0]),
-        "rollout_logp": torch.zeros(2, 3),
-    }
+    roles = {"advantages": torch.tensor([1.0, 1.0]), "alpha_engine_logp": torch.zeros(2, 3)}
     logp = torch.zeros(2, 3)
-    whole = loss_fn(logp, logp, mb | agg.compute_global_normalizers(mask))[0]
+    whole = loss_fn(logp, logp, loss_batch(loss_mask=mask, **roles))[0]
     local = sum(
         loss_fn(
             logp[i : i + 1],
             logp[i : i + 1],
-            {k: v[i : i + 1] for k, v in mb.items()}
-            | agg.compute_global_normalizers(mask[i : i + 1]),
+            loss_batch(loss_mask=mask[i : i + 1], **{k: v[i : i + 1] for k, v in roles.items()}),
         )[0]
         for i in range(2)
     )

@@ -13,14 +13,20 @@ import torch
 
 from megatron_grpo.algorithms import aggregation as agg
 from megatron_grpo.algorithms import staleness as S
-from megatron_grpo.algorithms.policy_loss import build_policy_loss
+from megatron_grpo.algorithms.policy_loss import Role, RoleLogprobs, build_policy_loss
 from megatron_grpo.bench.throughput.report import _score_alpha_lines
 from megatron_grpo.bench.throughput.run import analyze_run
 from megatron_grpo.config.schema import ConfigError, GRPOConfig
 from megatron_grpo.metrics.summary import format_summary, summarize
+from tests.helpers.batches import advantaged, loss_batch
 from tests.helpers.numerics import close, t
 
 ln = math.log
+
+
+def loss_of(cfg, logp, adv, mask, **roles):
+    """``build_policy_loss(cfg)`` with the log-probs ``roles`` (RoleLogprobs' fields)."""
+    return build_policy_loss(cfg)(logp, adv=adv, mask_BT=mask, lp=RoleLogprobs(**roles))
 
 
 def test_the_two_parts_add_up_to_todays_log_ratio():
@@ -94,14 +100,17 @@ def test_split_loss_with_alpha_trainer_in_alphas_place_is_todays_loss(kw):
     logp = -torch.rand(4, 6, generator=g) - 0.5
     alpha, old = logp - 0.1 * torch.randn(4, 6, generator=g), logp - 0.05
     adv, mask = torch.randn(4, generator=g), (torch.rand(4, 6, generator=g) > 0.2).float()
-    today = build_policy_loss(GRPOConfig(**kw))
-    split = S.build_split_policy_loss(GRPOConfig(score_alpha=True, **kw))
-    old_arg = old if kw.get("ratio_mode") == "exact" else None
-    want, _ = today(logp, adv, mask, alpha, old_arg)
-    got, _ = split(logp, adv, mask, alpha, old_arg, alpha)
+    today, split = GRPOConfig(**kw), GRPOConfig(score_alpha=True, **kw)
+    # alpha_trainer is read wherever alpha was: the clip's r, and pi_old under ratio_mode=one
+    reads_alpha = kw.get("policy_loss") is None or kw.get("ratio_mode") != "exact"
+    assert (Role.ALPHA_TRAINER in build_policy_loss(split).needs) == reads_alpha
+    assert Role.ALPHA_TRAINER not in build_policy_loss(today).needs
+    want, _ = loss_of(today, logp, adv, mask, alpha_engine=alpha, pi_k=old)
+    got, _ = loss_of(split, logp, adv, mask, alpha_engine=alpha, alpha_trainer=alpha, pi_k=old)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     other_vllm = alpha + 0.3 * torch.randn(4, 6, generator=g)
-    got2, _ = split(logp, adv, mask, other_vllm, old_arg, alpha)
+    got2, _ = loss_of(split, logp, adv, mask, alpha_engine=other_vllm, alpha_trainer=alpha,
+                      pi_k=old)  # fmt: skip
     torch.testing.assert_close(got2, want, rtol=0, atol=0)
 
 
@@ -116,30 +125,32 @@ def test_tis_truncates_the_numerics_ratio_only():
     logp, old, adv, mask = t([[-1.0]]), t([[-1.0]]), t([1.0]), t([[1.0]])
     alpha = t([[-1.0 - ln(3.0)]])
     roll = alpha - ln(1.5)
-    loss, m = build_policy_loss(GRPOConfig(**cfg))(logp, adv, mask, roll, old)
+    loss, m = loss_of(GRPOConfig(**cfg), logp, adv, mask, alpha_engine=roll, pi_k=old)
     close(loss, [[-2.0]])
     close(m["tis_frac_capped"], 1.0)
-    split = S.build_split_policy_loss(GRPOConfig(score_alpha=True, **cfg))
-    loss, m = split(logp, adv, mask, roll, old, alpha)
+    split = GRPOConfig(score_alpha=True, **cfg)
+    loss, m = loss_of(split, logp, adv, mask, alpha_engine=roll, alpha_trainer=alpha, pi_k=old)
     close(loss, [[-4.5]])
     close(m["tis_frac_capped"], 0.0)
     close(m["tis_weight_mean"], 1.5)
 
 
-def test_split_tis_needs_no_exact_ratio_and_the_loss_fn_reads_alpha_logp():
+def test_split_tis_needs_no_exact_ratio_and_the_loss_fn_reads_alpha_trainer():
     with pytest.raises(ConfigError, match="grpo.score_alpha=true"):
         GRPOConfig(tis="token_mask")
     cfg = GRPOConfig(score_alpha=True, tis="token_mask", tis_cap=2.0)  # ratio_mode=one
     fn = agg.make_loss_fn(cfg)
     # One token: pi = alpha_trainer (r = 1), A = 1 -> -1; numerics 3 > 2 -> masked -> loss 0.
-    mb = {"loss_mask": t([[1.0]]), "advantages": t([1.0]), "rollout_logp": t([[-1.0 - ln(3.0)]]),
-          "global_num_tokens": t(1.0)}  # fmt: skip
-    with pytest.raises(KeyError, match="alpha_logp"):
-        fn(t([[-1.0]]), t([[0.0]]), mb)
-    loss, m = fn(t([[-1.0]]), t([[0.0]]), {**mb, "alpha_logp": t([[-1.0]])})
+    assert fn.needs == {Role.ALPHA_TRAINER, Role.ALPHA_ENGINE}  # pi_k not scored for it
+    roles = {"loss_mask": t([[1.0]]), "advantages": t([1.0]),
+             "alpha_engine_logp": t([[-1.0 - ln(3.0)]])}  # fmt: skip
+    with pytest.raises(ValueError, match="alpha_trainer's log-probs"):
+        fn(t([[-1.0]]), t([[0.0]]), loss_batch(**roles))
+    loss, m = fn(t([[-1.0]]), t([[0.0]]), loss_batch(**roles, alpha_trainer_logp=t([[-1.0]])))
     close(loss, 0.0)
     close(m["tis_frac_capped"], 1.0)
-    loss, _ = fn(t([[-1.0]]), t([[0.0]]), {**mb, "alpha_logp": t([[-1.0 - ln(1.5)]])})
+    mb = loss_batch(**roles, alpha_trainer_logp=t([[-1.0 - ln(1.5)]]))
+    loss, _ = fn(t([[-1.0]]), t([[0.0]]), mb)
     # r = pi/alpha_trainer = 1.5, clipped to 1.2 (eps .2, A > 0) -> -1.2; numerics ratio
     # alpha_trainer/alpha_vLLM = 3/1.5 = 2 <= cap: kept as the weight -> -2.4.
     close(loss, -2.4)
@@ -196,11 +207,11 @@ def _copy_scores_worker(rank, world_size, hf_dir):
         ids = torch.randint(3, spec.vocab_size, (4, 9), generator=g)
         attn = torch.ones(4, 9)
         attn[1, 6:] = 0
-        batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": attn.clone(),
-                 "advantages": torch.tensor([1.0, -1.0, 0.5, 2.0])}  # fmt: skip
+        batch = advantaged(ids, attention_mask=attn, loss_mask=attn.clone(),
+                           advantages=torch.tensor([1.0, -1.0, 0.5, 2.0]))  # fmt: skip
 
         def loss_fn(logp, entropy, mb):
-            return -(mb["advantages"][:, None] * logp * mb["loss_mask"]).sum(), {}
+            return -(mb.advantages[:, None] * logp * mb.loss_mask).sum(), {}
 
         policy.train_step(batch, loss_fn, micro_batch_size=2)  # weights moved from the load
         alpha = policy.make_reference()  # what the trainer keeps of the served weights

@@ -100,11 +100,11 @@ def test_bench_train_tiny_on_cpu_without_vllm(tmp_path: Path) -> None:
         spec.vocab_size, **{k: v for k, v in ARGS.items() if k != "micro_batch_size"}
     )
     b = res["batch"]
-    assert b["useful_tokens"] == int(batch["attention_mask"].sum())
-    assert b["response_tokens"] == int(batch["loss_mask"].sum())
-    assert b["seq_len"] == batch["input_ids"].shape[1]
+    assert b["useful_tokens"] == int(batch.attention_mask.sum())
+    assert b["response_tokens"] == int(batch.loss_mask.sum())
+    assert b["seq_len"] == batch.input_ids.shape[1]
     mbs = micro_batches(batch, ARGS["micro_batch_size"])
-    assert b["padded_tokens"] == sum(len(mb["input_ids"]) * n for _, n, mb in mbs)
+    assert b["padded_tokens"] == sum(len(mb.input_ids) * n for _, n, mb in mbs)
     assert res["device"] == "cpu" and res["dtype"] == "float32" and res["search"] is True
     assert res["flop_params"] == flop_params(spec)
     assert res["flops_per_token"] == {
@@ -174,20 +174,20 @@ def test_largest_trainable_doubles_until_oom_and_frees_after_every_try() -> None
 
 def test_batch_is_right_padded_and_lengths_stay_in_range() -> None:
     batch = make_batch(64, rows=16, prompt_len=32, min_len=8, max_len=48, seed=0)
-    attn, resp = batch["attention_mask"], batch["loss_mask"]
+    attn, resp = batch.attention_mask, batch.loss_mask
     lengths = attn.sum(1)
     assert (attn == (torch.arange(attn.shape[1]) < lengths[:, None]).float()).all()
     prompts = lengths - resp.sum(1)
     assert prompts.min() >= 28 and prompts.max() <= 32
     assert resp.sum(1).min() >= 8 and resp.sum(1).max() <= 48
-    assert batch["input_ids"][attn == 1].min() >= 3 and (batch["input_ids"][attn == 0] == 0).all()
+    assert batch.input_ids[attn == 1].min() >= 3 and (batch.input_ids[attn == 0] == 0).all()
     for rows, n, mb in micro_batches(batch, 3):
-        assert mb["input_ids"].shape[1] == n == int(lengths[rows].max())
+        assert mb.input_ids.shape[1] == n == int(lengths[rows].max())
     one = one_sequence(64, 1024, prompt_len=256, seed=0)  # what the length search trains
-    assert one["input_ids"].shape == (1, 1024) and int(one["attention_mask"].sum()) == 1024
-    assert int(one["loss_mask"].sum()) == 1024 - 256
+    assert one.input_ids.shape == (1, 1024) and int(one.attention_mask.sum()) == 1024
+    assert int(one.loss_mask.sum()) == 1024 - 256
     # seeded: the same arguments give the same batch
-    assert torch.equal(make_batch(64, 16, 32, 8, 48, 0)["input_ids"], batch["input_ids"])
+    assert torch.equal(make_batch(64, 16, 32, 8, 48, 0).input_ids, batch.input_ids)
 
 
 def test_flop_params_and_the_device_peak_table() -> None:

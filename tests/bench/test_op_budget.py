@@ -23,6 +23,7 @@ import torch
 from megatron_grpo.bench.ops.count import OpCounter, SyncCounter
 from megatron_grpo.bench.ops.run import BenchOpsArgs, budget_for_packs, format_table, run_bench_ops
 from megatron_grpo.policy.transfer import to_device
+from tests.helpers.batches import rows
 
 BUDGET = json.loads((Path(__file__).parents[1] / "op_budget.json").read_text())
 
@@ -80,11 +81,10 @@ def test_budget_for_packs_gives_that_many_packs():
 
         ids = torch.ones(len(lengths), max(lengths), dtype=torch.long)
         mask = (torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]).float()
-        got = len(packed_micro_batches({"input_ids": ids, "attention_mask": mask}, budget))
+        got = len(packed_micro_batches(rows(ids, mask), budget))
         assert got <= packs
         if budget > max(lengths):  # and it is the smallest budget that does
-            assert len(packed_micro_batches({"input_ids": ids, "attention_mask": mask},
-                                            budget - 1)) > packs  # fmt: skip
+            assert len(packed_micro_batches(rows(ids, mask), budget - 1)) > packs
 
 
 def test_counters_see_ops_and_host_syncs():

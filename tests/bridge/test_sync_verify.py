@@ -33,7 +33,7 @@ class FakePolicy:
 
     def compute_logprobs(self, batch, micro_batch_size):
         self.seen_temperature = self.temperature
-        ids = batch["input_ids"].double()
+        ids = batch.input_ids.double()
         return {"logp": -ids / 100 + self.shift}
 
 

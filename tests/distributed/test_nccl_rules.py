@@ -20,6 +20,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from megatron_grpo.algorithms.step_batch import Normalizers
 from tests.dist_utils import run_distributed
 from tests.helpers.ranks import run_spawned
 from tests.nccl_rules import ENV, served_devices
@@ -99,8 +100,8 @@ class _CpuLogprobPolicy:
     """``Policy.compute_logprobs``'s contract: [B, L] fp32 log-probs on the CPU."""
 
     def compute_logprobs(self, batch, micro_batch_size, *, token_budget=None):
-        n, length = batch["input_ids"].shape
-        return {"logp": batch["input_ids"].float() * 0.5, "entropy": torch.zeros(n, length)}
+        n, length = batch.input_ids.shape
+        return {"logp": batch.input_ids.float() * 0.5, "entropy": torch.zeros(n, length)}
 
 
 def _call_sites(rank: int, world: int) -> dict:
@@ -109,12 +110,13 @@ def _call_sites(rank: int, world: int) -> dict:
     from megatron_grpo.distributed import distributed_context
     from megatron_grpo.trainer.checkpointer import Preemption
     from megatron_grpo.trainer.logprobs import dp_logprobs
+    from tests.helpers.batches import rows
     from tests.nccl_rules import NcclRuleError
 
     with distributed_context(ParallelConfig(tp=1, pp=1, backend="gloo")) as ctx:
         preemption = Preemption()  # this rank process's own signal handlers
         preemption.requested = rank == 1
-        batch = {"input_ids": torch.arange(12).view(4, 3), "loss_mask": torch.ones(4, 3)}
+        batch = rows(torch.arange(12).view(4, 3))
         sites = {
             "Preemption.agreed": lambda: preemption.agreed(ctx),
             "compute_global_normalizers": lambda: compute_global_normalizers(
@@ -137,7 +139,7 @@ def _call_sites(rank: int, world: int) -> dict:
 def test_trainer_collectives_are_served_by_their_groups(rule, monkeypatch):
     # "1": the groups as init_distributed creates them on GPU; "nccl": the old rule.
     monkeypatch.setenv(ENV, rule)
-    res = run_distributed(_call_sites, 2, timeout=90)
+    res = run_distributed(_call_sites, 2, timeout=90, result_types=(Normalizers,))
     for rank in (0, 1):
         r = res[rank]
         if rule == "nccl":
@@ -147,6 +149,6 @@ def test_trainer_collectives_are_served_by_their_groups(rule, monkeypatch):
         assert all(status == "ok" for status, _ in r.values()), r
         assert r["Preemption.agreed"][1] is True  # rank 1 asked to stop: both agree
         norm = r["compute_global_normalizers"][1]
-        assert float(norm["global_num_tokens"]) == 12 and float(norm["global_num_seqs"]) == 4
+        assert float(norm.num_tokens) == 12 and float(norm.num_seqs) == 4
         full = torch.arange(12).view(4, 3).float() * 0.5  # each DP rank's rows, gathered
         assert torch.equal(r["dp_logprobs"][1], full)

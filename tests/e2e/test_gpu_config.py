@@ -149,8 +149,8 @@ def _load_tp2_worker(rank, world, hf_dir, run_dir):
         b.load_sharded_state_dict(ck.state_dicts["model"])
         full = gather_hf_state_dict(b.models, spec, ctx)
         # The whole step-2 batch on the one DP rank: the same global objective as DP2's.
-        batch = {k: torch.cat([v, v2]) for (k, v), v2 in zip(
-            gpu_batch(b.vocab_size, 200).items(), gpu_batch(b.vocab_size, 201).values())}  # fmt: skip
+        first, second = gpu_batch(b.vocab_size, 200), gpu_batch(b.vocab_size, 201)
+        batch = first.map_rows(lambda name, v: torch.cat([v, getattr(second, name)]))
         loss = b.train_step(batch, adv_loss, micro_batch_size=2)["loss"]
         return ({k: v.clone() for k, v in full.items()} if rank == 0 else None), loss
 

@@ -64,7 +64,7 @@ def test_logprob_parity_bf16_vs_fp32(ctx, device, figures):
     batch = suite_batch(spec.vocab_size)
     a = p32.compute_logprobs(batch, micro_batch_size=4)
     b = p16.compute_logprobs(batch, micro_batch_size=4)
-    m = batch["attention_mask"].bool()
+    m = batch.attention_mask.bool()
     m[:, 0] = False
     diff = (a["logp"] - b["logp"])[m].abs()
     ent = (a["entropy"] - b["entropy"])[m].abs()

@@ -27,6 +27,7 @@ import torch
 from megatron_grpo.config.schema import ModelConfig, OptimConfig
 from megatron_grpo.models.shapes import preset_spec
 from tests.gpu.conftest import needs_cuda
+from tests.helpers.batches import advantaged
 from tests.helpers.numerics import dense_block_causal
 
 GIB = float(1 << 30)
@@ -47,12 +48,12 @@ def _batch(vocab: int, lengths=(64, 17, 40, 5, 33, 64, 12, 50), width: int = 64,
     mask = attn.clone()
     mask[:, :4] = 0
     adv = torch.linspace(-1, 1, b)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask, "advantages": adv}
+    return advantaged(ids, attention_mask=attn, loss_mask=mask, advantages=adv)
 
 
 def _loss(logp, entropy, mb):
-    mask = mb["loss_mask"]
-    return -(mb["advantages"][:, None] * logp * mask).sum() / 100.0, {}
+    mask = mb.loss_mask
+    return -(mb.advantages[:, None] * logp * mask).sum() / 100.0, {}
 
 
 def _copy_from(source):
@@ -77,8 +78,8 @@ def _forward_only(ctx, spec, dtype, attention, source=None):
 
 def _logp_and_grads(policy, batch):
     """Masked log-probs and the parameter gradients (fp32) of a loss over them."""
-    ids = batch["input_ids"].to(policy.ctx.device)
-    attn = batch["attention_mask"].to(policy.ctx.device)
+    ids = batch.input_ids.to(policy.ctx.device)
+    attn = batch.attention_mask.to(policy.ctx.device)
     params = [p.requires_grad_(True) for _, p in policy.named_shards()]
     pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     logp, ent = policy.scoring.token_logprobs(
@@ -217,8 +218,8 @@ def test_long_packed_sequence_peak_vs_plan(ctx, device, figures):
     ids = torch.randint(3, spec.vocab_size, (1, seq), generator=g)
     mask = torch.ones(1, seq)
     mask[:, :256] = 0
-    batch = {"input_ids": ids, "attention_mask": torch.ones(1, seq), "loss_mask": mask,
-             "advantages": torch.ones(1)}  # fmt: skip
+    batch = advantaged(ids, attention_mask=torch.ones(1, seq), loss_mask=mask,
+                       advantages=torch.ones(1))  # fmt: skip
     try:
         # Two steps: torch's Adam makes its moments at the first step, after that step's
         # activations are gone; from the second step on they coexist, which plan counts.
@@ -258,7 +259,7 @@ def test_hf_packed_side_on_cuda(ctx, device, figures):
     padded = HFSide(spec, state, device, torch.bfloat16, args)
     packed = HFSide(spec, state, device, torch.bfloat16, args, packed_budget=256)
     a, b = padded.logprobs(batch)["logp"], packed.logprobs(batch)["logp"]
-    mask = batch["attention_mask"].bool()
+    mask = batch.attention_mask.bool()
     mask[:, 0] = False
     diff = (a - b).abs()[mask].max().item()
     figures["hf_packed_vs_hf_logp_max_abs_bf16"] = diff

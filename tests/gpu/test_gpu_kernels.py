@@ -19,10 +19,12 @@ import time
 import pytest
 import torch
 
+from megatron_grpo.algorithms.step_batch import AdvantagedBatch
 from megatron_grpo.config.schema import KernelsConfig, ModelConfig, OptimConfig
 from megatron_grpo.models.shapes import preset_spec
 from megatron_grpo.policy import kernels as K
 from tests.gpu.conftest import needs_cuda
+from tests.helpers.batches import advantaged
 
 
 def needs_liger():
@@ -63,19 +65,19 @@ def test_liger_functions_match_torch(figures, dtype):
         assert errs["liger"] <= 2 * errs["torch"] + slack, (name, dtype, errs)
 
 
-def _batch(vocab: int, rows: int = 8, width: int = 64, seed: int = 5) -> dict:
+def _batch(vocab: int, rows: int = 8, width: int = 64, seed: int = 5) -> AdvantagedBatch:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(width // 4, width + 1, (rows,), generator=g)
     attn = (torch.arange(width) < lengths[:, None]).float()
     ids = torch.randint(3, vocab, (rows, width), generator=g) * attn.long()
     mask = attn.clone()
     mask[:, :4] = 0
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask,
-            "advantages": torch.linspace(-1, 1, rows)}  # fmt: skip
+    return advantaged(ids, attention_mask=attn, loss_mask=mask,
+                      advantages=torch.linspace(-1, 1, rows))  # fmt: skip
 
 
 def _loss(logp, entropy, mb):
-    return -(mb["advantages"][:, None] * logp * mb["loss_mask"]).sum() / 100.0, {}
+    return -(mb.advantages[:, None] * logp * mb.loss_mask).sum() / 100.0, {}
 
 
 def _policy(ctx, preset, liger="off", compile="off", source=None):
@@ -98,7 +100,7 @@ def test_liger_policy_matches_local(ctx, figures):
     assert swapped and {m.fn_name for m in swapped} == {"liger"}
     assert liger.models[0].config.use_te_activation_func
     batch = _batch(spec.vocab_size)
-    m = batch["attention_mask"].bool()
+    m = batch.attention_mask.bool()
     m[:, 0] = False
     a = local.compute_logprobs(batch, micro_batch_size=4, token_budget=128)["logp"]
     b = liger.compute_logprobs(batch, micro_batch_size=4, token_budget=128)["logp"]

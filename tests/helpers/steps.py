@@ -10,12 +10,14 @@ from functools import partial
 
 import torch
 
+from megatron_grpo.algorithms.step_batch import AdvantagedBatch, Rows
 from megatron_grpo.config.schema import ModelConfig, OptimConfig
+from tests.helpers.batches import advantaged
 
 MICRO_BATCH = 2
 
 
-def make_batch(vocab_size: int) -> dict[str, torch.Tensor]:
+def make_batch(vocab_size: int) -> AdvantagedBatch:
     """4 right-padded sequences of different lengths; 2 micro-batches of different max len."""
     g = torch.Generator().manual_seed(0)
     lengths = [12, 7, 9, 5]
@@ -26,30 +28,30 @@ def make_batch(vocab_size: int) -> dict[str, torch.Tensor]:
         ids[b, :n] = torch.randint(3, vocab_size, (n,), generator=g)
         attn[b, :n] = 1
         loss_mask[b, 3:n] = 1  # the first 3 tokens are the "prompt"
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}
+    return advantaged(ids, attention_mask=attn, loss_mask=loss_mask)
 
 
 def pg_loss(logp, entropy, mb, *, n_tokens: float):
     """-mean over all response tokens of logp, plus a small entropy bonus (global normalizer)."""
-    mask = mb["loss_mask"]
+    mask = mb.loss_mask
     loss = -(logp * mask).sum() / n_tokens - 0.01 * (entropy * mask).sum() / n_tokens
     return loss, {"response_logp": (logp * mask).sum() / mask.sum().clamp(min=1)}
 
 
-def hf_reference(hf_dir: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def hf_reference(hf_dir: str, batch: Rows) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    ids = batch["input_ids"]
+    ids = batch.input_ids
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=batch["attention_mask"].long()).logits
+        logits = model(input_ids=ids, attention_mask=batch.attention_mask.long()).logits
     logp = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-    return torch.cat([torch.zeros(ids.shape[0], 1), logp], 1) * batch["attention_mask"]
+    return torch.cat([torch.zeros(ids.shape[0], 1), logp], 1) * batch.attention_mask
 
 
-def dp_batch(vocab: int) -> dict[str, torch.Tensor]:
+def dp_batch(vocab: int) -> AdvantagedBatch:
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(3, vocab, (4, 8), generator=g)
     attn = torch.ones(4, 8)
@@ -58,17 +60,17 @@ def dp_batch(vocab: int) -> dict[str, torch.Tensor]:
     mask = attn.clone()
     mask[:, :2] = 0
     adv = torch.tensor([1.0, -0.5, 0.25, 2.0])
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask, "advantages": adv}
+    return advantaged(ids, attention_mask=attn, loss_mask=mask, advantages=adv)
 
 
 def reinforce_loss(logp, entropy, mb, *, n_tokens: float):
     """-sum(A * logp * mask) / global tokens: a micro-batch's share of the global objective."""
-    mask = mb["loss_mask"]
-    loss = -(mb["advantages"][:, None] * logp * mask).sum() / n_tokens
+    mask = mb.loss_mask
+    loss = -(mb.advantages[:, None] * logp * mask).sum() / n_tokens
     return loss, {"tokens": mask.sum()}
 
 
-def gpu_batch(vocab: int, seed: int, rows: int = 4, length: int = 16) -> dict[str, torch.Tensor]:
+def gpu_batch(vocab: int, seed: int, rows: int = 4, length: int = 16) -> AdvantagedBatch:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (rows, length), generator=g)
     attn = torch.ones(rows, length)
@@ -76,11 +78,11 @@ def gpu_batch(vocab: int, seed: int, rows: int = 4, length: int = 16) -> dict[st
     mask = attn.clone()
     mask[:, :4] = 0
     adv = torch.linspace(-1.0, 1.0, rows)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask, "advantages": adv}
+    return advantaged(ids, attention_mask=attn, loss_mask=mask, advantages=adv)
 
 
 def adv_loss(logp, entropy, mb):
-    return -(mb["advantages"][:, None] * logp * mb["loss_mask"]).sum() / 100.0, {}
+    return -(mb.advantages[:, None] * logp * mb.loss_mask).sum() / 100.0, {}
 
 
 def build_policy_at(hf_dir, ctx, dtype: str, dist_opt: str, recompute: str = "none",
@@ -113,7 +115,7 @@ def shard_copies(policy) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in policy.named_shards()}
 
 
-def suite_batch(vocab: int, rows: int = 8, length: int = 64, seed: int = 5) -> dict:
+def suite_batch(vocab: int, rows: int = 8, length: int = 64, seed: int = 5) -> AdvantagedBatch:
     """The GPU suite's batch (tests/gpu): one row half padded, a prompt quarter unmasked."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (rows, length), generator=g)
@@ -122,12 +124,12 @@ def suite_batch(vocab: int, rows: int = 8, length: int = 64, seed: int = 5) -> d
     mask = attn.clone()
     mask[:, : length // 4] = 0
     adv = torch.linspace(-1, 1, rows)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask, "advantages": adv}
+    return advantaged(ids, attention_mask=attn, loss_mask=mask, advantages=adv)
 
 
 def suite_loss(logp, entropy, mb):
-    mask = mb["loss_mask"]
-    return -(mb["advantages"][:, None] * logp * mask).sum() / 1000.0, {}
+    mask = mb.loss_mask
+    return -(mb.advantages[:, None] * logp * mask).sum() / 1000.0, {}
 
 
 def preset_policy(ctx, preset, dtype, impl="local", **optim):

@@ -9,6 +9,7 @@ import torch
 from megatron_grpo.config.schema import ConfigError, ParallelConfig
 from megatron_grpo.policy.micro_batches import micro_batches as _micro_batches
 from megatron_grpo.rollout.server import engine_devices
+from tests.helpers.batches import advantaged
 
 
 @pytest.mark.parametrize(
@@ -51,17 +52,17 @@ def test_sequence_parallel_pads_micro_batches_to_a_multiple_of_tp(tp):
     am = torch.ones(b, seq, dtype=torch.long)
     am[0, 3:] = 0  # first micro-batch trims to 3 (rows 0-1), the rest keep all 7
     am[1, 3:] = 0
-    batch = {"input_ids": ids, "attention_mask": am, "loss_mask": am.float(), "adv": torch.ones(b)}
+    batch = advantaged(ids, attention_mask=am, loss_mask=am.float(), advantages=torch.ones(b))
     for rows, length, mb in _micro_batches(batch, 2, multiple=tp):
-        n = mb["input_ids"].shape[1]
+        n = mb.input_ids.shape[1]
         assert n % tp == 0 and length <= n < length + tp
         real = min(n, seq)
-        assert torch.equal(mb["input_ids"][:, :real], ids[rows, :real])
-        assert not mb["input_ids"][:, seq:].any() and not mb["loss_mask"][:, seq:].any()
-        assert mb["loss_mask"].shape == mb["input_ids"].shape
-        assert mb["adv"].shape == (rows.stop - rows.start,)
+        assert torch.equal(mb.input_ids[:, :real], ids[rows, :real])
+        assert not mb.input_ids[:, seq:].any() and not mb.loss_mask[:, seq:].any()
+        assert mb.loss_mask.shape == mb.input_ids.shape
+        assert mb.advantages.shape == (rows.stop - rows.start,)
     # Without sequence parallelism nothing is padded.
-    lengths = [mb["input_ids"].shape[1] for _, _, mb in _micro_batches(batch, 2)]
+    lengths = [mb.input_ids.shape[1] for _, _, mb in _micro_batches(batch, 2)]
     assert lengths == [3, 7, 7]
 
 

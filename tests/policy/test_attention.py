@@ -19,9 +19,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_grpo.algorithms.step_batch import Rows
 from megatron_grpo.policy.attention import packed_attention
 from tests.conftest import tiny_variant_dirs
 from tests.dist_utils import run_distributed
+from tests.helpers.batches import rows
 from tests.helpers.numerics import dense_block_causal
 
 TOL = 1e-5
@@ -77,7 +79,7 @@ def test_packed_attention_refuses_bad_cu_seqlens():
 VARIANTS = {"gqa2": dict(num_key_value_heads=2), "gqa1": dict(num_key_value_heads=1)}
 
 
-def _batch(vocab: int) -> dict[str, torch.Tensor]:
+def _batch(vocab: int) -> Rows:
     g = torch.Generator().manual_seed(0)
     lengths = [14, 6, 10]
     ids = torch.zeros(3, 14, dtype=torch.long)
@@ -85,7 +87,7 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
     for b, n in enumerate(lengths):
         ids[b, :n] = torch.randint(3, vocab, (n,), generator=g)
         attn[b, :n] = 1
-    return {"input_ids": ids, "attention_mask": attn}
+    return rows(ids, attn)
 
 
 def _attention_worker(rank, world_size, models):
@@ -100,7 +102,7 @@ def _attention_worker(rank, world_size, models):
         for name, hf_dir in models.items():
             spec = load_spec(hf_dir)
             batch = _batch(spec.vocab_size)
-            ids, attn = batch["input_ids"], batch["attention_mask"]
+            ids, attn = batch.input_ids, batch.attention_mask
             w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1)) * attn
             res = {}
             for kind in ("sdpa", "unfused"):

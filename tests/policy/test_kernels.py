@@ -24,6 +24,7 @@ from megatron_grpo.config.schema import KernelsConfig, ModelConfig, OptimConfig,
 from megatron_grpo.models.shapes import preset_spec
 from megatron_grpo.policy import kernels as K
 from megatron_grpo.policy.kernels import Kernels, SwappedRMSNorm, resolve_kernels
+from tests.helpers.batches import advantaged
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -165,8 +166,8 @@ def test_packed_rope_on_and_off_agree_within_fp32(ctx):
     lengths = [9, 4, 14, 7, 11, 5]
     ids = torch.randint(3, spec.vocab_size, (len(lengths), max(lengths)), generator=g)
     attn = (torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]).float()
-    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": attn,
-             "advantages": torch.linspace(-1, 1, len(lengths))}  # fmt: skip
+    batch = advantaged(ids, attention_mask=attn, loss_mask=attn,
+                       advantages=torch.linspace(-1, 1, len(lengths)))  # fmt: skip
     results = {}
     state = None
     for on in (True, False):
@@ -187,4 +188,4 @@ def test_packed_rope_on_and_off_agree_within_fp32(ctx):
 
 
 def _loss(logp, entropy, mb):
-    return -(mb["advantages"][:, None] * logp * mb["loss_mask"]).sum() / 100.0, {}
+    return -(mb.advantages[:, None] * logp * mb.loss_mask).sum() / 100.0, {}

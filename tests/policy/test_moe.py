@@ -173,9 +173,9 @@ def _ep_worker(rank, world_size, ep, models, batch, aux_loss=0.0, dist_opt="auto
             loaded = gather_hf_state_dict(policy.models, spec, ctx)
             logp = policy.compute_logprobs(batch, MICRO_BATCH)
             # the DP ranks split the batch's rows; the loss keeps the global normalizer
-            n_tokens = float(batch["loss_mask"].sum())
-            rows = batch["input_ids"].shape[0] // ctx.dp
-            mine = {k: v[ctx.dp_rank * rows : (ctx.dp_rank + 1) * rows] for k, v in batch.items()}
+            n_tokens = float(batch.loss_mask.sum())
+            rows = batch.num_rows // ctx.dp
+            mine = batch.select(slice(ctx.dp_rank * rows, (ctx.dp_rank + 1) * rows))
             metrics = policy.train_step(mine, partial(pg_loss, n_tokens=n_tokens), MICRO_BATCH)
             weights = gather_hf_state_dict(policy.models, spec, ctx)
             out[name] = {"logp": logp["logp"], "metrics": metrics, "loaded": loaded,

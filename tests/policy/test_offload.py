@@ -29,7 +29,7 @@ def _worker(rank, world_size, hf_dir, dtype, params):
         b = build_policy(spec, ctx, mcfg, ocfg)
         b.copy_weights_from(a)
         batch = dp_batch(spec.vocab_size)
-        loss_fn = partial(reinforce_loss, n_tokens=float(batch["loss_mask"].sum()))
+        loss_fn = partial(reinforce_loss, n_tokens=float(batch.loss_mask.sum()))
         off = TrainerOffload(a, params=params)
         # What the offload reserves ahead (with CUDA) before the first step: the host
         # buffers every later offload takes, torch Adam's state included.

@@ -19,6 +19,7 @@ import torch
 
 from megatron_grpo.policy.micro_batches import PackedRows, packed_micro_batches
 from tests.dist_utils import run_distributed
+from tests.helpers.batches import advantaged
 
 LOGP_TOL = 1e-5
 
@@ -34,7 +35,7 @@ def _batch(vocab: int, lengths=(14, 6, 10, 1, 9, 3), width: int = 16):
         attn[i, :n] = 1
         loss_mask[i, 2:n] = 1  # the first 2 tokens are the "prompt"
     adv = torch.linspace(-1.0, 1.5, b)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, "advantages": adv}
+    return advantaged(ids, attention_mask=attn, loss_mask=loss_mask, advantages=adv)
 
 
 def test_rows_are_grouped_by_token_budget():
@@ -45,14 +46,9 @@ def test_rows_are_grouped_by_token_budget():
         (slice(0, 1), 14), (slice(1, 3), 10), (slice(3, 6), 9),
     ]  # fmt: skip
     rows, n, mb, pack = mbs[2]
-    assert (
-        mb["input_ids"].shape == (3, 9)
-        and mb["advantages"].tolist() == batch["advantages"][3:6].tolist()
-    )
+    assert mb.input_ids.shape == (3, 9) and mb.advantages.tolist() == batch.advantages[3:6].tolist()
     assert pack.input_ids.shape == (1, 13) and pack.cu_seqlens.tolist() == [0, 1, 10, 13]
-    expect = torch.cat(
-        [batch["input_ids"][3, :1], batch["input_ids"][4, :9], batch["input_ids"][5, :3]]
-    )
+    expect = torch.cat([batch.input_ids[3, :1], batch.input_ids[4, :9], batch.input_ids[5, :3]])
     assert torch.equal(pack.input_ids[0], expect)
     # a row longer than the budget is a micro-batch of its own
     assert [rows for rows, *_ in packed_micro_batches(batch, token_budget=5)][:2] == [
@@ -85,8 +81,8 @@ def test_unpack_puts_each_document_back_at_its_row():
 
 
 def pg_loss(logp, entropy, mb, *, n_tokens: float):
-    mask = mb["loss_mask"]
-    loss = -(mb["advantages"][:, None] * logp * mask).sum() / n_tokens
+    mask = mb.loss_mask
+    loss = -(mb.advantages[:, None] * logp * mask).sum() / n_tokens
     loss = loss - 0.01 * (entropy * mask).sum() / n_tokens
     return loss, {"tokens": mask.sum()}
 
@@ -104,7 +100,7 @@ def _packing_worker(rank, world_size, tp, pp, hf_dir):
     spec = load_spec(hf_dir)
     with distributed_context(ParallelConfig(tp=tp, pp=pp), spec, seed=1) as ctx:
         batch = _batch(spec.vocab_size)
-        loss_fn = partial(pg_loss, n_tokens=float(batch["loss_mask"].sum()))
+        loss_fn = partial(pg_loss, n_tokens=float(batch.loss_mask.sum()))
         out = {"logp": {}, "grads": {}, "weights": {}, "loss": {}}
         for name, budget in PACKINGS.items():
             policy = build_policy(

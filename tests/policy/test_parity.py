@@ -55,7 +55,7 @@ def _layout_worker(rank, world_size, tp, pp, models, batch):
                 ),
             )
             logp = policy.compute_logprobs(batch, MICRO_BATCH)
-            n_tokens = float(batch["loss_mask"].sum())
+            n_tokens = float(batch.loss_mask.sum())
             metrics = policy.train_step(batch, partial(pg_loss, n_tokens=n_tokens), MICRO_BATCH)
             weights = gather_hf_state_dict(policy.models, spec, ctx)
             out[name] = {"logp": logp["logp"], "metrics": metrics, "weights": weights}

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.helpers.batches import rows
 
 LOGP_TOL = 1e-5
 
@@ -108,7 +109,7 @@ def test_megatron_matches_hf_at_rope_theta_1e6(tmp_path):
     g = torch.Generator().manual_seed(0)
     vocab = load_spec(hf_dir).vocab_size
     ids = torch.randint(3, vocab, (2, 48), generator=g)
-    batch = {"input_ids": ids, "attention_mask": torch.ones(2, 48)}
+    batch = rows(ids, torch.ones(2, 48))
 
     model = AutoModelForCausalLM.from_pretrained(
         str(hf_dir), dtype=torch.float64, attn_implementation="eager"

@@ -9,11 +9,13 @@ from functools import partial
 import pytest
 import torch
 
+from megatron_grpo.algorithms.step_batch import AdvantagedBatch
 from megatron_grpo.config.schema import ConfigError, OptimConfig
 from megatron_grpo.policy.logprob import token_logprobs, vocab_parallel_logprob_entropy
 from megatron_grpo.policy.lr_schedule import LRSchedule
 from megatron_grpo.policy.micro_batches import micro_batches
 from tests.dist_utils import run_distributed
+from tests.helpers.batches import advantaged
 from tests.helpers.steps import dp_batch, refusal, reinforce_loss
 
 VOCAB, PADDED = 10, 16  # 6 padding columns, like megatron's padded vocabulary
@@ -136,13 +138,15 @@ def test_lr_schedule_owns_its_step_and_state():
 def test_micro_batches_trim_to_their_own_longest_sequence():
     ids = torch.arange(24).view(4, 6)
     attn = torch.tensor([[1] * 6, [1] * 2 + [0] * 4, [1] * 3 + [0] * 3, [1] * 2 + [0] * 4])
-    mbs = micro_batches(
-        {"input_ids": ids, "attention_mask": attn, "adv": torch.arange(4.0)}, micro_batch_size=2
+    batch = advantaged(
+        ids, attention_mask=attn, loss_mask=attn.float(), advantages=torch.arange(4.0)
     )
+    mbs = micro_batches(batch, micro_batch_size=2)
     assert [(rows, length) for rows, length, _ in mbs] == [(slice(0, 2), 6), (slice(2, 4), 3)]
-    assert mbs[1][2]["input_ids"].shape == (2, 3) and mbs[1][2]["adv"].tolist() == [2.0, 3.0]
-    with pytest.raises(ValueError, match="leading dim 3"):
-        micro_batches({"input_ids": ids, "adv": torch.zeros(3)}, 2)
+    assert mbs[1][2].input_ids.shape == (2, 3) and mbs[1][2].advantages.tolist() == [2.0, 3.0]
+    assert type(mbs[1][2]) is AdvantagedBatch and mbs[1][2].loss_mask.shape == (2, 3)
+    with pytest.raises(ValueError, match=r"advantages has shape \(3,\), input_ids has B=4"):
+        advantaged(ids, loss_mask=attn.float(), advantages=torch.zeros(3))
 
 
 # ------------------------------------------------------------------ train step at DP=2
@@ -163,9 +167,9 @@ def _dp_worker(rank, world_size, hf_dir):
         assert ctx.dp == 2 and ctx.dp_rank == rank
         policy = build_policy(spec, ctx, ModelConfig(), OptimConfig(lr=1e-3, clip_grad=0.0))
         full = dp_batch(spec.vocab_size)
-        n_tokens = float(full["loss_mask"].sum())
+        n_tokens = float(full.loss_mask.sum())
         rows = slice(2 * rank, 2 * rank + 2)  # each DP rank gets its own half
-        mine = {k: v[rows] for k, v in full.items()}
+        mine = full.select(rows)
         before = {n: p.detach().clone() for n, p in policy.named_shards()}
         loss_fn = partial(reinforce_loss, n_tokens=n_tokens)
         metrics = policy.train_step(mine, loss_fn, micro_batch_size=1)
@@ -180,8 +184,8 @@ def _dp_worker(rank, world_size, hf_dir):
             params = [p.requires_grad_(True) for _, p in ref.named_shards()]
             model = ref.models[0]
             pos = torch.arange(8).expand(4, 8)
-            hidden = model(full["input_ids"], pos, None, **ref.scoring.forward_kwargs)
-            logp, ent = ref.scoring.token_logprobs(hidden, full["input_ids"], ref.temperature)
+            hidden = model(full.input_ids, pos, None, **ref.scoring.forward_kwargs)
+            logp, ent = ref.scoring.token_logprobs(hidden, full.input_ids, ref.temperature)
             loss, _ = loss_fn(logp, ent, full)
             grads = torch.autograd.grad(loss, params)
             names = [n for n, _ in ref.named_shards()]
@@ -195,7 +199,7 @@ def _dp_worker(rank, world_size, hf_dir):
         ref_copy = policy.make_reference()
         lp_ref = ref_copy.compute_logprobs(mine, micro_batch_size=1)
         out["ref_copy_err"] = (lp["logp"] - lp_ref["logp"]).abs().max().item()
-        out["pad_zero"] = bool((lp["logp"][mine["attention_mask"] == 0] == 0).all())
+        out["pad_zero"] = bool((lp["logp"][mine.attention_mask == 0] == 0).all())
         # a NaN loss skips the step: weights and lr unchanged
         after = {n: p.detach().clone() for n, p in policy.named_shards()}
         nan_metrics = policy.train_step(mine, nan_loss, micro_batch_size=2)

@@ -46,10 +46,10 @@ def _as_map(routed: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Ten
 
 def _expected(batch, packed: bool) -> torch.Tensor:
     """vLLM's experts in the router's token order: [L, n] flattened, or the rows packed."""
-    r = batch["routed_experts"]
+    r = batch.routed_experts
     if not packed:
         return r.transpose(0, 1).reshape(-1, *r.shape[2:])
-    lengths = batch["attention_mask"].sum(1).long().tolist()
+    lengths = batch.attention_mask.sum(1).long().tolist()
     return torch.cat([r[i, :n] for i, n in enumerate(lengths)])
 
 
@@ -104,7 +104,7 @@ def _replay_worker(rank: int, world: int, root: str) -> dict:
     out["logp_on_packed"] = run(True, budget=10_000)
     out["mismatch_replayed"] = policy.routing.take_mismatch()  # the router's own choice
     seen.clear()
-    policy.train_step(batch, lambda lp, ent, mb: (-(lp * mb["loss_mask"]).sum(), {}), len(samples))
+    policy.train_step(batch, lambda lp, ent, mb: (-(lp * mb.response_mask).sum(), {}), len(samples))
     out["used"].append((True, False, list(seen)))
     return out
 
@@ -116,9 +116,13 @@ def test_replay_routes_the_trainer_to_vllms_experts(tmp_path: Path) -> None:
     train step) route every token vLLM forwarded to exactly vLLM's experts, although its
     routers were perturbed; without replay, log-probs differ from the replayed ones only
     after the first token whose routing differs."""
-    out = run_distributed(_replay_worker, 1, str(tmp_path), timeout=380.0)[0]
+    from megatron_grpo.algorithms.step_batch import SampledBatch
+
+    out = run_distributed(
+        _replay_worker, 1, str(tmp_path), timeout=380.0, result_types=(SampledBatch,)
+    )[0]
     batch, experts = out["batch"], 4  # tiny-moe
-    lengths = batch["attention_mask"].sum(1).long().tolist()
+    lengths = batch.attention_mask.sum(1).long().tolist()
     assert out["rows"] == [(n - 1, 2, 2) for n in lengths]  # prompt + response - 1, layers, k
     assert out["mismatch_same_weights"] == 0.0  # fp32 CPU: vLLM and megatron route alike
     assert out["mismatch_perturbed"] > 0.2 and out["mismatch_replayed"] > 0.2
@@ -133,7 +137,7 @@ def test_replay_routes_the_trainer_to_vllms_experts(tmp_path: Path) -> None:
             agree.append(bool((used[valid] == want[valid]).all()))
         assert all(agree) == (run != 1), (run, agree)
     # logp[t] depends on the routing of tokens < t: equal up to each row's first difference
-    r = batch["routed_experts"]
+    r = batch.routed_experts
     off, on = out["logp_off"], out["logp_on"]
     torch.testing.assert_close(out["logp_on_packed"], on, atol=1e-5, rtol=0)
     own = [u for _, u in sorted(out["used"][1][2], key=lambda x: x[0])]  # perturbed, no replay
@@ -232,6 +236,8 @@ def test_slot_replays_targets_with_the_routers_own_scores() -> None:
 def test_batch_and_pack_carry_the_experts_position_aligned() -> None:
     """collate puts sample i's row t at [i, t] (-1 for the last token and padding); a pack
     concatenates each row's first len tokens like the tokens (-1 for the filler)."""
+    import dataclasses
+
     import numpy as np
 
     from megatron_grpo.policy.micro_batches import packed_micro_batches
@@ -243,7 +249,7 @@ def test_batch_and_pack_carry_the_experts_position_aligned() -> None:
         return Sample(list(range(1, p + 1)), [7] * r, [-0.5] * r, "stop", routed_experts=rows)
 
     batch = collate([sample(3, 2, 0), sample(2, 1, 100)], pad_id=0)
-    r = batch["routed_experts"]
+    r = batch.routed_experts
     assert r.shape == (2, 5, 1, 2) and r.dtype == torch.int16
     assert r[0, :4, 0].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]] and r[0, 4].tolist() == [
         [-1, -1]
@@ -256,9 +262,5 @@ def test_batch_and_pack_carry_the_experts_position_aligned() -> None:
     )
     assert (pack.routed_experts[8:] == -1).all()  # the filler document
     assert set(pack.tensors()) >= {"input_ids", "routed_experts"}
-    assert (
-        "routed_experts"
-        not in packed_micro_batches({k: v for k, v in batch.items() if k != "routed_experts"}, 100)[
-            0
-        ][3].tensors()
-    )
+    dense = dataclasses.replace(batch, routed_experts=None)
+    assert "routed_experts" not in packed_micro_batches(dense, 100)[0][3].tensors()

@@ -14,10 +14,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_grpo.algorithms.step_batch import AdvantagedBatch
 from megatron_grpo.policy.fused_logprob import fused_logprob_entropy, fused_peak_bytes
 from megatron_grpo.policy.logprob import vocab_parallel_logprob_entropy
 from tests.conftest import tiny_variant_dirs
 from tests.dist_utils import run_distributed
+from tests.helpers.batches import advantaged
 from tests.helpers.numerics import PeakBytes
 
 VOCAB, PADDED, HIDDEN = 300, 320, 24
@@ -170,7 +172,7 @@ VARIANTS = {
 }
 
 
-def _batch(vocab: int) -> dict[str, torch.Tensor]:
+def _batch(vocab: int) -> AdvantagedBatch:
     g = torch.Generator().manual_seed(0)
     lengths = [12, 7, 9, 5]
     ids = torch.zeros(4, 12, dtype=torch.long)
@@ -179,11 +181,11 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
         ids[b, :n] = torch.randint(3, vocab, (n,), generator=g)
         attn[b, :n] = 1
         mask[b, 3:n] = 1
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
+    return advantaged(ids, attention_mask=attn, loss_mask=mask)
 
 
 def _loss(logp, entropy, mb):
-    mask = mb["loss_mask"]
+    mask = mb.loss_mask
     return -(logp * mask).sum() / 24 - 0.01 * (entropy * mask).sum() / 24, {}
 
 

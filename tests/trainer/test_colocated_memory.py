@@ -90,10 +90,10 @@ def _trainer(cfg: Config, memory: ColocatedMemory, calls: list, monkeypatch) -> 
         window=window_buffer(cfg, Prompts(), Rollout(), memory, eos_token_id=0,
                              score=lambda prompts, samples: (torch.zeros(1, 2), {})),
         advantage_fn=None,
-        loss_fn=None, memory=memory, checkpointer=checkpointer,
+        loss_fn=SimpleNamespace(needs=frozenset()), memory=memory, checkpointer=checkpointer,
         logger=SimpleNamespace(log=lambda step: calls.append(f"log {step}")), timer=StepTimer(),
     )  # fmt: skip
-    t.reference_logprobs = rec("logprobs", ({}, None))
+    t.logprobs = SimpleNamespace(reference=rec("logprobs", (None, None)))
     t.group_advantages = lambda *a: None
     t.train_on = rec("train", ([], None, None))  # (metrics, drift, ratio parts)
     t.finish = lambda: {"preempted": False}

@@ -13,7 +13,7 @@ def test_collate_marks_truncated_responses():
         Sample([1], [6], [-0.5], "stop"),
     ]
     b = collate(samples, pad_id=0)
-    assert b["truncated"].tolist() == [True, False]
-    assert overlong_filter_keep(b["truncated"]).tolist() == [False, True]
-    # response tokens sit after the prompt; the flag does not touch the loss mask itself
-    assert b["loss_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]
+    assert b.truncated.tolist() == [True, False]
+    assert overlong_filter_keep(b.truncated).tolist() == [False, True]
+    # response tokens sit after the prompt; the flag does not touch the response mask itself
+    assert b.response_mask.tolist() == [[0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from megatron_grpo.algorithms.step_batch import AdvantagedBatch
 from megatron_grpo.bench.common import columns, package_versions
 from megatron_grpo.bench.ops.count import OpCounter, SyncCounter
 from megatron_grpo.bench.train.args import bench_spec, resolve_device
@@ -125,13 +126,15 @@ def count_call(fn: Callable[[], Any], top: int, device: torch.device) -> dict:
 class _Run:
     """A policy of ``spec`` and the batch's two calls (log-prob pass, train step)."""
 
-    def __init__(self, spec: ModelSpec, ctx, args: BenchOpsArgs, batch: dict, budget: int):
+    def __init__(
+        self, spec: ModelSpec, ctx, args: BenchOpsArgs, batch: AdvantagedBatch, budget: int
+    ):
         model_cfg = ModelConfig(dtype=args.dtype)
         optim_cfg = OptimConfig(lr=1e-6, fused_adam=args.fused_adam)
         self.policy = build_policy(spec, ctx, model_cfg, optim_cfg, temperature=1.0)
-        self.batch, self.budget = batch, budget
+        self.budget = budget
         self.loss_fn = grpo_loss_fn()
-        logp = self.logprobs()["logp"]
+        logp = self.policy.compute_logprobs(batch, 1, token_budget=budget)["logp"]
         self.batch = add_loss_inputs(batch, logp, args.seed)
 
     def logprobs(self):
@@ -156,7 +159,7 @@ def run_bench_ops(args: BenchOpsArgs, ctx=None) -> dict:
     batch = make_batch(
         spec.vocab_size, args.rows, args.prompt_len, args.min_len, args.max_len, args.seed
     )
-    lengths = [int(n) for n in batch["attention_mask"].sum(1).tolist()]
+    lengths = [int(n) for n in batch.attention_mask.sum(1).tolist()]
     budget = budget_for_packs(lengths, args.packs)
     num_mb = len(packed_micro_batches(batch, budget))
     own = ctx is None

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from megatron_grpo.algorithms.step_batch import AdvantagedBatch, LossBatch
 from megatron_grpo.bench.train.args import SEARCH_START, BenchTrainArgs
 from megatron_grpo.bench.train.batch import add_loss_inputs, one_sequence
 from megatron_grpo.models.spec import ModelSpec
@@ -146,18 +147,18 @@ def train_one_sequence(
     """One train step of ``side`` on one sequence of ``n`` tokens (the length search's try);
     its peak GiB (None on CPU)."""
     one = one_sequence(side.spec.vocab_size, n, args.prompt_len, args.seed)
-    logp = torch.zeros(one["input_ids"].shape)
-    one = add_loss_inputs(one, logp, args.seed)
+    logp = torch.zeros(one.input_ids.shape)
+    loss_batch = add_loss_inputs(one, logp, args.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    side.train_step(one, loss_fn)
+    side.train_step(loss_batch, loss_fn)
     sync_device(device)
     return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
 
 
 def measure_side(
     side,
-    batch: dict,
+    batch: AdvantagedBatch,
     loss_fn,
     args: BenchTrainArgs,
     device: torch.device,
@@ -165,15 +166,17 @@ def measure_side(
     search: bool,
 ) -> dict:
     """Log-prob pass, then train step, then (``search``) the longest sequence, of one side.
-    Fills ``batch`` with the loss inputs from the first side's log-probs when absent. A CUDA
-    OOM in a phase is recorded (``oom``) and the side goes on with the next phase."""
+    The train step's batch is ``batch`` when it is a ``LossBatch``, else ``batch`` with the
+    loss inputs from this side's log-probs (returned as ``res["loss_batch"]``, for the next
+    sides). A CUDA OOM in a phase is recorded (``oom``) and the side goes on with the next
+    phase."""
     res: dict[str, Any] = {"num_parameters": side.num_parameters()}
     useful, lengths = figures["useful"], figures["lengths"]
     flop_n, peak = figures["flop_params"], figures["peak_tflops"]
     attn = attention_flops_forward(side.spec, lengths)
     oom_msg = (
         f"CUDA out of memory at micro-batch {args.micro_batch_size} x "
-        f"{batch['input_ids'].shape[1]} tokens: lower --micro-batch-size or --max-len"
+        f"{batch.input_ids.shape[1]} tokens: lower --micro-batch-size or --max-len"
     )
     free_memory(device)
     try:
@@ -183,15 +186,17 @@ def measure_side(
     except torch.OutOfMemoryError:
         res["logprob"] = {"oom": True, "error": oom_msg}
     free_memory(device)
-    if "old_logp" not in batch:
+    if not isinstance(batch, LossBatch):
         if "first_logp" not in res:
             raise RuntimeError(
                 f"{side.name}: the log-prob pass failed ({oom_msg}); the train "
                 "step needs its log-probs."
             )
-        batch.update(add_loss_inputs(batch, res["first_logp"], args.seed))
+        res["loss_batch"] = loss_batch = add_loss_inputs(batch, res["first_logp"], args.seed)
+    else:
+        loss_batch = batch
     try:
-        t = timed(lambda: side.train_step(batch, loss_fn), args.warmup, args.steps, device)
+        t = timed(lambda: side.train_step(loss_batch, loss_fn), args.warmup, args.steps, device)
         res["train"] = phase_figures(t, useful, 6 * flop_n, 3 * attn, peak)
         res["first_step"] = t["first"]
     except torch.OutOfMemoryError:

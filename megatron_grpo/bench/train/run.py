@@ -15,6 +15,7 @@ import dataclasses
 
 import torch
 
+from megatron_grpo.algorithms.step_batch import AdvantagedBatch, Rows
 from megatron_grpo.bench.common import machine_info, package_versions
 from megatron_grpo.bench.train.args import BenchTrainArgs, bench_spec, resolve_device
 from megatron_grpo.bench.train.batch import grpo_loss_fn, make_batch, micro_batches
@@ -76,10 +77,11 @@ def run_bench_train(args: BenchTrainArgs) -> dict:
     }
 
 
-def batch_figures(batch: dict, spec: ModelSpec, peak: float | None) -> dict:
+def batch_figures(batch: Rows, spec: ModelSpec, peak: float | None) -> dict:
     """What ``measure_side`` needs of the batch and the model: the useful (non-pad) tokens,
     the sequence lengths, N of the 6N / 2N rule and the device's peak TFLOP/s."""
-    lengths = [int(n) for n in batch["attention_mask"].sum(1).tolist()]
+    assert batch.attention_mask is not None
+    lengths = [int(n) for n in batch.attention_mask.sum(1).tolist()]
     return {
         "useful": sum(lengths),
         "lengths": lengths,
@@ -90,7 +92,7 @@ def batch_figures(batch: dict, spec: ModelSpec, peak: float | None) -> dict:
 
 def measure_sides(
     spec: ModelSpec,
-    batch: dict,
+    batch: AdvantagedBatch,
     args: BenchTrainArgs,
     device: torch.device,
     dtype: torch.dtype,
@@ -106,6 +108,7 @@ def measure_sides(
         project = ProjectSide(spec, ctx, args)
         state = project.hf_state_dict()
         sides["project"] = measure_side(project, batch, loss_fn, args, device, figures, search)
+        batch = sides["project"].pop("loss_batch", batch)  # every side trains on the same
         sides["project"]["liger"] = project.kernels.layer_fns == "liger"
         project.close()
         del project
@@ -115,6 +118,7 @@ def measure_sides(
             budget = hf_packed_budget(args) if name == "hf-packed" else None
             hf = HFSide(spec, state, device, dtype, args, packed_budget=budget)
             sides[name] = measure_side(hf, batch, loss_fn, args, device, figures, search)
+            batch = sides[name].pop("loss_batch", batch)
             sides[name]["liger"] = hf.liger
             hf.close()
             del hf
@@ -141,12 +145,12 @@ def ratios(sides: dict[str, dict]) -> dict[str, dict[str, float | None]]:
     return out
 
 
-def pop_parity(sides: dict[str, dict], batch: dict) -> dict[str, dict | None]:
+def pop_parity(sides: dict[str, dict], batch: Rows) -> dict[str, dict | None]:
     """Log-prob parity on the same weights (None where a side's log-prob pass failed):
     ``project`` vs ``hf`` under the old flat keys, and ``hf-packed`` vs ``hf``; the first
     log-probs are taken out of the result."""
     first = {n: s.pop("first_logp", None) for n, s in sides.items()}
-    mask = batch["attention_mask"]
+    mask = batch.attention_mask
 
     def parity(a: str, b: str):
         if first.get(a) is None or first.get(b) is None:
@@ -159,19 +163,17 @@ def pop_parity(sides: dict[str, dict], batch: dict) -> dict[str, dict | None]:
     return out or None
 
 
-def batch_summary(args: BenchTrainArgs, batch: dict, figures: dict) -> dict:
+def batch_summary(args: BenchTrainArgs, batch: AdvantagedBatch, figures: dict) -> dict:
     """The result's ``batch`` entry: the batch's arguments and token counts."""
-    padded = sum(
-        len(mb[2]["input_ids"]) * mb[1] for mb in micro_batches(batch, args.micro_batch_size)
-    )
+    padded = sum(len(mb[2].input_ids) * mb[1] for mb in micro_batches(batch, args.micro_batch_size))
     return {
         "rows": args.rows,
         "prompt_len": args.prompt_len,
         "min_len": args.min_len,
         "max_len": args.max_len,
-        "seq_len": int(batch["input_ids"].shape[1]),
+        "seq_len": int(batch.input_ids.shape[1]),
         "useful_tokens": figures["useful"],
-        "response_tokens": int(batch["loss_mask"].sum()),
+        "response_tokens": int(batch.loss_mask.sum()),
         "padded_tokens": padded,
         "micro_batch_size": args.micro_batch_size,
         "recompute": args.recompute,

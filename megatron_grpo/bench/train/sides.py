@@ -4,10 +4,12 @@ and the plain Hugging Face baseline, behind the same four calls (``num_parameter
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from megatron_grpo.algorithms.aggregation import GRPOLoss
+from megatron_grpo.algorithms.step_batch import LossBatch, Rows
 from megatron_grpo.bench.train.args import BenchTrainArgs
 from megatron_grpo.bench.train.batch import micro_batches
 from megatron_grpo.config.schema import KernelsConfig, ModelConfig, OptimConfig
@@ -20,6 +22,8 @@ from megatron_grpo.policy.kernels import resolve_kernels, use_liger
 from megatron_grpo.policy.logprob import token_logprobs
 from megatron_grpo.policy.micro_batches import PackedRows, packed_micro_batches
 from megatron_grpo.policy.policy import build_policy
+
+R = TypeVar("R", bound=Rows)
 
 
 class ProjectSide:
@@ -63,10 +67,10 @@ class ProjectSide:
                 n -= (p.shape[0] - self.spec.vocab_size) * p.shape[1]
         return n
 
-    def logprobs(self, batch: dict) -> dict[str, torch.Tensor]:
+    def logprobs(self, batch: Rows) -> dict[str, torch.Tensor]:
         return self.policy.compute_logprobs(batch, **self.sizes())
 
-    def train_step(self, batch: dict, loss_fn) -> dict[str, float]:
+    def train_step(self, batch: LossBatch, loss_fn: GRPOLoss) -> dict[str, float]:
         m = self.policy.train_step(batch, loss_fn, **self.sizes())
         return {"loss": m["loss"], "grad_norm": m["grad_norm"]}
 
@@ -204,16 +208,15 @@ class HFSide:
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())  # tied weights counted once
 
-    def _micro_batches(self, batch: dict) -> list[tuple[slice, int, dict, PackedRows | None]]:
+    def _micro_batches(self, batch: R) -> list[tuple[slice, int, R, PackedRows | None]]:
         if self.packed_budget is None:
             return [
                 (r, n, mb, None) for r, n, mb in micro_batches(batch, self.args.micro_batch_size)
             ]
         return packed_micro_batches(batch, self.packed_budget)
 
-    def _logp_entropy(self, mb: dict, pack: PackedRows | None):
-        """``logp``, ``entropy`` [n, L] of the micro-batch's rows (``mb`` on the device)."""
-        ids = mb["input_ids"]
+    def _logp_entropy(self, ids: torch.Tensor, pack: PackedRows | None):
+        """``logp``, ``entropy`` [n, L] of the micro-batch's rows ``ids`` (on the device)."""
         if pack is None:
             logits = self.model(input_ids=ids, use_cache=False).logits
             return token_logprobs(logits, ids, vocab_start=0, vocab_size=self.spec.vocab_size)
@@ -226,25 +229,26 @@ class HFSide:
         return pack.unpack(logp, ids.shape), pack.unpack(ent, ids.shape)
 
     @torch.no_grad()
-    def logprobs(self, batch: dict) -> dict[str, torch.Tensor]:
+    def logprobs(self, batch: Rows) -> dict[str, torch.Tensor]:
         """Like ``Policy.compute_logprobs``: [B, L] fp32 on the CPU, 0 on padding."""
         self.model.eval()
-        out = torch.zeros(2, *batch["input_ids"].shape, device=self.device)
+        assert batch.attention_mask is not None
+        out = torch.zeros(2, *batch.input_ids.shape, device=self.device)
         for rows, length, mb, pack in self._micro_batches(batch):
-            logp, ent = self._logp_entropy({"input_ids": mb["input_ids"].to(self.device)}, pack)
+            logp, ent = self._logp_entropy(mb.input_ids.to(self.device), pack)
             out[0, rows, :length] = logp.float()[:, :length]
             out[1, rows, :length] = ent.float()[:, :length]
-        out *= batch["attention_mask"].to(self.device)
+        out *= batch.attention_mask.to(self.device)
         out = out.cpu()
         return {"logp": out[0], "entropy": out[1]}
 
-    def train_step(self, batch: dict, loss_fn) -> dict[str, float]:
+    def train_step(self, batch: LossBatch, loss_fn: GRPOLoss) -> dict[str, float]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
         for _, _, mb, pack in self._micro_batches(batch):
-            dev = {k: v.to(self.device) for k, v in mb.items()}
-            logp, ent = self._logp_entropy(dev, pack)
+            dev = mb.with_tensors({k: v.to(self.device) for k, v in mb.tensors().items()})
+            logp, ent = self._logp_entropy(dev.input_ids, pack)
             loss, _ = loss_fn(logp, ent, dev)
             loss.backward()
             total += loss.detach().float()
