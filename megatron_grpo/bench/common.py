@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,9 +118,26 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def format_table(
+    titles: Sequence[Any],
+    rows: Iterable[Sequence[Any] | str],
+    widths: Sequence[int],
+    sep: str = "",
+    *,
+    head: Sequence[str] = (),
+    foot: Sequence[str] = (),
+) -> str:
+    """A bench command's console table, the one formatter they all use: the ``head`` lines
+    (what ran), the column titles, one line per row, then the ``foot`` lines. A row is its
+    cells (see :func:`columns`), or a str printed as it is (a line that spans the columns)."""
+    lines = [*head, columns(titles, widths, sep)]
+    lines += [r if isinstance(r, str) else columns(r, widths, sep) for r in rows]
+    return "\n".join([*lines, *foot])
+
+
 def columns(cells: Sequence[Any], widths: Sequence[int], sep: str = "") -> str:
-    """One line of a bench command's console table, the one formatter they share: each cell
-    right-aligned in its width, a negative width left-aligned (the label column)."""
+    """One line of :func:`format_table`: each cell right-aligned in its width, a negative
+    width left-aligned (the label column), a cell wider than its width printed whole."""
     return sep.join(
         str(c).ljust(-w) if w < 0 else str(c).rjust(w) for c, w in zip(cells, widths, strict=True)
     )

@@ -73,8 +73,9 @@ class BaselineSync:
             key = (owner, root)
             self.gather_links[key] = self.gather_links.get(key, 0) + _numel(src.layout.shape) * es
 
-    def sync(self) -> SyncStats:
-        """One baseline sync; collective over the whole job. Returns this rank's stats."""
+    def gather_and_broadcast(self) -> SyncStats:
+        """One baseline sync: gather the full tensors on ``root``, broadcast them, load them;
+        collective over the whole job. Returns this rank's stats."""
         from megatron_grpo.layouts.io import iter_hf_tensors
 
         ctx, root = self.ctx, self.root

@@ -319,7 +319,7 @@ class PointToPoint:
         peer = op.peer
         return (
             f"the plan handshake with rank {peer} ({op.kind}) did not complete: rank {peer} "
-            "is not running Transport.sync (dead, stuck, or not started), or its plan "
+            "is not running Transport.run_plan (dead, stuck, or not started), or its plan "
             f"has no link with rank {self.rank} (the two sides were built from "
             "different configs: compare trainer TP/PP, rollout TP and rank placement)"
         )

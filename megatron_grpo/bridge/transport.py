@@ -68,8 +68,8 @@ class Transport:
     """Runs one ``SyncPlan`` again and again from one rank's point of view.
 
     Build one per rank and plan (``Transport(plan, rank, group=...)``), then call
-    ``sync(sources, deliver)`` on every rank of the group at each weight push. Ranks with no
-    link in the plan may skip ``sync``.
+    ``run_plan(sources, deliver)`` on every rank of the group at each weight push. Ranks with
+    no link in the plan may skip ``run_plan``.
     """
 
     def __init__(
@@ -185,13 +185,14 @@ class Transport:
 
     # -- the sync ---------------------------------------------------------------------
 
-    def sync(
+    def run_plan(
         self,
         sources: Mapping[str, torch.Tensor],
         deliver: Deliver | None = None,
         finish: Callable[[], float | None] | None = None,
     ) -> tuple[SyncStats, dict[str, torch.Tensor]]:
-        """Run one sync from this rank. Collective over the ranks that share links.
+        """Run this rank's part of the plan once (one weight sync). Collective over the ranks
+        that share links.
 
         ``sources``: this rank's trainer shards by ``Copy.src_name`` (empty on a pure
         receiver). ``deliver(name, tensor)``: called with each destination shard of this
@@ -225,7 +226,7 @@ class Transport:
 
 class _Sync:
     """One sync from one rank: the destination shards being built, each pair's progress
-    through its ``pair_order`` and the stats. Its methods are the steps ``Transport.sync``
+    through its ``pair_order`` and the stats. Its methods are the steps ``Transport.run_plan``
     takes; ``on_done`` runs after each operation completes and posts what it unblocked."""
 
     def __init__(

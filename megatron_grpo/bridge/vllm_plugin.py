@@ -113,7 +113,7 @@ class MegatronShardTransferEngine(_engine_base()):  # type: ignore[misc]
             )
         # The receiving half of the trainer's sync: every shard of this rank, handed to
         # the receiver as soon as it is complete (inside vLLM's reload session).
-        self.transport.sync({}, deliver=self.receiver.receive_shard)
+        self.transport.run_plan({}, deliver=self.receiver.receive_shard)
 
     def finish_weight_update(self) -> None:
         self.receiver.finish()

@@ -38,7 +38,7 @@ class WeightSender(Protocol):
     last_verify: dict | None
     """``sync.verify``: the figures of the latest sync's checks; None when not verifying."""
 
-    def sync(self, policy: Any) -> SyncReport:
+    def push(self, policy: Any) -> SyncReport:
         """Push ``policy``'s weights into every vLLM rank. Collective over the trainer ranks
         (and the engines' workers); returns the merged report of all ranks (bytes summed over
         senders, phase times of the slowest rank)."""
@@ -112,7 +112,7 @@ class DirectSender(_SenderBase):
         self.transport = transport
         self.sink = sink
 
-    def sync(self, policy: Any) -> SyncReport:
+    def push(self, policy: Any) -> SyncReport:
         shards = dict(policy.named_shards())
         sent: dict[str, Checksum] | None = {} if self.verify is not None else None
         # Repacked parameters' checksums cost a pass over every weight: only when verifying.
@@ -120,7 +120,7 @@ class DirectSender(_SenderBase):
         if deliver is not None and sent is not None:
             deliver = _recording(deliver, sent)
         with torch.no_grad(), device_mode_suspended():
-            stats, _ = self.transport.sync(shards, deliver=deliver, finish=self.sink.finish)
+            stats, _ = self.transport.run_plan(shards, deliver=deliver, finish=self.sink.finish)
         self.sink.done(stats)
         return self._close(stats, policy, sent)
 
@@ -152,7 +152,7 @@ class BaselineSender(_SenderBase):
         self._baselines: dict[int, BaselineSync] = {}
         """One per policy object synced (the trainer's, a served snapshot's)."""
 
-    def sync(self, policy: Any) -> SyncReport:
+    def push(self, policy: Any) -> SyncReport:
         base = self._baselines.get(id(policy))
         if base is None:
             base = BaselineSync(
@@ -160,7 +160,7 @@ class BaselineSender(_SenderBase):
             )
             self._baselines[id(policy)] = base
         with torch.no_grad():
-            stats = base.sync()
+            stats = base.gather_and_broadcast()
         stats.minimal_bytes = self.plan.minimal_bytes
         return self._close(stats, policy, None)
 

@@ -95,9 +95,9 @@ def run_ops(args: argparse.Namespace) -> int:
     and on CUDA the profiler's kernel launches and synchronizations. Counts are
     deterministic: the suite holds the tiny figures to tests/op_budget.json. Prints a table,
     writes JSON (docs/benchmarks.md, "bench ops")."""
-    from megatron_grpo.bench.ops.run import BenchOpsArgs, format_table, run_bench_ops
+    from megatron_grpo.bench.ops.run import BenchOpsArgs, ops_table, run_bench_ops
 
-    return _measure(args, BenchOpsArgs, run_bench_ops, format_table)
+    return _measure(args, BenchOpsArgs, run_bench_ops, ops_table)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -111,9 +111,9 @@ def run_train(args: argparse.Namespace) -> int:
     each side trains. Prints a table, writes JSON (docs/benchmarks.md)."""
     from megatron_grpo.bench.train.args import BenchTrainArgs
     from megatron_grpo.bench.train.run import run_bench_train
-    from megatron_grpo.bench.train.table import format_table
+    from megatron_grpo.bench.train.table import train_table
 
-    return _measure(args, BenchTrainArgs, run_bench_train, format_table)
+    return _measure(args, BenchTrainArgs, run_bench_train, train_table)
 
 
 def _measure(args: argparse.Namespace, args_type: type, run, table) -> int:
@@ -244,7 +244,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     amortized per step. The first --warmup steps of every run are excluded. Writes JSON, two
     PNG plots and a markdown table into --out-dir."""
     from megatron_grpo.bench.common import BenchRunFailed, config_nproc
-    from megatron_grpo.bench.throughput.report import format_table
+    from megatron_grpo.bench.throughput.report import throughput_table
     from megatron_grpo.bench.throughput.run import (
         ThroughputArgs,
         default_config,
@@ -258,7 +258,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         a = from_args(ThroughputArgs, args, config=config, nproc=nproc)
     with exit_on(BenchRunFailed, 1):
         res = run_bench_throughput(a)
-    print(format_table(res))
+    print(throughput_table(res))
     print(res["warmup_note"])
     for f in res.get("files", []):
         print(f"wrote {f}")
@@ -314,7 +314,7 @@ def run_sync(args: argparse.Namespace) -> int:
     same bytes over the same gloo group; prints a table, writes JSON."""
     from megatron_grpo.bench.sync.args import BenchSyncArgs
     from megatron_grpo.bench.sync.run import run_bench_sync
-    from megatron_grpo.bench.sync.summary import format_table
+    from megatron_grpo.bench.sync.summary import sync_table
     from megatron_grpo.cli.errors import exit_on_user_error
 
     with exit_on_user_error():
@@ -324,7 +324,7 @@ def run_sync(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         res = run_bench_sync(a)
-    print(format_table(res))
+    print(sync_table(res))
     if args.json_out:
         _write_json(res, args.json_out)
     return 0 if res["verified"] else 1

@@ -187,7 +187,7 @@ def eval_rank(rank: int, world: int, s: EvalSettings) -> dict[str, Any] | None:
             load_megatron_weights(policy, src)
             engine_kwargs["load_format"] = "dummy"  # every weight arrives through the bridge
         rollout, weight_sync = build_colocated(src.hf_dir, spec, ctx, cfg, policy, **engine_kwargs)
-        report = weight_sync.sync(policy)
+        report = weight_sync.push(policy)
         r = cfg.rollout
         samples = rollout.generate(
             s.prompt_ids,

@@ -125,7 +125,7 @@ class GRPOTrainer:
             sync_report = eval_metrics = None
             if self.schedule.due(step, drift):
                 with timer.phase("sync"), self._bounded(f"the weight sync of step {step}"):
-                    sync_report = self.sync(step)
+                    sync_report = self.push_weights(step)
             if self.validator is not None and self.validator.due(step):
                 with timer.phase("eval"), self._bounded(f"the evaluation of step {step}"):
                     eval_metrics = self.evaluate()
@@ -195,7 +195,7 @@ class GRPOTrainer:
             return None
         return self.policy.routing.take_mismatch()
 
-    def sync(
+    def push_weights(
         self, step: int, weights: Policy | None = None, *, initial: bool = False
     ) -> SyncReport:
         """Push ``weights`` (None: the policy, pi_step) into vLLM, which then serves version
@@ -207,7 +207,7 @@ class GRPOTrainer:
         if not initial:
             self.memory.before_sync()
         weights = self.policy if weights is None else weights
-        report = self.sender.sync(weights)
+        report = self.sender.push(weights)
         self.schedule.synced(step)
         self.checkpointer.snapshot_served(weights)
         a = self.alpha
@@ -220,11 +220,11 @@ class GRPOTrainer:
         ``Checkpointer.resume``'s loop state and served weights) the weights served at the
         checkpoint, with the data stream and the schedule where the checkpoint left them."""
         if resumed is None:
-            return self.sync(0, initial=True)
+            return self.push_weights(0, initial=True)
         state, served = resumed
         self.start_step = state.step
         self.window.load_data_state(state.data_state)  # loop_state's data_state, read back
-        return self.sync(state.policy_version, served, initial=True)
+        return self.push_weights(state.policy_version, served, initial=True)
 
     def evaluate(self) -> dict[str, Any]:
         """eval.interval: pass@1 on held-out prompts from the weights vLLM serves now."""

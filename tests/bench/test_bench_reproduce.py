@@ -5,6 +5,7 @@ It is a benchmark: nothing here asserts that a claim reproduces."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -20,6 +21,7 @@ from megatron_grpo.bench.reproduce.stats import (
     judge,
     steps_to_threshold,
     summarize_variant,
+    t975,
 )
 from tests.helpers.bench import run_bench
 
@@ -86,13 +88,34 @@ def test_verdict_compares_the_interval_with_zero_and_the_margin():
     assert judge("equivalent", noisy, same, margin=0.05, z=2.0)[0] == INCONCLUSIVE
     assert judge("better", noisy, same, margin=0.05, z=2.0)[0] == INCONCLUSIVE
     assert judge("better", [0.9], [0.1], margin=0.05)[0] == INCONCLUSIVE  # one seed
-    # Default: Student t for Welch's ~2.9 degrees of freedom (4.303 s.e.): same vs hi's
-    # interval +-0.056 now crosses the 0.05 margin.
+    # Default: Student t for Welch's ~2.9 degrees of freedom, rounded down to 2 (4.303 s.e.):
+    # same vs hi's interval +-0.056 now crosses the 0.05 margin.
     v, _, fig = judge("equivalent", same, hi, margin=0.05)
-    assert v == INCONCLUSIVE and fig["k"] == pytest.approx(4.303)
+    assert v == INCONCLUSIVE and fig["k"] == pytest.approx(0.95 * (2 / 0.0975) ** 0.5, rel=1e-15)
     assert combine([REPRODUCED, REPRODUCED]) == REPRODUCED
     assert combine([REPRODUCED, INCONCLUSIVE]) == INCONCLUSIVE
     assert combine([INCONCLUSIVE, NOT_REPRODUCED]) == NOT_REPRODUCED
+
+
+# Two-sided 95% quantiles of Student's t for df = 1..30, as printed to three decimals (e.g.
+# NIST/SEMATECH e-Handbook of Statistical Methods, table 1.3.6.7.2).
+T975_PRINTED = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201,
+                2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074,
+                2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+
+
+def test_student_t_quantile_is_exact():
+    # df = 1 is the Cauchy distribution: t = tan(pi (0.975 - 1/2)).
+    assert t975(1) == pytest.approx(math.tan(0.475 * math.pi), rel=1e-15)
+    # df = 2: P(T <= t) = 1/2 + t / (2 sqrt(2 + t^2)), so t = a sqrt(2 / (1 - a^2)), a = 0.95.
+    assert t975(2) == pytest.approx(0.95 * math.sqrt(2 / (1 - 0.95**2)), rel=1e-15)
+    assert [round(t975(df), 3) for df in range(1, 31)] == list(T975_PRINTED)
+    # Past the printed table: t(31) is not the normal's 1.96; t tends to it as df grows
+    # (z_{0.975} = 1.959963984540054, t - z ~ (z^3 + z) / (4 df)).
+    assert round(t975(31), 4) == 2.0395
+    z = 1.959963984540054
+    assert t975(10**6) == pytest.approx(z + (z**3 + z) / 4e6, rel=1e-9)
+    assert t975(2.9) == t975(2) and t975(0.5) == t975(1)  # df rounded down, at least 1
 
 
 def test_paired_seeds_cancel_what_the_seed_does_to_both_variants():

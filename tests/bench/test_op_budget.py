@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megatron_grpo.bench.ops.count import OpCounter, SyncCounter
-from megatron_grpo.bench.ops.run import BenchOpsArgs, budget_for_packs, format_table, run_bench_ops
+from megatron_grpo.bench.ops.run import BenchOpsArgs, budget_for_packs, ops_table, run_bench_ops
 from megatron_grpo.policy.transfer import to_device
 from tests.helpers.batches import rows
 
@@ -57,7 +57,7 @@ def test_step_stays_within_its_budget(tiny_counts, phase):
     over = {k: (got[k], budget[k]) for k in budget if got[k] > budget[k]}
     assert not over, (
         f"{phase}: over budget {over} (count, budget); grown ops: {_grown(phase, tiny_counts)}"
-        f"\n{format_table(tiny_counts)}\nFix the regression, or raise tests/op_budget.json in "
+        f"\n{ops_table(tiny_counts)}\nFix the regression, or raise tests/op_budget.json in "
         "a commit that says why."
     )
 

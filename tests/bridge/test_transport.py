@@ -123,7 +123,7 @@ def test_single_rank_colocated_sync_needs_no_process_group() -> None:
     plan, sources = random_plan(11, world=1)
     got: dict[str, torch.Tensor] = {}
     tr = Transport(plan, 0, bucket_mb=0.001, timeout_s=5)
-    st, built = tr.sync(sources[0], deliver=lambda n, t: got.__setitem__(n, t.clone()))
+    st, built = tr.run_plan(sources[0], deliver=lambda n, t: got.__setitem__(n, t.clone()))
     ref = apply_plan_locally(plan, sources)
     assert set(got) == {d.name for d in plan.dst_tensors}
     for name, t in got.items():
@@ -150,7 +150,7 @@ def test_reference_executor_leaves_padding_zero() -> None:
 
 def _pack_unpack_every_link(plan: SyncPlan, sources: dict, bucket_mb: float, dtype) -> dict:
     """Every network link's buckets packed by its sender's ``packer.pack`` and unpacked by
-    its receiver's ``packer.unpack``, in one process (what ``Transport.sync`` does around the
+    its receiver's ``packer.unpack``, in one process (what ``Transport.run_plan`` does around the
     wire); returns ``{(rank, name): shard}`` of what the links deliver, zero elsewhere."""
     ranks = {d.rank for d in plan.dst_tensors} | {c.src_rank for c in plan.copies}
     tr = {r: Transport(plan, r, bucket_mb=bucket_mb, dtype=dtype) for r in ranks}
@@ -311,7 +311,7 @@ def _run_random_plans(rank: int, world: int, cases: list) -> list[dict]:
                     assert name not in got, f"{name} delivered twice"
                     got[name] = t.clone()
 
-                st, _ = tr.sync(src, deliver=deliver, finish=lambda: None)
+                st, _ = tr.run_plan(src, deliver=deliver, finish=lambda: None)
                 res["stats"].append(st.to_dict())
                 res["dst"].append(got)
         out.append(res)
@@ -367,7 +367,7 @@ def _run_with_absent_peer(rank: int, world: int, timeout_s: float) -> dict:
     tr = Transport(plan, rank, timeout_s=timeout_s)
     t0 = time.perf_counter()
     try:
-        tr.sync({"w": torch.ones(8, 4)})
+        tr.run_plan({"w": torch.ones(8, 4)})
     except SyncError as exc:
         return {"error": str(exc), "type": type(exc).__name__, "elapsed": time.perf_counter() - t0}
     return {"error": None}
@@ -398,7 +398,7 @@ def _run_mismatched(rank: int, world: int, kind: str) -> dict:
         plan.copies[1] = Copy(c.src_rank, c.src_name, c.dst_rank, c.dst_name, 0, 0, 0, 6)
     tr = Transport(plan, rank, bucket_mb=bucket_mb, timeout_s=20)
     try:
-        tr.sync({"w": torch.ones(8, 4)})
+        tr.run_plan({"w": torch.ones(8, 4)})
     except SyncError as exc:
         return {"error": str(exc), "type": type(exc).__name__}
     return {"error": None}

@@ -172,7 +172,7 @@ def _bridge_plan(spec, tp, engines, element_size):
 def test_bridge_pack_unpack_bandwidth(device, figures):
     """Trainer TP=2 -> two vLLM TP=1 engines (ranks 0 and 1): rank 1's buckets to rank 0 are
     packed by the transport's own ``packer.pack`` into its own bucket buffers and unpacked by
-    the receiver's ``packer.unpack`` (what ``Transport.sync`` runs on each side of the wire), timed
+    the receiver's ``packer.unpack`` (what ``Transport.run_plan`` runs on each side of the wire), timed
     against one plain device copy of as many bytes (the bound a pack can reach)."""
     from megatron_grpo.bridge.transport import Transport
 
@@ -259,11 +259,11 @@ def test_transport_world_size_1_self_links(ctx, device, figures):
     src = _trainer_sources(spec, 1, 0, device, dtype)
     tr = Transport(plan, 0, group=dist.group.WORLD, device=device, dtype=dtype, timeout_s=60)
     got = {}
-    tr.sync(src, deliver=lambda n, t: got.__setitem__(n, t))  # warm-up (allocations)
+    tr.run_plan(src, deliver=lambda n, t: got.__setitem__(n, t))  # warm-up (allocations)
     _sync()
     got.clear()
     t0 = time.perf_counter()
-    st, _ = tr.sync(src, deliver=lambda n, t: got.__setitem__(n, t))
+    st, _ = tr.run_plan(src, deliver=lambda n, t: got.__setitem__(n, t))
     _sync()
     seconds = time.perf_counter() - t0
     assert set(got) == {d.name for d in plan.dst_tensors}

@@ -74,7 +74,7 @@ def test_vllm_ep_engine_receives_its_own_experts(tmp_path: Path) -> None:
         }
         update = threading.Thread(target=eng.update_weights_remote, args=([{"plan": True}],))
         update.start()
-        inputs.transport(0, pg, device).sync(trainer)
+        inputs.transport(0, pg, device).run_plan(trainer)
         update.join(timeout=300)
         exported = eng.export_shards()
         assert len(exported) == 2

@@ -212,7 +212,7 @@ def sync_b_over_a(eng, a: Path, b: Path, spec, parallel, rollout_tp: int) -> dic
     ws = colocated_sender(inputs, spec, ctx, eng, sync)
     eng.reload_from_hf(a)  # the engine must really receive B from the bridge
     before = eng.export_shards()[0]
-    report = ws.sync(policy)
+    report = ws.push(policy)
     return {
         "before": before,
         "got": eng.export_shards()[0],

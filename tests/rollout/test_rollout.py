@@ -326,7 +326,7 @@ def _standalone(rank: int, world: int, root: str, port: int) -> dict:
 
         t = threading.Thread(target=run_update)
         t.start()
-        inputs.transport(0, pg, "cpu").sync(trainer_shards)
+        inputs.transport(0, pg, "cpu").run_plan(trainer_shards)
         t.join(timeout=120)
         if errors:
             raise errors[0]

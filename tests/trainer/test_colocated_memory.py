@@ -47,7 +47,7 @@ class FakeOffload:
 
 
 def _trainer(cfg: Config, memory: ColocatedMemory, calls: list, monkeypatch) -> loop.GRPOTrainer:
-    """A GRPOTrainer built from fakes that record themselves; ``run``, ``sync``, the batch
+    """A GRPOTrainer built from fakes that record themselves; ``run``, ``push_weights``, the batch
     source (``build.window_buffer``) and the checkpointer are the real ones."""
 
     class StepTimer(PhaseTimer):
@@ -86,7 +86,7 @@ def _trainer(cfg: Config, memory: ColocatedMemory, calls: list, monkeypatch) -> 
                                 memory, 60.0, SimpleNamespace(agreed=lambda ctx: False))  # fmt: skip
     t = loop.GRPOTrainer(
         cfg=cfg, ctx=ctx, tokenizer=SimpleNamespace(pad_token_id=0), policy=policy, ref=None,
-        rollout=Rollout(), sender=SimpleNamespace(syncs=0, sync=rec("sync")),
+        rollout=Rollout(), sender=SimpleNamespace(syncs=0, push=rec("sync")),
         window=window_buffer(cfg, Prompts(), Rollout(), memory, eos_token_id=0,
                              score=lambda prompts, samples: (torch.zeros(1, 2), {})),
         advantage_fn=None,
@@ -164,7 +164,7 @@ def test_loop_order_sleep_and_offload(monkeypatch):
 
 
 def test_the_initial_sync_makes_no_memory_turn(monkeypatch):
-    """``GRPOTrainer.start`` pushes the starting weights through ``sync`` without
+    """``GRPOTrainer.start`` pushes the starting weights through ``push_weights`` without
     ``before_sync``: the engine starts awake and the trainer's state stays resident until
     step 1's generate (its offload is step 1's first call, above)."""
     cfg = load_config(None, ["steps=4", "sync.interval=2"])

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from megatron_grpo.algorithms.step_batch import AdvantagedBatch
-from megatron_grpo.bench.common import columns, package_versions
+from megatron_grpo.bench.common import format_table, package_versions
 from megatron_grpo.bench.ops.count import OpCounter, SyncCounter
 from megatron_grpo.bench.train.args import bench_spec, resolve_device
 from megatron_grpo.bench.train.batch import add_loss_inputs, grpo_loss_fn, make_batch
@@ -195,31 +195,41 @@ def run_bench_ops(args: BenchOpsArgs, ctx=None) -> dict:
 
 
 OPS_WIDTHS = (-9, 9, 13, 11)
+CUDA_WIDTHS = (14, 0)
+"""On CUDA, two more columns: kernel launches, and ``/ host syncs`` as it is."""
 
 
-def format_table(res: dict) -> str:
+def ops_table(res: dict) -> str:
     """The console table of ``run_bench_ops``'s result."""
-    b = res["batch"]
-    lines = [
+    b, cuda = res["batch"], res["device"] == "cuda"  # every phase has "cuda" on CUDA
+    head = [
         f"bench ops: preset {res['preset']} ({b['layers']} layers), {res['dtype']}, fused AdamW "
         f"{res['fused_adam']}, on {res['device']}, megatron-core {res['versions']['megatron-core']}, torch "
         f"{res['versions']['torch']}",
         f"batch: {b['rows']} rows, {b['tokens']} tokens in {b['micro_batches']} packs "
         f"(budget {b['token_budget']})",
         "",
-        columns(("phase", "ATen ops", "per layer/mb", "host syncs"), OPS_WIDTHS, " ")
-        + ("  CUDA launches / syncs" if res["device"] == "cuda" else ""),
     ]
+    titles, widths = ("phase", "ATen ops", "per layer/mb", "host syncs"), OPS_WIDTHS
+    if cuda:
+        titles, widths = titles + ("CUDA launches", "/ syncs"), widths + CUDA_WIDTHS
+    rows = []
     for phase, c in res["phases"].items():
-        cuda = c.get("cuda")
-        extra = f"  {cuda['kernel_launches']:>13} / {cuda['host_syncs']}" if cuda else ""
         cells = (phase, c["ops"]["total"], f"{c['ops']['per_layer_per_micro_batch']:.1f}",
                  c["syncs"]["total"])  # fmt: skip
-        lines.append(columns(cells, OPS_WIDTHS, " ") + extra)
+        if cuda:
+            cells += (c["cuda"]["kernel_launches"], f"/ {c['cuda']['host_syncs']}")
+        rows.append(cells)
+    return format_table(titles, rows, widths, " ", head=head, foot=_top_lines(res))
+
+
+def _top_lines(res: dict) -> list[str]:
+    """Each phase's most frequent ops, their call sites and its host-sync-prone calls."""
+    lines: list[str] = []
     for phase, c in res["phases"].items():
         for what, title in (("by_name", "top ops"), ("by_site", "top sites")):
             lines += ["", f"{phase}: {title}"]
             lines += [f"  {n:>6}  {k}" for k, n in c["ops"][what].items()]
         lines += ["", f"{phase}: host-sync-prone calls by site"]
         lines += [f"  {n:>6}  {k}" for k, n in c["syncs"]["by_site"].items()] or ["  (none)"]
-    return "\n".join(lines)
+    return lines

@@ -201,7 +201,7 @@ class RankBench:
         finish = None if engine is None else engine.finish_weight_update
         dist.barrier()
         with torch.no_grad(), device_mode_suspended():
-            st, _ = tr.sync(self.shards, deliver=sink, finish=finish)
+            st, _ = tr.run_plan(self.shards, deliver=sink, finish=finish)
         if engine is not None:
             engine.update_phases(st)
         report = SyncReport.merge(_gather_stats(st)).to_dict()
@@ -221,7 +221,7 @@ class RankBench:
             if rep == 0:
                 self.scale_weights()
             dist.barrier()
-            st = base.sync()
+            st = base.gather_and_broadcast()
             out["baseline"].append(SyncReport.merge(_gather_stats(st)).to_dict())
             if rep == 0 and self.engine is not None:
                 out["checks"]["baseline"] = self.check(None, None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from megatron_grpo.bench.common import columns
+from megatron_grpo.bench.common import format_table
 from megatron_grpo.bench.sync.args import BenchSyncArgs
 from megatron_grpo.models.spec import load_spec
 
@@ -143,52 +143,45 @@ def fresh_summary(per_rank: list[dict]) -> dict:
 
 
 SYNC_WIDTHS = (-22, 10, 10, 9, 8, 8, 8, 8, 8)
+SYNC_TITLES = ("method", "MiB moved", "wire MiB", "seconds", "pack", "xfer", "unpack", "load",
+               "finish")  # fmt: skip
 
 
-def _method_row(name: str, d: dict) -> str:
-    """One method's line: bytes, wire bytes, seconds and the phases."""
+def _method_row(name: str, d: dict) -> list[str]:
+    """One method's cells: bytes, wire bytes, seconds and the phases."""
+    phases = ("pack_s", "transfer_s", "unpack_s", "load_s", "finish_s")
     cells = [name, f"{d['bytes'] / MiB:.2f}", f"{d['wire_bytes'] / MiB:.2f}", f"{d['seconds']:.4f}"]
-    cells += [f"{d[k]:.4f}" for k in ("pack_s", "transfer_s", "unpack_s", "load_s", "finish_s")]
-    return columns(cells, SYNC_WIDTHS)
+    return cells + [f"{d[k]:.4f}" for k in phases]
 
 
-def format_table(res: dict) -> str:
+def sync_table(res: dict) -> str:
     """The console table of a ``bench sync`` result."""
-    lines = [
+    head = [
         f"bench sync: {res['model']} ({res['model_params'] / 1e6:.1f}M params), trainer "
         f"tp={res['train_tp']} pp={res['train_pp']} dp={res['train_dp']} ep={res.get('train_ep', 1)} -> vLLM tp="
         f"{res['rollout_tp']} x{res['world'] // res['rollout_tp']} engines, sink={res['sink']}, "
         f"median of {res['repeats']}",
         f"minimal bytes: {res['minimal_bytes'] / MiB:.2f} MiB",
-        columns(
-            (
-                "method",
-                "MiB moved",
-                "wire MiB",
-                "seconds",
-                "pack",
-                "xfer",
-                "unpack",
-                "load",
-                "finish",
-            ),
-            SYNC_WIDTHS,
-        ),
     ]
-
-    for b, d in res["direct_by_bucket"].items():
-        lines.append(_method_row(f"direct (bucket {b} MB)", d))
-    lines.append(_method_row("baseline (gather+bcast)", res["baseline"]))
-    lines.append(_method_row("raw (1 flat buf/link)", res["raw"]))
-    if "vllm_fresh" in res:
+    rows: list[list[str] | str] = [
+        _method_row(f"direct (bucket {b} MB)", d) for b, d in res["direct_by_bucket"].items()
+    ]
+    rows.append(_method_row("baseline (gather+bcast)", res["baseline"]))
+    rows.append(_method_row("raw (1 flat buf/link)", res["raw"]))
+    if "vllm_fresh" in res:  # a whole-model load: no bytes or phases, its own line
         f = res["vllm_fresh"]
-        lines.append(
+        rows.append(
             f"{'vllm-fresh (HF load)':<22}{'':>10}{'':>10}{f['seconds']:>9.4f}   (+ write "
             f"{f['write_s']:.4f} s on rank 0; parity ok={f['parity_ok']})  "
             f"fresh/direct = {res['vllm_fresh_over_direct']:.2f}x"
         )
+    return format_table(SYNC_TITLES, rows, SYNC_WIDTHS, head=head, foot=_sync_foot(res))
+
+
+def _sync_foot(res: dict) -> list[str]:
+    """The direct sync's breakdown, its ratios to raw and baseline, each rank's checks."""
     b = res["direct"]["breakdown"]
-    lines.append("direct breakdown (s): " + "  ".join(f"{k} {v:.4f}" for k, v in b.items()))
+    lines = ["direct breakdown (s): " + "  ".join(f"{k} {v:.4f}" for k, v in b.items())]
     lines.append(
         f"direct - raw = {res['direct_minus_raw_s']:.4f} s   direct / (raw + vllm_post) = "
         f"{res['direct_over_floor']:.2f}x"
@@ -201,7 +194,7 @@ def format_table(res: dict) -> str:
         f"(transfer bit-exact: {res['verified_transfer']})"
     )
     lines += [_rank_checks_line(r, c) for r, c in enumerate(res["checks"])]
-    return "\n".join(lines)
+    return lines
 
 
 def _rank_checks_line(r: int, c: dict) -> str:

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_grpo.bench.common import columns
+from megatron_grpo.bench.common import format_table
 from megatron_grpo.bench.projection.window_schedule import window_events
 from megatron_grpo.metrics.plots import _save
 
@@ -94,20 +94,17 @@ CONSOLE_COLUMNS = (
 """(title, key of :func:`_figures`, width) of each column of the console table."""
 
 
-def format_table(res: Mapping[str, Any]) -> str:
+def throughput_table(res: Mapping[str, Any]) -> str:
     """The console table of ``bench throughput``: one right-aligned row per run."""
-    lines = [
+    head = [
         f"bench throughput: {res['args']['steps']} steps per run, first "
-        f"{res['args']['warmup']} excluded; ratios to v={res['reference_v']}",
-        columns([title for title, _, _ in CONSOLE_COLUMNS], [w for _, _, w in CONSOLE_COLUMNS]),
+        f"{res['args']['warmup']} excluded; ratios to v={res['reference_v']}"
     ]
-    for r in res["runs"]:
-        f = _figures(r)
-        lines.append(
-            columns([f[key] for _, key, _ in CONSOLE_COLUMNS], [w for _, _, w in CONSOLE_COLUMNS])
-        )
-    lines += _score_alpha_lines(res["runs"])
-    return "\n".join(lines)
+    rows = [[_figures(r)[key] for _, key, _ in CONSOLE_COLUMNS] for r in res["runs"]]
+    return format_table(
+        [title for title, _, _ in CONSOLE_COLUMNS], rows, [w for _, _, w in CONSOLE_COLUMNS],
+        head=head, foot=_score_alpha_lines(res["runs"]),
+    )  # fmt: skip
 
 
 def _score_alpha_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from megatron_grpo.bench.common import columns
+from megatron_grpo.bench.common import format_table
 
 PHASE_WIDTHS = (9, 11, 9, 11)
 """A phase's columns: seconds, tokens/s, MFU, peak GiB."""
+WIDTHS = (-18, *PHASE_WIDTHS, *PHASE_WIDTHS)
+"""The side, then its train step's columns and its log-prob pass's."""
 
 
 def _packing(budget: int | None) -> str:
@@ -16,19 +18,25 @@ def _num(x: float | None, fmt: str, na: str = "n/a") -> str:
     return na if x is None else format(x, fmt)
 
 
-def _phase_cells(d: dict) -> str:
-    """One phase's four columns (seconds, tokens/s, MFU, peak GiB), or CUDA OOM."""
+def _phase_cells(d: dict) -> tuple[str, ...]:
+    """One phase's four cells (seconds, tokens/s, MFU, peak GiB), or CUDA OOM in the last."""
     if d.get("oom"):
-        return f"{'CUDA OOM':>40}"
+        return ("", "", "", "CUDA OOM")
     mfu = None if d["mfu"] is None else 100 * d["mfu"]
-    cells = (f"{d['median_s']:.4f}", f"{d['useful_tokens_per_s']:,.0f}",
-             _num(mfu, ".1f") + ("%" if mfu is not None else ""), _num(d["peak_gib"], ".2f"))  # fmt: skip
-    return columns(cells, PHASE_WIDTHS)
+    return (f"{d['median_s']:.4f}", f"{d['useful_tokens_per_s']:,.0f}",
+            _num(mfu, ".1f") + ("%" if mfu is not None else ""), _num(d["peak_gib"], ".2f"))  # fmt: skip
 
 
-def format_table(res: dict) -> str:
+def train_table(res: dict) -> str:
     """The console table of a ``bench train`` result."""
-    lines = _heading_lines(res) + _side_lines(res)
+    titles = ("side", "s", "tok/s", "MFU 6N", "peak GiB", "s", "tok/s", "MFU 2N", "peak GiB")
+    return format_table(titles, _side_rows(res), WIDTHS, head=_heading_lines(res),
+                        foot=_foot_lines(res))  # fmt: skip
+
+
+def _foot_lines(res: dict) -> list[str]:
+    """Largest sequences (--search), log-prob parity, the first step, how MFU is counted."""
+    lines = []
     if res["search"]:
         lines.append(_largest_trainable_line(res["sides"]))
     lines += _parity_lines(res["logprob_parity"] or {})
@@ -45,11 +53,11 @@ def format_table(res: dict) -> str:
         "(log-prob) FLOPs per useful token, attention FLOPs not included "
         "(JSON: mfu_with_attention)"
     )
-    return "\n".join(lines)
+    return lines
 
 
 def _heading_lines(res: dict) -> list[str]:
-    """What ran (model, device, batch, packing, steps) and the column headings."""
+    """What ran (model, device, batch, packing, steps) and the phases over the columns."""
     b, spec = res["batch"], res["spec"]
     return [
         f"bench train: {res['preset']} ({res['sides']['project']['num_parameters'] / 1e6:.1f}M "
@@ -62,27 +70,24 @@ def _heading_lines(res: dict) -> list[str]:
         f"{_packing(b.get('hf_packed_micro_batch_tokens'))}); median of "
         f"{res['steps']} after {res['warmup']} warm-up",
         f"{'':<18}{'train step':^40}{'log-prob pass':^40}",
-        columns(
-            ("side", "s", "tok/s", "MFU 6N", "peak GiB", "s", "tok/s", "MFU 2N", "peak GiB"),
-            (-18, *PHASE_WIDTHS, *PHASE_WIDTHS),
-        ),
     ]
 
 
-def _side_lines(res: dict) -> list[str]:
-    """One row per side (both phases), then each side's tokens/s against the project's."""
-    lines = []
+def _side_rows(res: dict) -> list[tuple[str, ...] | str]:
+    """One row per side (both phases), then each side's tokens/s against the project's (a
+    line over each phase's four columns)."""
+    rows: list[tuple[str, ...] | str] = []
     for name, s in res["sides"].items():
         label = name + (" +liger" if s.get("liger") else "")
-        lines.append(f"{label:<18}" + _phase_cells(s["train"]) + _phase_cells(s["logprob"]))
+        rows.append((label, *_phase_cells(s["train"]), *_phase_cells(s["logprob"])))
     for name in res["sides"]:
         r = res["ratio"].get(name) if name != "project" else None
         if r:
-            lines.append(
+            rows.append(
                 f"{'project/' + name:<18}{_num(r['train'], '.2f') + 'x tokens/s':>40}"
                 f"{_num(r['logprob'], '.2f') + 'x tokens/s':>40}"
             )
-    return lines
+    return rows
 
 
 def _largest_trainable_line(sides: dict) -> str:
