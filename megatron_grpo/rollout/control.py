@@ -87,7 +87,7 @@ class Channel:
         self._seen: dict[str, float] = {}  # sender -> when its last frame arrived
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
-        self._closed = False
+        self.closed = False
 
     # -------------------------------------------------------------------------- sending
     def post(self, to: str | list[str], key: str, data: bytes) -> None:
@@ -210,9 +210,9 @@ class Channel:
     def close(self) -> None:
         """Stop beating; close the sockets (delivering what was posted, for up to 5 s)
         and the context. Idempotent."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         self.stop_beating()
         for sock, _ in self._out.values():
             sock.close()

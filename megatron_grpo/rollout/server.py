@@ -84,6 +84,8 @@ class DisaggregatedWorld:
     def abort(self, reason: str) -> None:
         """Trainer side: make every rollout rank stop waiting (start-up failed); closes this
         rank's channel."""
+        if self.channel is not None and self.channel.closed:
+            return  # the client said stop already (RolloutClient.shutdown)
         ch = self.channel or Channel(
             self.store, f"trainer/{self.rank}", self.timeout_s, self._host()
         )

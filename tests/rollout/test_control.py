@@ -153,3 +153,27 @@ def test_a_hung_or_dead_peer_process_ends_the_wait(how):
         peer.kill()
         peer.wait(timeout=30)
         trainer.close()
+
+
+def test_an_abort_from_any_trainer_rank_reaches_every_rollout_rank(store, monkeypatch):
+    """Trainer rank 1 failed to start: its one-off channel tells the driver and the other
+    rank of engine 0 (tp 2); trainer rank 0's channel, already closed by a stop, sends none."""
+    from megatron_grpo.distributed.placement import RankPlacement
+    from megatron_grpo.rollout.server import DisaggregatedWorld, peer_name
+
+    monkeypatch.setenv("MEGATRON_GRPO_CONTROL_ADDR", "127.0.0.1")
+    placement = RankPlacement("disaggregated", 4, [0, 1], [2, 3], [[2, 3]])
+    assert [peer_name(r, placement) for r in range(4)][::2] == [TRAINER, engine_peer(0)]
+    ranks = [Channel(store, peer_name(r, placement), timeout_s=0.3) for r in (2, 3)]
+    try:
+        DisaggregatedWorld(1, placement, store, 0.3).abort("trainer rank 1 failed: boom")
+        for ch in ranks:
+            with pytest.raises(PeerGone, match="gave up waiting for command 0: .*boom"):
+                ch.wait("cmd/0", [TRAINER], "command 0", ("command",))
+        closed = Channel(store, TRAINER, timeout_s=0.3)
+        closed.close()
+        DisaggregatedWorld(0, placement, store, 0.3, closed).abort("after stop")
+    finally:
+        for ch in ranks:
+            ch.close()
+    assert ranks[1].name == "rank/3"
