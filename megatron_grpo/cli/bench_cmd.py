@@ -11,6 +11,8 @@ megatron-grpo bench ops [--preset P] [--rows R] [--packs K] [--dtype bfloat16|fl
     [--fused-adam auto|on|off] --json OUT.json
 megatron-grpo bench reproduce [--claims 1,2,3,4] [--seeds N] [--steps S] [--out-dir DIR]
     [key=value ...]
+megatron-grpo bench control [--channels store,zmq] [--repeats N] [--samples S] [--tokens T]
+    [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def _comma_list(convert: Callable[[str], T], what: str, example: str):
 
 
 _floats = _comma_list(float, "numbers", "16,64")
+_names = _comma_list(str.strip, "names", "store,zmq")
 _ints = _comma_list(int, "integers", "1,2,5,10")
 
 
@@ -84,6 +87,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_reproduce(bsub)
     add_train_arguments(add_command(bsub, "train", run_train))
     add_ops_arguments(add_command(bsub, "ops", run_ops))
+    c = add_command(bsub, "control", run_control)
+    c.add_argument("--channels", type=_names, default=["store", "zmq"],
+                   help="store: the rendezvous-store channel it replaced; zmq: rollout/control.py")  # fmt: skip
+    c.add_argument("--repeats", type=int, default=100, help="timed round trips per command")
+    c.add_argument("--samples", type=int, default=64, help="samples in a generate's answer")
+    c.add_argument("--tokens", type=int, default=256, help="response tokens per sample")
+    c.add_argument("--timeout-s", type=float, default=300.0, help="time limit per channel")
+    c.add_argument("--json", dest="json_out", help="also write the results here")
+
+
+def run_control(args: argparse.Namespace) -> int:
+    """a command's round trip over the disaggregated placement's control channel
+
+    Two spawned processes on this machine, trainer rank 0 and one engine driver, exchange
+    `update` (a tiny reply) and `generate` (--samples x --tokens sampled tokens back)
+    commands as a disaggregated run does, heartbeats running; prints the median and p90 round
+    trip of each command per channel: zmq (rollout/control.py) and store (the store-polling
+    channel it replaced). Prints a table, writes JSON (docs/benchmarks.md, "bench control")."""
+    from megatron_grpo.bench.control.run import BenchControlArgs, format_table, run_bench_control
+
+    return _measure(args, BenchControlArgs, run_bench_control, format_table)
 
 
 def run_ops(args: argparse.Namespace) -> int:

@@ -6,7 +6,6 @@ behind the rollout interface; ``connect_rollout`` builds it and the bridge's sen
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from typing import Any
 
@@ -16,7 +15,7 @@ from megatron_grpo.bridge.transfer_group import PlanInputs, init_transfer_group
 from megatron_grpo.bridge.weight_sync import remote_sender
 from megatron_grpo.config import Config
 from megatron_grpo.rollout import messages
-from megatron_grpo.rollout.control import Channel, engine_beat, trainer_beat
+from megatron_grpo.rollout.control import engine_peer, node_address
 from megatron_grpo.rollout.server import DisaggregatedWorld
 
 log = logging.getLogger(__name__)
@@ -32,17 +31,18 @@ class RolloutClient:
     def __init__(self, world: DisaggregatedWorld, ctx: Any) -> None:
         self.world, self.ctx = world, ctx
         self.engines = len(world.placement.engines)
-        self.ch = Channel(world.store, world.timeout_s) if ctx.rank == 0 else None
+        self.ch = world.channel if ctx.rank == 0 else None
+        self.peers = world.rollout_peers
         self._seq = 0
         self._stopped = False
         if self.ch is not None:
-            self.ch.beat_forever(trainer_beat())
+            self.ch.beat_forever(self.peers)
 
     # -- rank 0's side of the protocol
     def _post(self, op: str, **payload: Any) -> int:
         assert self.ch is not None
         seq, self._seq = self._seq, self._seq + 1
-        self.ch.post(f"cmd/{seq}", messages.command(op, **payload))
+        self.ch.post(self.peers, f"cmd/{seq}", messages.command(op, **payload))
         return seq
 
     def _collect(self, seq: int, what: str, expect: tuple[str, ...] = ("reply",)) -> list[Any]:
@@ -52,7 +52,7 @@ class RolloutClient:
         out = []
         for e in range(self.engines):
             driver = self.world.placement.engines[e][0]
-            r = self.ch.wait(f"res/{seq}/{e}", [engine_beat(e)],
+            r = self.ch.wait(f"res/{seq}/{e}", [engine_peer(e)],
                              f"engine {e}'s {what}, from rank {driver}", expect)  # fmt: skip
             if r.kind == "error":
                 raise RuntimeError(
@@ -88,7 +88,7 @@ class RolloutClient:
             secs = []
             for e in range(self.engines):
                 r = self.ch.wait(
-                    f"ready/{e}", [engine_beat(e)], f"engine {e} to start", ("ready", "error")
+                    f"ready/{e}", [engine_peer(e)], f"engine {e} to start", ("ready", "error")
                 )
                 if r.kind == "error":
                     raise RuntimeError(f"rollout engine {e} failed to start: {r.body['error']}")
@@ -167,20 +167,12 @@ class RolloutClient:
             try:
                 self._post("stop")
             finally:
-                self.ch.stop_beating()
+                self.ch.close()  # delivers the stop first (control._LINGER_MS)
 
 
 def _my_address(world_size: int) -> str:
     """Trainer rank 0's address for the transfer group's store."""
-    explicit = os.environ.get("MEGATRON_GRPO_TRANSFER_ADDR")
-    if explicit:
-        return explicit
-    if int(os.environ.get("LOCAL_WORLD_SIZE", "0")) == world_size:
-        return "127.0.0.1"  # one node
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return socket.getfqdn()
+    return node_address(world_size, "MEGATRON_GRPO_TRANSFER_ADDR")
 
 
 def connect_rollout(cfg: Config, world: DisaggregatedWorld, ctx: Any, hf_dir: Any, policy: Any):

@@ -1,5 +1,5 @@
 """What the processes of the disaggregated placement say to each other over the control
-channel (rollout/control.py): data, never code. A message is one frame, JSON (its kind and
+channel (rollout/control.py, ZeroMQ): data, never code. A message is one frame, JSON (its kind and
 body) then raw little-endian int64/float64 arrays (the samples' token ids and log-probs), decoded
 into the project's own types and checked on arrival (keys, types, lengths); with routing
 replay the samples' routed experts follow as one uint8 or int16 array. Anything else,
@@ -27,8 +27,9 @@ token, so 1 GiB is ~60M sampled tokens per engine per step."""
 _LEN = struct.Struct("<Q")
 _ARRAY_CODES = {"int64": "q", "float64": "d", "uint8": "B", "int16": "h"}
 _FIX = (
-    "the peer runs another megatron-grpo version, or something other than this job wrote to "
-    "the rendezvous store: keep its port private (docs/launch.md, 'The rendezvous port')"
+    "the peer runs another megatron-grpo version, or something other than this job posted it "
+    "with the token it read from the rendezvous store: keep the store's port private "
+    "(docs/launch.md, 'The rendezvous port')"
 )
 
 

@@ -14,12 +14,12 @@ Three channels, each with one job:
   asserts ``world_size == tp*pp*cp*dp``) and its optimizer/checkpoint code calls
   ``torch.distributed`` collectives on the default group, so giving the trainers their own
   default group is the one change that keeps all of that untouched.
-- **control** (``rollout/control.py``): small messages in torchrun's rendezvous store
-  (``TCPStore``), JSON and raw arrays checked on arrival, never pickles
-  (``rollout/messages.py``): trainer rank 0 posts commands ``cmd/<seq>`` (generate,
-  init_transfer, update, stop), each driver answers ``res/<seq>/<e>``; waits poll with
-  liveness checks (heartbeat counters both ways), so a dead peer ends in a clear error, never
-  a hang.
+- **control** (``rollout/control.py``): small messages over ZeroMQ, JSON and raw arrays
+  checked on arrival, never pickles (``rollout/messages.py``): every process of the channel
+  binds an inbox on its host and publishes its address once in torchrun's rendezvous store;
+  trainer rank 0 sends commands ``cmd/<seq>`` (generate, init_transfer, update, stop) to every
+  rollout rank, each driver answers ``res/<seq>/<e>``; waits block on the inbox with
+  liveness checks (heartbeats both ways), so a dead peer ends in a clear error, never a hang.
   Trainer rank 0 shares results with the other trainer ranks over the sub-world.
 - **weights**: the transfer group of trainer ranks + engine workers
   (``bridge.transfer_group.init_transfer_group``), running the bridge's plan and transport on
@@ -43,7 +43,7 @@ from megatron_grpo.config import Config
 from megatron_grpo.distributed.placement import RankPlacement, place_ranks
 from megatron_grpo.rollout import messages
 from megatron_grpo.rollout.colocated import engine_slice
-from megatron_grpo.rollout.control import Channel, engine_beat, trainer_beat
+from megatron_grpo.rollout.control import TRAINER, Channel, engine_peer, node_address, rank_peer
 from megatron_grpo.rollout.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ class DisaggregatedWorld:
     store: Any
     """torchrun's rendezvous store (``torch.distributed.rendezvous("env://")``)."""
     timeout_s: float
+    channel: Channel | None = None
+    """This process's end of the control channel (trainer rank 0 and the rollout ranks)."""
 
     @property
     def is_trainer(self) -> bool:
@@ -74,9 +76,26 @@ class DisaggregatedWorld:
     def n_train(self) -> int:
         return len(self.placement.train_ranks)
 
+    @property
+    def rollout_peers(self) -> list[str]:
+        """The channel names of the rollout ranks, in rank order."""
+        return [peer_name(r, self.placement) for r in self.placement.rollout_ranks]
+
     def abort(self, reason: str) -> None:
-        """Trainer side: make every rollout rank stop waiting (start-up failed)."""
-        Channel(self.store, self.timeout_s).post("abort", messages.abort(reason))
+        """Trainer side: make every rollout rank stop waiting (start-up failed); closes this
+        rank's channel."""
+        if self.channel is not None and self.channel.closed:
+            return  # the client said stop already (RolloutClient.shutdown)
+        ch = self.channel or Channel(
+            self.store, f"trainer/{self.rank}", self.timeout_s, self._host()
+        )
+        try:
+            ch.post(self.rollout_peers, "abort", messages.abort(reason))
+        finally:
+            ch.close()
+
+    def _host(self) -> str:
+        return node_address(self.placement.world_size, "MEGATRON_GRPO_CONTROL_ADDR")
 
     def trainer_world(self) -> dict[str, Any]:
         """``init_distributed`` keywords for the trainer sub-world."""
@@ -93,8 +112,18 @@ def join_world(cfg: Config) -> DisaggregatedWorld:
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
     store, rank, _ = next(dist.rendezvous("env://", timeout=timeout))
     out = DisaggregatedWorld(rank, placement, store, cfg.parallel.timeout_s)
+    if rank == 0 or not out.is_trainer:  # bound now, so an abort reaches it from the start
+        out.channel = Channel(store, peer_name(rank, placement), out.timeout_s, out._host())
     pin_role(out.is_trainer, cfg.rollout.tp)
     return out
+
+
+def peer_name(rank: int, placement: RankPlacement) -> str:
+    """``rank``'s name on the control channel: trainer rank 0, a driver, or a rollout rank."""
+    if rank == placement.train_ranks[0]:
+        return TRAINER
+    drivers = {ranks[0]: e for e, ranks in enumerate(placement.engines)}
+    return engine_peer(drivers[rank]) if rank in drivers else rank_peer(rank)
 
 
 PIN_ENV = ("MEGATRON_GRPO_TRAINER_CPUS", "MEGATRON_GRPO_ROLLOUT_CPUS")
@@ -141,7 +170,8 @@ def serve(cfg: Config, world: DisaggregatedWorld) -> dict[str, Any]:
     # says stop, so a rollout rank only notes it.
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, lambda s, f: log.warning("rollout rank: signal %d, serving on", s))
-    ch = Channel(world.store, world.timeout_s)
+    ch = world.channel
+    assert ch is not None  # join_world opens it on every rollout rank
     engine = None
     try:
         if driver:
@@ -149,7 +179,7 @@ def serve(cfg: Config, world: DisaggregatedWorld) -> dict[str, Any]:
             engine = _start_engine(cfg, hf_dir, e, ch)
         return _serve_loop(cfg, ch, engine, e, world.rank)
     finally:
-        ch.stop_beating()
+        ch.close()
         if engine is not None:
             engine.shutdown()
 
@@ -193,15 +223,15 @@ def _start_engine(cfg: Config, hf_dir: Any, e: int, ch: Channel) -> Any:
             cfg.rollout.tp,
             torch.cuda.device_count(),
         )
-    ch.beat_forever(engine_beat(e))
+    ch.beat_forever([TRAINER])
     t0 = time.perf_counter()
     try:
         engine = RolloutEngine.from_config(hf_dir, cfg.rollout)
     except Exception as exc:
-        ch.post(f"ready/{e}", messages.error(f"{type(exc).__name__}: {exc}"))
+        ch.post(TRAINER, f"ready/{e}", messages.error(f"{type(exc).__name__}: {exc}"))
         raise
     engine.replica_index = e  # per-replica sampling seeds, as colocated engines have
-    ch.post(f"ready/{e}", messages.ready(time.perf_counter() - t0))
+    ch.post(TRAINER, f"ready/{e}", messages.ready(time.perf_counter() - t0))
     return engine
 
 
@@ -210,21 +240,20 @@ def _serve_loop(cfg: Config, ch: Channel, engine: Any, e: int, rank: int) -> dic
     while True:
         key = f"cmd/{seq}"
         try:
-            cmd = ch.wait(key, [trainer_beat()], f"command {seq} from trainer rank 0",
-                          ("command",), take=False).body  # fmt: skip
+            cmd = ch.wait(key, [TRAINER], f"command {seq} from trainer rank 0", ("command",)).body
         except messages.BadMessage as exc:  # the trainer hears why, then this rank stops
             if engine is not None:
-                ch.post(f"res/{seq}/{e}", messages.error(f"BadMessage: {exc}"))
+                ch.post(TRAINER, f"res/{seq}/{e}", messages.error(f"BadMessage: {exc}"))
             raise
         op = cmd["op"]
         if op == "stop":
             return {"preempted": False, "step": None, "role": "rollout", "rank": rank}
         if engine is not None:
             try:
-                ch.post(f"res/{seq}/{e}", _run(engine, cmd, e))
+                ch.post(TRAINER, f"res/{seq}/{e}", _run(engine, cmd, e))
             except Exception as exc:  # reported to the trainer, which decides
                 log.exception("rollout engine %d: %s failed", e, op)
-                ch.post(f"res/{seq}/{e}", messages.error(f"{type(exc).__name__}: {exc}"))
+                ch.post(TRAINER, f"res/{seq}/{e}", messages.error(f"{type(exc).__name__}: {exc}"))
         seq += 1
 
 

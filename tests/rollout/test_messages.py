@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_grpo.rollout import messages
-from megatron_grpo.rollout.control import Channel
+from megatron_grpo.rollout.control import TRAINER, Channel, PeerGone, engine_peer
 from megatron_grpo.rollout.messages import MAGIC, BadMessage, decode
 from megatron_grpo.rollout.samples import Sample
 
@@ -42,9 +42,24 @@ def _frame(header: dict, blob: bytes = b"") -> bytes:
     return MAGIC + struct.pack("<Q", len(head)) + head + blob
 
 
-def _channel(max_bytes: int = messages.MAX_MESSAGE_BYTES) -> tuple[Channel, dist.HashStore]:
-    store = dist.HashStore()
-    return Channel(store, timeout_s=0.3, max_bytes=max_bytes), store
+@pytest.fixture
+def ends():
+    """``ends(max_bytes)``: trainer rank 0's and engine 0's ends of the channel, in this
+    process (a HashStore stands in for the rendezvous store); ``ends.one(name)`` another;
+    all closed after the test."""
+    store, made = dist.HashStore(), []
+
+    def one(name: str, max_bytes: int = messages.MAX_MESSAGE_BYTES) -> Channel:
+        made.append(Channel(store, name, timeout_s=0.3, max_bytes=max_bytes))
+        return made[-1]
+
+    def make(max_bytes: int = messages.MAX_MESSAGE_BYTES) -> tuple[Channel, Channel]:
+        return one(TRAINER, max_bytes), one(engine_peer(0), max_bytes)
+
+    make.one = one
+    yield make
+    for ch in made:
+        ch.close()
 
 
 def test_every_message_kind_round_trips():
@@ -85,31 +100,31 @@ def test_a_command_that_does_not_fit_its_schema_is_not_sent():
         messages.command("shell")
 
 
-def test_a_pickle_under_a_control_key_is_refused_and_runs_nothing(tmp_path):
+def test_a_pickle_under_a_control_key_is_refused_and_runs_nothing(tmp_path, ends):
     armed, marker = tmp_path / "armed", tmp_path / "marker"
     pickle.loads(pickle.dumps(_Boom(str(armed))))
     assert armed.exists()  # the payload is live: loading it with pickle runs its code
-    ch, store = _channel()
-    ch.store.set("cmd/0", pickle.dumps({"op": "stop", "x": _Boom(str(marker))}))
+    trainer, engine = ends()
+    trainer.post(engine.name, "cmd/0", pickle.dumps({"op": "stop", "x": _Boom(str(marker))}))
     with pytest.raises(BadMessage) as err:
-        ch.wait("cmd/0", ["hb/trainer"], "command 0 from trainer rank 0", ("command",))
+        engine.wait("cmd/0", [TRAINER], "command 0 from trainer rank 0", ("command",))
     msg = str(err.value)
     assert "'cmd/0' (command 0 from trainer rank 0) refused: not a megatron-grpo message " in msg
     assert "(a pickle)" in msg and "docs/launch.md" in msg and "\n" not in msg
     assert not marker.exists()
 
 
-def test_the_server_answers_a_bad_command_with_its_error_and_stops(tmp_path):
+def test_the_server_answers_a_bad_command_with_its_error_and_stops(tmp_path, ends):
     """The rollout rank's loop: the trainer is told why (res/<seq>/<e>), and the rank stops
     rather than serve on after a command it cannot read."""
     from megatron_grpo.rollout.server import _serve_loop
 
     marker = tmp_path / "marker"
-    ch, store = _channel()
-    ch.store.set("cmd/0", pickle.dumps(_Boom(str(marker))))
+    trainer, engine = ends()
+    trainer.post(engine.name, "cmd/0", pickle.dumps(_Boom(str(marker))))
     with pytest.raises(BadMessage, match="'cmd/0'"):
-        _serve_loop(None, ch, object(), 0, 1)
-    answer = ch.wait("res/0/0", [], "engine 0's generate, from rank 1", ("reply", "error"))
+        _serve_loop(None, engine, object(), 0, 1)
+    answer = trainer.wait("res/0/0", [], "engine 0's generate, from rank 1", ("reply", "error"))
     assert answer.kind == "error" and answer.body["error"].startswith("BadMessage: control")
     assert not marker.exists()
 
@@ -168,12 +183,12 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_malformed_and_truncated_messages_are_one_clear_line(case):
+def test_malformed_and_truncated_messages_are_one_clear_line(case, ends):
     make, why = BAD[case]
-    ch, store = _channel()
-    ch.store.set("cmd/4", make())
+    trainer, engine = ends()
+    trainer.post(engine.name, "cmd/4", make())
     with pytest.raises(BadMessage) as err:
-        ch.wait("cmd/4", [], "command 4 from trainer rank 0", ("command",))
+        engine.wait("cmd/4", [], "command 4 from trainer rank 0", ("command",))
     msg = str(err.value)
     assert msg.startswith("control message 'cmd/4' (command 4 from trainer rank 0) refused: ")
     assert why in msg and "\n" not in msg, msg
@@ -234,14 +249,16 @@ def test_samples_that_do_not_add_up_are_refused(body, arrays, why):
     assert why in str(err.value)
 
 
-def test_oversized_messages_are_neither_sent_nor_read():
+def test_oversized_messages_are_neither_sent_nor_read(ends):
     raw = messages.samples(SAMPLES)
-    ch, store = _channel(max_bytes=len(raw) - 1)
+    trainer, engine = ends(max_bytes=len(raw) - 1)
     with pytest.raises(ValueError, match=f"'res/0/0' not sent: {len(raw)} bytes, over the limit "
                        f"of {len(raw) - 1} .*rollout.num_engines"):  # fmt: skip
-        ch.post("res/0/0", raw)
-    assert not ch.store.check(["res/0/0"])
-    ch.store.set("res/0/0", raw)  # a peer with a larger limit
+        engine.post(TRAINER, "res/0/0", raw)
+    with pytest.raises(PeerGone, match="waited 0s"):  # nothing arrived
+        trainer.wait("res/0/0", [], "engine 0", ("samples",))
+    larger = ends.one(engine_peer(1))  # a peer with a larger limit
+    larger.post(TRAINER, "res/0/0", raw)
     with pytest.raises(BadMessage, match=f"'res/0/0' \\(engine 0\\) refused: {len(raw)} bytes"):
-        ch.wait("res/0/0", [], "engine 0", ("samples",))
+        trainer.wait("res/0/0", [], "engine 0", ("samples",))
     assert messages.MAX_MESSAGE_BYTES == 1 << 30
