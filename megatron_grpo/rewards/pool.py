@@ -44,6 +44,9 @@ def _load_file(file: str, path: str):
         )
     name = f"_mgrpo_reward_{abs(hash(str(source)))}"
     spec = importlib.util.spec_from_file_location(name, source)
+    # A path ending in .py always gets a spec with a source loader (importlib's
+    # spec_from_file_location); None only for other suffixes.
+    assert spec is not None and spec.loader is not None, source
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
@@ -256,11 +259,12 @@ class DeadlinePool:
                 continue
             conns = [w.conn for w in self._workers if w.task is not None or not w.ready]
             for conn in wait(conns, timeout=max(0.0, min(deadlines) - now)):
-                w = next((x for x in self._workers if x.conn is conn), None)
-                if w is None:  # replaced earlier in this round
+                found = next((x for x in self._workers if x.conn is conn), None)
+                if found is None:  # replaced earlier in this round
                     continue
+                w = found
                 try:
-                    kind, idx, payload = conn.recv()
+                    kind, idx, payload = w.conn.recv()
                 except (EOFError, OSError):
                     if w.task is not None:
                         results[w.task[0]] = Outcome("error", detail="reward worker died")
