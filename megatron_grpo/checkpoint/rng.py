@@ -44,7 +44,9 @@ def get_rng_state() -> RngState:
         },
         "numpy": {
             "kind": str(kind),
-            "keys": torch.from_numpy(keys.astype(np.int64)),
+            # numpy's stub types get_state's result as tuple | dict whatever ``legacy`` is;
+            # legacy=True always gives the tuple (numpy/random/mtrand.pyx).
+            "keys": torch.from_numpy(keys.astype(np.int64)),  # type: ignore[union-attr]
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),

@@ -8,6 +8,7 @@ on every rank, prompt-major, so every rank holds the whole batch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +58,7 @@ class ColocatedRollout:
                 per_step[j] += theirs[at : at + count]
                 at += count
         # prompt-major over the whole step: engine 0's share, then engine 1's, ...
-        return [(lambda s=s: list(s)) for s in per_step]
+        return [functools.partial(list, s) for s in per_step]
 
     @staticmethod
     def share(fn: Callable[[], Any]) -> Any:
