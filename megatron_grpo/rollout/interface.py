@@ -15,7 +15,7 @@ window's, ``rollout.ahead``); ``generate`` is one step's, waited for.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,7 +32,7 @@ from megatron_grpo.rollout.server import DisaggregatedWorld
 class Rollout(Protocol):
     def launch(
         self, steps: list[tuple[list, int]], **sampling: Any
-    ) -> Sequence[Callable[[], list | None]]:
+    ) -> list[Callable[[], list | None]]:
         """Start generating ``[(prompt_ids, seed)]`` per step; one thunk per step returns
         that step's samples, blocking until they are there, on the ranks where they arrive
         (None elsewhere). Thunks run no collective: a background thread may call them."""
