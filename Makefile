@@ -51,9 +51,12 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
+# ruff, then mypy over megatron_grpo/ (pyproject.toml's [tool.mypy]: strict on policy/).
+# CI runs the same mypy check through `make test` (tests/test_typecheck.py).
 lint: $(STAMP)
 	$(PY) -m ruff check megatron_grpo checkpoints_tools tests
 	$(PY) -m ruff format --check megatron_grpo checkpoints_tools tests
+	$(PY) -m mypy
 
 clean-venv:
 	rm -rf $(VENV)

@@ -65,7 +65,8 @@ setup(
         # (see GPU_EXTRA above and docs/install.md).
         "gpu": GPU_EXTRA,
         "slurm": ["mpi4py"],
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
+        # mypy pinned: a new release can find new errors (`make lint`, tests/test_typecheck.py).
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "mypy==2.4.1"],
     },
     entry_points={
         "console_scripts": ["megatron-grpo=megatron_grpo.cli.main:main"],

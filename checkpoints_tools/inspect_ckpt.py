@@ -23,8 +23,10 @@ def inspect_checkpoint(ckpt: str | Path) -> list[str]:
             f"{s['vocab_size']}, tied={s['tie_word_embeddings']}",
             f"dtype: {info.dtype}; written at {info.parallel}; source: {info.source}",
         ]
-    if step is not None or (info is not None and info.step is not None):
-        lines.append(f"step: {step if step is not None else info.step}")
+    if step is None and info is not None:
+        step = info.step
+    if step is not None:
+        lines.append(f"step: {step}")
     meta = dist_checkpointing.load_tensors_metadata(str(dist_dir))
     total = 0
     for key in sorted(meta):

@@ -39,8 +39,8 @@ def copy_batched(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -> N
         g[0].append(o)
         g[1].append(i)
     with torch.no_grad():  # the sources may be parameters; the copies are not trained
-        for o, i in groups.values():
-            torch._foreach_copy_(o, i)
+        for group_outs, group_ins in groups.values():
+            torch._foreach_copy_(group_outs, group_ins)
 
 
 class Packer:

@@ -184,7 +184,7 @@ def _index_chunk(
             continue
         name = src_name(trainer, vp, lay.name)
         for off, piece in lay.offsets():
-            if piece.is_zero:
+            if piece.src is None:  # padding
                 continue
             key = (piece.src, piece.start, piece.length)
             seg = index.setdefault(key, _Segment(piece.start, piece.length))
@@ -241,7 +241,7 @@ def _copies_for(
     row_bytes = row_elems(dst.shape, dst.dim) * element_size
     out: list[Copy] = []
     for doff, piece in dst.offsets():
-        if piece.is_zero:
+        if piece.src is None:  # padding
             continue
         a, b = piece.start, piece.start + piece.length
         segs = [

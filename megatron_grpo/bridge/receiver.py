@@ -239,7 +239,8 @@ class ShardReceiver:
             raise FileNotFoundError(f"no *.safetensors under {path}.")
         self.start(presharded=False)
         try:
-            self.model.load_weights(safetensors_weights_iterator(files, use_tqdm_on_load=False))
+            model: Any = self.model  # vLLM's model: load_weights is its own method
+            model.load_weights(safetensors_weights_iterator(files, use_tqdm_on_load=False))
         finally:
             version = self.finish()
         return version

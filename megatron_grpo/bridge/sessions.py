@@ -17,6 +17,7 @@ parameters, and the hooks they report back through.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -63,8 +64,9 @@ def post_process(module: torch.nn.Module) -> None:
     an update would leave unpacked values in the prepacked layout (vLLM's own reload too:
     log-probs off by 5e-2 on tiny-moe). On GPU that hook only sets up the kernel and is
     left to vLLM."""
-    kernel_before = getattr(module.quant_method, "moe_kernel", None)
-    module.quant_method.process_weights_after_loading(module)
+    quant_method: Any = module.quant_method  # a vLLM layer's (nn.Module types it Tensor | Module)
+    kernel_before = getattr(quant_method, "moe_kernel", None)
+    quant_method.process_weights_after_loading(module)
     _reprepack_cpu_experts(module, kernel_before)
 
 
@@ -130,7 +132,7 @@ class LayerwiseSession:
         self.presharded = presharded
         self.loaded: set[str] = set()
         self.processed: set[str] = set()
-        self._restore: list[Callable[[], None]] = []
+        self._restore: list[Callable[[], object]] = []
         prefixes = {id(m): p for p, m in rx.model.named_modules()}
         # Capture logical tensors right before vLLM's post-load processing (the repack).
         for module in rx.model.modules():
@@ -153,7 +155,9 @@ class LayerwiseSession:
                     rx.timings["post_s"] += time.perf_counter() - t0
 
             qm.process_weights_after_loading = hook
-            self._restore.append(lambda qm=qm: vars(qm).pop("process_weights_after_loading", None))
+            self._restore.append(
+                functools.partial(vars(qm).pop, "process_weights_after_loading", None)
+            )
         if not presharded:
             return
         # Re-wrap every loadable tensor: vLLM's wrapper around a plain copy loader.
@@ -166,7 +170,7 @@ class LayerwiseSession:
             t._mgrpo_name = name
             t._mgrpo_vocab = name.endswith(VOCAB_PARAMS)
             t.weight_loader = make_online_process_loader(module, attr)
-            self._restore.append(lambda t=t, prev=previous: setattr(t, "weight_loader", prev))
+            self._restore.append(functools.partial(setattr, t, "weight_loader", previous))
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         if not self.presharded:
@@ -268,7 +272,7 @@ class DirectSession:
         try:
             self._processed(m)
             for attr, p in kernel.items():  # processed values into the kernel storage
-                p.data.copy_(module._parameters[attr])
+                p.data.copy_(getattr(module, attr))
         finally:
             for attr, p in kernel.items():
                 module._parameters[attr] = p

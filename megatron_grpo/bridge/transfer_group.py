@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -123,12 +123,14 @@ def init_transfer_group(
         master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
     )
     prefix = dist.PrefixStore(f"megatron_grpo_transfer/{master_port}", store)
+    # A Backend (torch's stubs: not a ProcessGroup) used as the group: isend/irecv call only
+    # what both have.
     if backend == "gloo":
-        pg: dist.ProcessGroup = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+        pg = cast(dist.ProcessGroup, dist.ProcessGroupGloo(prefix, rank, world_size, timeout))
     elif backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+        pg = cast(dist.ProcessGroup, dist.ProcessGroupNCCL(prefix, rank, world_size, opts))
     else:
         raise ValueError(f"transfer backend {backend!r} must be 'gloo' (CPU) or 'nccl' (GPU).")
     _STORES[id(pg)] = store  # the group needs its store alive (pybind objects take no attrs)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ class ChecksumReport:
 def compare_checksums(
     rank: int,
     sent: Mapping[str, Checksum],
-    held: Mapping[str, object],
+    held: Mapping[str, int | Checksum | tuple[Any, Any, int]],
 ) -> ChecksumReport:
     """``sent``: checksums of the shards delivered to this vLLM rank; ``held``: what the
     rank holds, ``{name: int | Checksum | (shape, dtype, value)}``
@@ -156,7 +157,7 @@ def verify_sync(ctx, policy, engine, sent: Mapping[str, Checksum] | None) -> dic
         rep = compare_checksums(ctx.rank, sent, engine.receiver.checksums())
         reps = [rep]
         if world > 1:
-            reps = [None] * world
+            reps = [rep] * world  # placeholders, each overwritten by its rank's report
             dist.all_gather_object(reps, rep)
         out["verify_checksums_checked"] = sum(r.checked for r in reps)
         out["verify_checksums_ok"] = all(r.ok for r in reps)

@@ -23,6 +23,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -190,7 +191,8 @@ def one_process_model(
 def sharded_state(chunks: list[torch.nn.Module]) -> dict:
     if len(chunks) != 1:
         raise ConvertError("conversion builds one model chunk (vpp disabled)")
-    return {STATE_KEY: chunks[0].sharded_state_dict()}
+    chunk: Any = chunks[0]  # a MegatronModule (megatron is not type-checked here)
+    return {STATE_KEY: chunk.sharded_state_dict()}
 
 
 def find_dist_checkpoint(ckpt: Path) -> tuple[Path, int | None]:

@@ -35,7 +35,11 @@ def _megatron_tracker() -> Any:
 def get_rng_state() -> RngState:
     """All RNG states of this process, weights_only-safe."""
     version, py_state, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    legacy = np.random.get_state(legacy=True)
+    # numpy's stub types the result tuple | dict whatever ``legacy`` is; legacy=True always
+    # gives the tuple (numpy/random/mtrand.pyx).
+    assert isinstance(legacy, tuple), type(legacy)
+    kind, keys, pos, has_gauss, cached = legacy
     state: RngState = {
         "python": {
             "version": int(version),

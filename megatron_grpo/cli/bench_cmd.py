@@ -22,13 +22,17 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatron_grpo.bench.ops.options import add_arguments as add_ops_arguments
 from megatron_grpo.bench.train.options import add_arguments as add_train_arguments
 from megatron_grpo.cli.command import add_command, from_args
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 T = TypeVar("T")
+A = TypeVar("A", bound="DataclassInstance")
 
 
 def _comma_list(convert: Callable[[str], T], what: str, example: str):
@@ -140,7 +144,12 @@ def run_train(args: argparse.Namespace) -> int:
     return _measure(args, BenchTrainArgs, run_bench_train, train_table)
 
 
-def _measure(args: argparse.Namespace, args_type: type, run, table) -> int:
+def _measure(
+    args: argparse.Namespace,
+    args_type: type[A],
+    run: Callable[[A], Any],
+    table: Callable[[Any], str],
+) -> int:
     """``bench ops`` / ``bench train``: checked arguments (one line, exit 2), the libraries
     quiet, one in-process measurement, its table printed and its JSON written."""
     from megatron_grpo.cli.errors import exit_on

@@ -7,9 +7,12 @@ import argparse
 import dataclasses
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def add_command(
@@ -17,7 +20,7 @@ def add_command(
 ) -> argparse.ArgumentParser:
     """Register the command ``name``, running ``run(args)``; ``run``'s docstring is its
     text: the first paragraph in the list of commands, the rest in its own ``--help``."""
-    summary, _, description = inspect.getdoc(run).partition("\n\n")
+    summary, _, description = (inspect.getdoc(run) or "").partition("\n\n")
     p = sub.add_parser(name, help=" ".join(summary.split()), description=description)
     p.set_defaults(func=run)
     return p

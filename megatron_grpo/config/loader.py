@@ -12,17 +12,23 @@ import os
 import types
 import typing
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
 from megatron_grpo.config.schema import Config, ConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+D = TypeVar("D", bound="DataclassInstance")
 
 
 def _field_types(cls: type) -> dict[str, object]:
     return typing.get_type_hints(cls)
 
 
-def _coerce(key: str, value: object, tp: object) -> object:
+def _coerce(key: str, value: Any, tp: object) -> object:
     """Convert ``value`` (from YAML or a command-line string) to the annotated type ``tp``."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -74,13 +80,13 @@ def _coerce(key: str, value: object, tp: object) -> object:
     return value
 
 
-def _build(cls: type, data: dict, prefix: str) -> object:
+def _build(cls: type[D], data: dict, prefix: str) -> D:
     """Build dataclass ``cls`` from a nested dict, checking every key."""
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'} must be a mapping, got {type(data).__name__}.")
     hints = _field_types(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
+    kwargs: dict[str, object] = {}
     for key, value in data.items():
         full = f"{prefix}{key}"
         if key not in names:
@@ -88,7 +94,7 @@ def _build(cls: type, data: dict, prefix: str) -> object:
                 f"unknown config key {full!r}: {prefix or 'the top level'} has {names}."
             )
         tp = hints[key]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value or {}, f"{full}.")
         else:
             kwargs[key] = _coerce(full, value, tp)

@@ -718,7 +718,8 @@ class Config:
 def _check_budget(cfg: Config) -> None:
     """A packed micro-batch holds at least one whole sequence: a smaller explicit budget."""
     g, seq = cfg.grpo, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    if g.pack_sequences and g.micro_batch_tokens not in ("auto", 0) and g.micro_batch_tokens < seq:
+    budget = g.micro_batch_tokens
+    if g.pack_sequences and isinstance(budget, int) and budget != 0 and budget < seq:
         raise ConfigError(
             f"grpo.micro_batch_tokens={g.micro_batch_tokens} is smaller than the longest "
             f"sequence, data.max_prompt_tokens({cfg.data.max_prompt_tokens}) + "

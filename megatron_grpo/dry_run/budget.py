@@ -91,6 +91,8 @@ def resolve_token_budget(
         return TokenBudget(
             micro_batch_token_budget(cfg), "micro_batch_size", f"auto without a GPU: {rows}"
         )
+    if spec is None:
+        raise ValueError("resolve_token_budget: a GPU's budget (capacity_bytes) needs the spec.")
     recompute = recompute or cfg.model.recompute == "full"
     state, one = _train_state_bytes(spec, cfg, dp, colocated, capacity_bytes, recompute, seq)
     room = int(MEMORY_FRACTION * capacity_bytes) - state

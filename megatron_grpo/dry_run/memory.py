@@ -89,7 +89,9 @@ def micro_batch_tokens(cfg: Config, budget: int | None = None) -> int:
     s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     if not cfg.grpo.pack_sequences:
         return s * cfg.grpo.micro_batch_size
-    return max(budget or micro_batch_token_budget(cfg), s)
+    packed = budget or micro_batch_token_budget(cfg)
+    assert packed is not None, "pack_sequences: micro_batch_token_budget is an int"
+    return max(packed, s)
 
 
 def activation_bytes(
@@ -141,7 +143,7 @@ class MemoryEstimate:
 
     @property
     def peak_phase(self) -> str:
-        return max(self.phases, key=self.phases.get) if self.phases else self.role
+        return max(self.phases, key=self.phases.__getitem__) if self.phases else self.role
 
 
 @dataclass(frozen=True)

@@ -147,11 +147,11 @@ def assemble(
     in place, which lets a caller write straight into a parameter.
     """
     if out is None:
-        first = next((p for p in layout.pieces if p.src is not None), None)
+        first = next(((p.src, p.start) for p in layout.pieces if p.src is not None), None)
         if dtype is None:
             if first is None:
                 raise ValueError(f"{layout.name} is all padding: pass dtype")
-            dtype = read(first.src, layout.dim, first.start, 1).dtype
+            dtype = read(first[0], layout.dim, first[1], 1).dtype
         out = torch.empty(layout.shape, dtype=dtype)
     elif tuple(out.shape) != layout.shape:
         raise ValueError(

@@ -33,20 +33,23 @@ def plot_reward(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> P
     from matplotlib.figure import Figure
 
     path = Path(path)
-    pts = [(r["step"], _num(r.get("reward_mean")), _num(r.get("reward_std"))) for r in rows]
-    pts = [p for p in pts if p[1] is not None]
+    pts = [
+        (r["step"], m, _num(r.get("reward_std")))
+        for r in rows
+        if (m := _num(r.get("reward_mean"))) is not None
+    ]
     fig = Figure(figsize=(8, 4))
     ax = fig.add_subplot()
     if pts:
         steps = [p[0] for p in pts]
         mean = [p[1] for p in pts]
         ax.plot(steps, mean, color="tab:blue", lw=1.5, label="reward mean")
-        if all(p[2] is not None for p in pts):
-            lo = [m - s for (_, m, s) in pts]
-            hi = [m + s for (_, m, s) in pts]
+        std = [p[2] for p in pts if p[2] is not None]
+        if len(std) == len(pts):
+            lo = [m - s for m, s in zip(mean, std, strict=True)]
+            hi = [m + s for m, s in zip(mean, std, strict=True)]
             ax.fill_between(steps, lo, hi, color="tab:blue", alpha=0.15, label="+- std")
-    evals = [(r["step"], _num(r.get("eval_pass@1"))) for r in rows]
-    evals = [e for e in evals if e[1] is not None]
+    evals = [(r["step"], v) for r in rows if (v := _num(r.get("eval_pass@1"))) is not None]
     if evals:  # validation during training (eval.interval)
         ax.plot([e[0] for e in evals], [e[1] for e in evals], "o-", color="tab:green", lw=1.2,
                 ms=3, label="held-out pass@1 (eval.interval)")  # fmt: skip
@@ -148,8 +151,7 @@ def plot_ratio_parts(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike)
     fig = Figure(figsize=(8, 3.5))
     ax = fig.subplots()
     for key, color in (("staleness_kl", "tab:purple"), ("numerics_kl", "tab:green")):
-        pts = [(r["step"], _num(r.get(key))) for r in rows]
-        pts = [p for p in pts if p[1] is not None and p[1] > 0]
+        pts = [(r["step"], v) for r in rows if (v := _num(r.get(key))) is not None and v > 0]
         ax.plot(
             [p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, lw=1.2, color=color, label=key
         )

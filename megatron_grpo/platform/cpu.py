@@ -183,7 +183,8 @@ class _CpuStream(torch.cpu.Stream):
     def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
         super().__init__(priority)
 
-    def record_event(self, event: Any = None) -> torch.cpu.Event:
+    # CUDA's signature (megatron calls it so), not torch.cpu.Stream's no-argument one.
+    def record_event(self, event: Any = None) -> torch.cpu.Event:  # type: ignore[override]
         return event if event is not None else torch.cpu.Event()
 
 
@@ -252,11 +253,13 @@ def apply_cpu_platform() -> bool:
     import megatron.core.tensor_parallel.random as tp_random
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
-    torch.cuda.current_device = _cpu_current_device
+    # The patch replaces CUDA functions, classes and methods with CPU stand-ins whose types
+    # differ from torch's on purpose (a CPU device, a CPU stream): mypy is told so per line.
+    torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None
     if installed >= Version(CURRENT_STREAM_SINCE):
-        torch.cuda.current_stream = _cpu_current_stream
-    torch.cuda.Stream = _CpuStream
+        torch.cuda.current_stream = _cpu_current_stream  # type: ignore[assignment]
+    torch.cuda.Stream = _CpuStream  # type: ignore[misc, assignment]
     torch.cuda.get_rng_state = _cuda_rng_get
     torch.cuda.set_rng_state = _cuda_rng_set
     torch.cuda.manual_seed = _cuda_manual_seed
@@ -265,8 +268,8 @@ def apply_cpu_platform() -> bool:
     tp_random._get_cuda_rng_state = _cpu_get_cuda_rng_state
     tp_random._set_cuda_rng_state = _cpu_set_cuda_rng_state
     token_dispatcher.maybe_move_tensor_to_cpu = _cpu_maybe_move_tensor_to_cpu
-    torch.Tensor.cuda = _tensor_cuda
-    torch.nn.Module.cuda = _module_cuda
+    torch.Tensor.cuda = _tensor_cuda  # type: ignore[method-assign, assignment]
+    torch.nn.Module.cuda = _module_cuda  # type: ignore[method-assign, assignment]
 
     mode = CudaToCpuDeviceMode()
     # Entered for the rest of the process: the mode stack is process state like the patches.

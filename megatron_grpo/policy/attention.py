@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +20,7 @@ from megatron_grpo.config.schema import ConfigError
 from megatron_grpo.policy.rope import apply_rope
 
 
-def _unsupported(config) -> str | None:
+def _unsupported(config: Any) -> str | None:
     if config.attention_dropout:
         return f"attention_dropout={config.attention_dropout} (needs 0.0)"
     if config.window_size is not None:
@@ -35,14 +37,14 @@ class SDPAttention(torch.nn.Module):
 
     def __init__(
         self,
-        config,
+        config: Any,
         layer_number: int,
-        attn_mask_type,
+        attn_mask_type: Any,
         attention_type: str,
         attention_dropout: float | None = None,
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
-        pg_collection=None,
+        pg_collection: Any = None,
     ) -> None:
         super().__init__()
         why = _unsupported(config)
@@ -70,9 +72,9 @@ class SDPAttention(torch.nn.Module):
         key: torch.Tensor,
         value: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        attn_mask_type=None,
+        attn_mask_type: Any = None,
         attention_bias: torch.Tensor | None = None,
-        packed_seq_params=None,
+        packed_seq_params: Any = None,
     ) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError(
@@ -111,7 +113,15 @@ class SDPAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-def _sdpa(q, k, v, scale: float, *, is_causal: bool, attn_mask=None) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    *,
+    is_causal: bool,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """SDPA over [b, n, s, hn] with GQA (KV heads dividing the query heads)."""
     gqa = q.shape[1] != k.shape[1]
     if gqa and q.shape[1] % k.shape[1]:
@@ -123,13 +133,13 @@ def _sdpa(q, k, v, scale: float, *, is_causal: bool, attn_mask=None) -> torch.Te
     )
 
 
-def _document_bounds(packed_seq_params, total: int) -> list[int]:
+def _document_bounds(packed_seq_params: Any, total: int) -> list[int]:
     """The documents' bounds: ``packed_seq_params.bounds`` (set on the host when the pack was
     made, ``PackedRows.packed_seq_params``) or, for params built elsewhere, ``cu_seqlens_q``
     read back once (a host sync)."""
-    bounds = getattr(packed_seq_params, "bounds", None)
-    if bounds is not None:
-        return list(bounds)
+    made = getattr(packed_seq_params, "bounds", None)
+    if made is not None:
+        return list(made)
     cu = packed_seq_params.cu_seqlens_q
     for name in ("cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
         other = getattr(packed_seq_params, name)
@@ -138,7 +148,7 @@ def _document_bounds(packed_seq_params, total: int) -> list[int]:
                 f"SDPAttention: packed_seq_params.{name} differs from cu_seqlens_q; only "
                 "self-attention over unpadded documents is supported."
             )
-    bounds = cu.tolist()
+    bounds: list[int] = cu.tolist()
     if bounds[0] != 0 or bounds[-1] != total or any(a >= b for a, b in zip(bounds, bounds[1:])):
         raise ValueError(
             f"SDPAttention: cu_seqlens_q={bounds[:8]}... must rise strictly from 0 to the "
@@ -147,7 +157,13 @@ def _document_bounds(packed_seq_params, total: int) -> list[int]:
     return bounds
 
 
-def packed_attention(query, key, value, packed_seq_params, scale: float) -> torch.Tensor:
+def packed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    packed_seq_params: Any,
+    scale: float,
+) -> torch.Tensor:
     """Block-diagonal causal attention of packed documents: query [t, nq, hn], key/value
     [t, nkv, hn], documents from ``packed_seq_params`` (``bounds``, else ``cu_seqlens_q``);
     returns [t, nq * hn]. When the params carry the pack's ``rope`` (cos, sin), q and k are
@@ -218,13 +234,17 @@ def _varlen_backward(
     return dq, dk, dv
 
 
-def _varlen_setup(ctx, inputs, output) -> None:
+def _varlen_setup(
+    ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
+) -> None:
     q, k, v, bounds, scale = inputs
     ctx.save_for_backward(q, k, v, *output)
     ctx.bounds, ctx.scale = bounds, scale
 
 
-def _varlen_grad(ctx, grad_out, _grad_lse):
+def _varlen_grad(
+    ctx: Any, grad_out: torch.Tensor, _grad_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = _varlen_backward(grad_out, q, k, v, out, lse, ctx.bounds, ctx.scale)
     return dq, dk, dv, None, None
@@ -233,13 +253,23 @@ def _varlen_grad(ctx, grad_out, _grad_lse):
 _varlen_forward.register_autograd(_varlen_grad, setup_context=_varlen_setup)
 
 
-def varlen_attention_cpu(query, key, value, bounds: list[int], scale: float) -> torch.Tensor:
+def varlen_attention_cpu(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int], scale: float
+) -> torch.Tensor:
     """Causal attention of each document ``[bounds[i], bounds[i+1])`` of query [t, nq, hn],
     key/value [t, nkv, hn]; [t, nq, hn]."""
-    return _varlen_forward(query, key, value, list(bounds), float(scale))[0]
+    out: torch.Tensor = _varlen_forward(query, key, value, list(bounds), float(scale))[0]
+    return out
 
 
-def _make_varlen_cuda():
+VarlenFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor | None
+]
+"""``run(q, k, v, cu_seqlens, max_len, scale)``: [t, nq, hn], or None where the release
+cannot take the scale."""
+
+
+def _make_varlen_cuda() -> VarlenFn | None:
     """``torch.nn.attention.varlen.varlen_attn`` (flash attention over cu_seqlens, CUDA only)
     adapted to the signature this torch has, or None. Its keywords changed between releases:
     causality is ``is_causal=True`` in some and ``window_size=(-1, 0)`` in others; GQA and
@@ -251,6 +281,7 @@ def _make_varlen_cuda():
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
+    causal_kw: dict[str, Any]
     if "window_size" in params:
         causal_kw = {"window_size": (-1, 0)}
     elif "is_causal" in params:
@@ -258,7 +289,14 @@ def _make_varlen_cuda():
     else:
         return None
 
-    def run(q, k, v, cu_seqlens, max_len: int, scale: float):
+    def run(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_len: int,
+        scale: float,
+    ) -> torch.Tensor | None:
         kw = dict(causal_kw)
         if "scale" in params:
             kw["scale"] = scale
@@ -271,7 +309,8 @@ def _make_varlen_cuda():
                 rep = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+        # one tensor: a tuple only with return_aux, which is not passed
+        return cast(torch.Tensor, varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw))
 
     return run
 

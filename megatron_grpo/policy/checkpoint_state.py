@@ -7,7 +7,7 @@ template a fresh distributed optimizer needs, and the load itself
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,12 +22,12 @@ OPTIMIZER_CKPT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 optimizer; the plain optimizers take and ignore it): see ``sharded_state``."""
 
 
-def _subs(optimizer) -> list:
+def _subs(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 @contextlib.contextmanager
-def torch_adam_step_kept(optimizer) -> Iterator[None]:
+def torch_adam_step_kept(optimizer: Any) -> Iterator[None]:
     """Let megatron-core 0.16.1's DistributedOptimizer load a ``fully_reshardable`` state into
     torch's Adam (the optimizer megatron uses without TE or Apex) exactly. Two faults of its
     distrib_optimizer.py are answered, both only while the block runs:
@@ -44,8 +44,10 @@ def torch_adam_step_kept(optimizer) -> Iterator[None]:
       optimizer.py ``_restore_common_per_param_step``)."""
     subs = [s for s in _subs(optimizer) if hasattr(s, "_set_main_param_and_optimizer_states")]
 
-    def keep_step(sub, original):
-        def set_states(model_param, tensors):
+    def keep_step(
+        sub: Any, original: Callable[[Any, dict[str, Any]], None]
+    ) -> Callable[[Any, dict[str, Any]], None]:
+        def set_states(model_param: Any, tensors: dict[str, Any]) -> None:
             if "step" not in tensors:
                 group, order = sub.model_param_group_index_map[model_param]
                 live = sub.optimizer.state[sub.optimizer.param_groups[group]["params"][order]]
@@ -70,7 +72,7 @@ def torch_adam_step_kept(optimizer) -> Iterator[None]:
 
 
 @torch.no_grad()
-def init_distributed_optimizer_state(optimizer) -> None:
+def init_distributed_optimizer_state(optimizer: Any) -> None:
     """Give a fresh DistributedOptimizer's inner optimizer zero Adam state and step 0.
 
     Its ``sharded_state_dict(is_loading=True)`` calls its own ``state_dict()``, which
@@ -94,7 +96,7 @@ def init_distributed_optimizer_state(optimizer) -> None:
 
 
 def sharded_state(
-    models: list, parts: TrainingParts | None = None, for_loading: bool = False
+    models: list[Any], parts: TrainingParts | None = None, for_loading: bool = False
 ) -> dict[str, Any]:
     """megatron dist_checkpointing state: ``model`` (``model0``, ``model1``... with vpp), and
     with ``parts`` (a trainable policy's DDP chunks, optimizer and schedule) ``optimizer`` and
@@ -131,7 +133,9 @@ def sharded_state(
 
 
 @torch.no_grad()
-def load_sharded_state(models: list, parts: TrainingParts | None, state: dict[str, Any]) -> None:
+def load_sharded_state(
+    models: list[Any], parts: TrainingParts | None, state: dict[str, Any]
+) -> None:
     """Apply a state loaded by ``dist_checkpointing.load(sharded_state(...), ...)``.
 
     Under ``no_grad``: the distributed optimizer copies into its main params, which are

@@ -5,6 +5,8 @@ logits. Why and how it compares with the logits path: docs/scoring.md."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -63,7 +65,17 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, vocab_start, vocab_size, group, chunk, temperature):
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        target: torch.Tensor,
+        vocab_start: int,
+        vocab_size: int,
+        group: dist.ProcessGroup | None,
+        chunk: int,
+        temperature: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         w = weight[: _real_columns(weight.shape[0], vocab_start, vocab_size)]
         fp = hidden.dtype if hidden.dtype in (torch.float32, torch.float64) else torch.float32
@@ -90,7 +102,9 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
         return z_target - log_z, log_z - mean_z
 
     @staticmethod
-    def backward(ctx, g_logp, g_entropy):
+    def backward(
+        ctx: Any, g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, target, zmax, sum_exp, mean_z = ctx.saved_tensors
         vocab_start, vocab_size, chunk, temperature = ctx.args
         real = _real_columns(weight.shape[0], vocab_start, vocab_size)
@@ -106,11 +120,11 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
                 _chunk_logits(hidden[b], w, temperature), target[b] - vocab_start, zmax[b],
                 sum_exp[b], mean_z[b], g_logp, g_entropy, b, temperature,
             ).to(hidden.dtype)  # fmt: skip
-            if need_h:
+            if grad_h is not None:
                 grad_h[b] = torch.matmul(grad, w)
-            if need_w and acc == weight.dtype:
+            if grad_w is not None and acc == weight.dtype:
                 grad_w[:real].addmm_(grad.t(), hidden[b])
-            elif need_w:
+            elif grad_w is not None:
                 grad_w[:real] += torch.matmul(grad.t(), hidden[b])
             del grad
         if grad_w is not None and grad_w.dtype != weight.dtype:
@@ -118,7 +132,17 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None
 
 
-def _chunk_grad(z, local_target, zmax, sum_exp, mean_z, g_logp, g_entropy, b: slice, temperature):
+def _chunk_grad(
+    z: torch.Tensor,
+    local_target: torch.Tensor,
+    zmax: torch.Tensor,
+    sum_exp: torch.Tensor,
+    mean_z: torch.Tensor,
+    g_logp: torch.Tensor | None,
+    g_entropy: torch.Tensor | None,
+    b: slice,
+    temperature: float,
+) -> torch.Tensor:
     """d(sum g_logp * logp + g_entropy * H) / dz of one chunk, fp32 [c, V_real], computed in
     place on the chunk's logits ``z`` (ours to overwrite) so that at most four [c, V_real]
     tensors exist at once: z, p, the gradient and one product."""
@@ -148,7 +172,7 @@ def fused_logprob_entropy(
     *,
     vocab_start: int,
     vocab_size: int,
-    group=None,
+    group: dist.ProcessGroup | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +195,8 @@ def fused_logprob_entropy(
             f"hidden {tuple(hidden.shape)} has {hidden.shape[:-1].numel()} rows but target has "
             f"{target.numel()} ids: pass one target id per hidden row."
         )
-    logp, entropy = _FusedLinearLogprobEntropy.apply(
+    # torch's Function.apply is unannotated (torch/autograd/function.py).
+    logp, entropy = _FusedLinearLogprobEntropy.apply(  # type: ignore[no-untyped-call]
         hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), vocab_start,
         vocab_size, group, chunk_tokens, float(temperature),
     )  # fmt: skip

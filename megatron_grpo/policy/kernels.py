@@ -11,12 +11,18 @@ import functools
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from megatron_grpo.config.schema import ConfigError, ModelConfig
 from megatron_grpo.policy.rope import skip_megatron_rope_for_packed
+
+RMSNormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+"""``fn(x, weight, eps)``: an RMSNorm's math."""
+SwiGLUFn = Callable[[torch.Tensor], torch.Tensor]
+"""``fn(fc1 output)``: SiLU(gate) * up over megatron's one fc1 buffer."""
 
 LIGER_PIN = "liger-kernel==0.8.5"
 """The gpu extra's Liger-Kernel (setup.py ``GPU_EXTRA``); ``liger_kernel.megatron`` and the
@@ -74,7 +80,7 @@ class Kernels:
     def swaps_layers(self) -> bool:
         return self.layer_fns != "megatron"
 
-    def config_args(self) -> dict:
+    def config_args(self) -> dict[str, Any]:
         """TransformerConfig fields. A swapped SwiGLU is the MLP's ``activation_func`` applied
         to the whole fc1 output: megatron's ``use_te_activation_func`` path
         (transformer/mlp.py ``MLP.forward``; despite its name it calls whatever the MLP's
@@ -151,7 +157,8 @@ def liger_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
     if x.numel() == 0:  # no rows: no kernel to launch
         return torch_rms_norm(x, weight, eps)
-    return LigerRMSNormFunction.apply(x, weight, eps, 0.0, "gemma", False, None)
+    out: torch.Tensor = LigerRMSNormFunction.apply(x, weight, eps, 0.0, "gemma", False, None)
+    return out
 
 
 def liger_swiglu(x: torch.Tensor) -> torch.Tensor:
@@ -162,18 +169,18 @@ def liger_swiglu(x: torch.Tensor) -> torch.Tensor:
 
     if x.numel() == 0:  # an MoE expert that got no tokens
         return torch_swiglu(x)
-    out = LigerFusedGateUpSiLUMulFunction.apply(x.reshape(-1, x.shape[-1]), False)
+    out: torch.Tensor = LigerFusedGateUpSiLUMulFunction.apply(x.reshape(-1, x.shape[-1]), False)
     return out.view(*x.shape[:-1], -1)
 
 
 @functools.cache
-def layer_fns(name: str) -> tuple[Callable, Callable]:
+def layer_fns(name: str) -> tuple[RMSNormFn, SwiGLUFn]:
     """(RMSNorm fn(x, weight, eps), SwiGLU fn(x)) of ``Kernels.layer_fns`` ``name``."""
     if name == "torch":
         return torch_rms_norm, torch_swiglu
     if name == "compile":
         # dynamic: micro-batches change length every step; fullgraph: one region or an error
-        def compiled(fn):
+        def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
             return torch.compile(fn, dynamic=True, fullgraph=True)
 
         return compiled(torch_rms_norm), compiled(torch_swiglu)
@@ -187,7 +194,7 @@ class SwappedRMSNorm(torch.nn.Module):
     weight is the same Parameter under the same name, so state dicts, the layouts, the
     checkpoints and the optimizer see the model they saw before the swap."""
 
-    def __init__(self, norm: torch.nn.RMSNorm, fn: Callable, fn_name: str) -> None:
+    def __init__(self, norm: torch.nn.RMSNorm, fn: RMSNormFn, fn_name: str) -> None:
         super().__init__()
         if norm.weight is None or norm.eps is None or len(norm.normalized_shape) != 1:
             raise ValueError(
@@ -205,7 +212,7 @@ class SwappedRMSNorm(torch.nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}, fn={self.fn_name}"
 
 
-def swap_rms_norms(model: torch.nn.Module, fn: Callable, fn_name: str) -> int:
+def swap_rms_norms(model: torch.nn.Module, fn: RMSNormFn, fn_name: str) -> int:
     """Every ``torch.nn.RMSNorm`` of ``model`` (layers, q/k norms, the final norm) replaced by
     a ``SwappedRMSNorm`` running ``fn``; returns how many."""
     found = [(parent, name, child) for parent in model.modules()
@@ -215,12 +222,12 @@ def swap_rms_norms(model: torch.nn.Module, fn: Callable, fn_name: str) -> int:
     return len(found)
 
 
-def swap_swiglu(model: torch.nn.Module, fn: Callable) -> int:
+def swap_swiglu(model: torch.nn.Module, fn: SwiGLUFn) -> int:
     """``fn`` as the activation of every megatron ``MLP`` in ``model`` (dense, experts, shared
     experts); returns how many. The model must be built with ``Kernels.config_args``."""
     from megatron.core.transformer.mlp import MLP
 
-    c = model.config
+    c: Any = model.config  # megatron's TransformerConfig
     plain = (c.gated_linear_unit and c.activation_func is F.silu and not c.add_bias_linear
              and getattr(c, "glu_linear_offset", 0.0) == 0.0
              and getattr(c, "activation_func_clamp_value", None) is None)  # fmt: skip

@@ -11,6 +11,8 @@ the fused path does not: docs/scoring.md.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -41,7 +43,14 @@ def _upcast(z_in: torch.Tensor, temperature: float) -> torch.Tensor:
     return z if temperature == 1.0 else z / temperature
 
 
-def _chunk_stats(z_in, target, zmax, vocab_start: int, vocab_size: int, temperature: float):
+def _chunk_stats(
+    z_in: torch.Tensor,
+    target: torch.Tensor,
+    zmax: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum exp(z - zmax), sum exp(z - zmax) * z, z[target] or 0) of one chunk of rows, with
     z = logits / temperature."""
     z = _upcast(z_in, temperature)
@@ -73,8 +82,15 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, logits, target, vocab_start: int, vocab_size: int, group, chunk: int, temperature
-    ):
+        ctx: Any,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        vocab_start: int,
+        vocab_size: int,
+        group: dist.ProcessGroup | None,
+        chunk: int,
+        temperature: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n, vl = logits.shape
         fp = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
         valid = torch.arange(vocab_start, vocab_start + vl, device=logits.device) < vocab_size
@@ -106,7 +122,9 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, g_logp, g_entropy):
+    def backward(
+        ctx: Any, g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         logits, target, zmax, sum_exp, mean_z = ctx.saved_tensors
         vocab_start, vocab_size, chunk, temperature = ctx.vocab
         grad_out = torch.empty_like(logits)
@@ -136,7 +154,7 @@ def vocab_parallel_logprob_entropy(
     *,
     vocab_start: int,
     vocab_size: int,
-    group=None,
+    group: dist.ProcessGroup | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +177,8 @@ def vocab_parallel_logprob_entropy(
     if not temperature > 0:
         raise ValueError(f"temperature={temperature} must be > 0: it divides the logits.")
     shape = target.shape
-    logp, entropy = _VocabParallelLogprobEntropy.apply(
+    # torch's Function.apply is unannotated (torch/autograd/function.py).
+    logp, entropy = _VocabParallelLogprobEntropy.apply(  # type: ignore[no-untyped-call]
         logits.reshape(-1, logits.shape[-1]), target.reshape(-1), vocab_start, vocab_size, group,
         chunk_tokens, float(temperature),
     )  # fmt: skip
@@ -172,7 +191,7 @@ def token_logprobs(
     *,
     vocab_start: int,
     vocab_size: int,
-    group=None,
+    group: dist.ProcessGroup | None = None,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Position-aligned per-token log-probs and entropies of a causal LM (of

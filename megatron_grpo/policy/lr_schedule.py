@@ -8,6 +8,7 @@ and writes the next rate into the optimizer's param groups; ``state_dict`` /
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from megatron_grpo.config.schema import ConfigError, OptimConfig
 
@@ -23,7 +24,7 @@ class LRSchedule:
     current step is set when it is built, after every ``step()`` and after a load.
     """
 
-    def __init__(self, optim: OptimConfig, total_steps: int, optimizer=None) -> None:
+    def __init__(self, optim: OptimConfig, total_steps: int, optimizer: Any = None) -> None:
         self.lr, self.min_lr = optim.lr, optim.min_lr
         self.warmup, self.style = optim.warmup_steps, optim.lr_schedule
         self.total_steps = max(total_steps, 1)

@@ -21,6 +21,7 @@ kernels: ``policy.kernels``. Dtype ``auto``: fp32 on CPU, bf16 on GPU.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +76,9 @@ def padded_vocab_size(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelCon
     return megatron_padded_vocab(spec.vocab_size, ctx.tp, model_cfg.make_vocab_size_divisible_by)
 
 
-def transformer_config(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig, **extra):
+def transformer_config(
+    spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig, **extra: Any
+) -> Any:
     """The megatron ``TransformerConfig`` of ``spec`` at this parallel layout; ``extra``: the
     kernels' fields (``Kernels.config_args``)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -123,7 +126,7 @@ def transformer_config(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelCo
     )
 
 
-def moe_args(spec: ModelSpec, model_cfg: ModelConfig) -> dict:
+def moe_args(spec: ModelSpec, model_cfg: ModelConfig) -> dict[str, Any]:
     """TransformerConfig's MoE fields for a Qwen3-MoE / Qwen2-MoE ``spec`` (none if dense).
 
     HF's Qwen3-MoE router (transformers models/qwen3_moe ``Qwen3MoeTopKRouter``): softmax over
@@ -155,7 +158,7 @@ def moe_args(spec: ModelSpec, model_cfg: ModelConfig) -> dict:
     )
 
 
-def recompute_args(model_cfg: ModelConfig) -> dict:
+def recompute_args(model_cfg: ModelConfig) -> dict[str, Any]:
     """TransformerConfig's activation-recompute fields for ``model.recompute``: ``full``
     recomputes each layer from its input (megatron/core/transformer/transformer_block.py
     ``_checkpointed_forward``, ``uniform`` with one layer per checkpoint)."""
@@ -184,7 +187,7 @@ def cast_params_(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 p.data = p.data.to(dtype)
 
 
-def layer_spec(spec: ModelSpec, impl: str, local_attention: str = "sdpa"):
+def layer_spec(spec: ModelSpec, impl: str, local_attention: str = "sdpa") -> Any:
     """megatron's GPT layer spec for ``impl``; on the local spec, the core attention is
     ``policy.attention.SDPAttention`` unless ``local_attention="unfused"`` (megatron's
     ``DotProductAttention``)."""
@@ -212,7 +215,7 @@ def layer_spec(spec: ModelSpec, impl: str, local_attention: str = "sdpa"):
 
 def build_model(
     spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig, kernels: Kernels | None = None
-) -> list:
+) -> list[Any]:
     """Build this rank's GPTModel chunks (one per virtual pipeline stage), on ctx.device.
 
     ``kernels``: the layer-level kernels (``policy.kernels``; default: ``model.kernels`` and

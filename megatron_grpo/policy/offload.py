@@ -8,9 +8,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_grpo.policy.policy import Policy
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,7 @@ class _HostPool:
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 tensor over ``t``'s whole storage."""
     st = t.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),))
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
 
 
 class TrainerOffload:
@@ -111,7 +116,7 @@ class TrainerOffload:
     model weights. The colocated loop holds one of each so that the weights can stay for
     the weight sync after the optimizer state has left (trainer/colocated_memory.py)."""
 
-    def __init__(self, policy, optimizer: bool = True, params: bool = False) -> None:
+    def __init__(self, policy: Policy, optimizer: bool = True, params: bool = False) -> None:
         if not policy.trainable:
             raise ValueError("TrainerOffload needs a trainable Policy (built with optim_cfg).")
         self.policy = policy
@@ -132,7 +137,7 @@ class TrainerOffload:
                 out.append(buf.param_data)
         return out
 
-    def _ddp_buffers(self) -> list:
+    def _ddp_buffers(self) -> list[Any]:
         return [
             b
             for m in self.policy.chunks
@@ -193,7 +198,7 @@ class TrainerOffload:
         return sizes
 
     @staticmethod
-    def _unique(tensors, exclude: set[int]) -> list[torch.Tensor]:
+    def _unique(tensors: Iterable[torch.Tensor], exclude: set[int]) -> list[torch.Tensor]:
         seen, out = set(exclude), []
         for t in tensors:
             ptr = t.untyped_storage().data_ptr()

@@ -18,12 +18,14 @@ from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.policy.lr_schedule import LRSchedule
 
 
-def finalize_grads_without_token_scaling(model, num_tokens, pg_collection=None, **kwargs):
+def finalize_grads_without_token_scaling(
+    model: list[Any], num_tokens: torch.Tensor | None, pg_collection: Any = None, **kwargs: Any
+) -> None:
     """megatron's finalize_model_grads (DP all-reduce, tied-embedding all-reduce across PP
     stages) with ``num_tokens=None``: the loss_fn already applies global normalizers."""
     from megatron.core.distributed import finalize_model_grads
 
-    return finalize_model_grads(model, None, pg_collection=pg_collection, **kwargs)
+    finalize_model_grads(model, None, pg_collection=pg_collection, **kwargs)
 
 
 def use_distributed_optimizer(optim_cfg: OptimConfig, device: torch.device) -> bool:
@@ -42,7 +44,7 @@ def use_fused_adam(optim_cfg: OptimConfig, device: torch.device) -> bool:
     return optim_cfg.fused_adam == "on"
 
 
-def torch_adams(optimizer) -> list[torch.optim.Adam]:
+def torch_adams(optimizer: Any) -> list[torch.optim.Adam]:
     """The torch Adam/AdamW inside megatron's (chained) optimizer; none where megatron runs
     Transformer-Engine's or Apex's FusedAdam (not torch.optim.Adam subclasses)."""
     subs = getattr(optimizer, "chained_optimizers", [optimizer])
@@ -50,7 +52,7 @@ def torch_adams(optimizer) -> list[torch.optim.Adam]:
     return [o for o in inners if isinstance(o, torch.optim.Adam)]
 
 
-def set_fused_adam(optimizer, fused: bool) -> bool:
+def set_fused_adam(optimizer: Any, fused: bool) -> bool:
     """Make the torch AdamW that megatron's ``optimizer`` steps its fp32 main params with run
     fused (``fused=True``) or as megatron built it (``fused=None``: torch's default, foreach
     on CUDA, a loop on CPU; ``False`` would also turn foreach off). True when torch's fused
@@ -83,7 +85,7 @@ def set_fused_adam(optimizer, fused: bool) -> bool:
 class TrainingParts:
     """What a trainable policy steps with."""
 
-    chunks: list
+    chunks: list[Any]
     """The model chunks wrapped in megatron's DistributedDataParallel (one per virtual stage)."""
     optimizer: Any
     """megatron's (chained) optimizer over ``chunks``."""
@@ -96,7 +98,7 @@ class TrainingParts:
     checkpoint load applies it again."""
 
 
-def _wrap_ddp(models: list, config, ctx: ParallelContext, dist_opt: bool) -> list:
+def _wrap_ddp(models: list[Any], config: Any, ctx: ParallelContext, dist_opt: bool) -> list[Any]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_cfg = DistributedDataParallelConfig(
@@ -116,8 +118,8 @@ def _wrap_ddp(models: list, config, ctx: ParallelContext, dist_opt: bool) -> lis
 
 
 def _build_optimizer(
-    chunks: list, config, ctx: ParallelContext, optim_cfg: OptimConfig, dist_opt: bool
-):
+    chunks: list[Any], config: Any, ctx: ParallelContext, optim_cfg: OptimConfig, dist_opt: bool
+) -> Any:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     dtype = config.params_dtype
@@ -145,7 +147,13 @@ def _build_optimizer(
     )
 
 
-def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+def _foreach_l2_norm(
+    chunk_size: int,
+    noop_flag: torch.Tensor,
+    tensor_lists: list[list[torch.Tensor]],
+    per_tensor: bool,
+    *args: Any,
+) -> tuple[torch.Tensor, None]:
     """megatron's ``local_multi_tensor_l2_norm`` (megatron/core/utils.py, its fallback without
     Apex/TE) without the host: that one reads every parameter's norm back
     (``torch.tensor(list of norms)``, a sync per parameter on a GPU) and the total once more;
@@ -155,7 +163,9 @@ def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
 
 
-def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+def _foreach_scale(
+    chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]], scale: float
+) -> None:
     """megatron's ``local_multi_tensor_scale`` (``dst.copy_(src * scale)`` per tensor) as
     one foreach call."""
     src, dst = tensor_lists
@@ -190,7 +200,7 @@ def use_foreach_grad_norm() -> bool:
 
 
 def setup_training(
-    models: list, ctx: ParallelContext, optim_cfg: OptimConfig, total_steps: int
+    models: list[Any], ctx: ParallelContext, optim_cfg: OptimConfig, total_steps: int
 ) -> TrainingParts:
     """Wrap ``models`` for training: DDP, the optimizer, and the LR schedule at step 0."""
     config = models[0].config
@@ -206,7 +216,7 @@ def setup_training(
     return TrainingParts(chunks, optimizer, dist_opt, scheduler, fused)
 
 
-def clip_gradients(optimizer, clip: float, grad_norm: float) -> None:
+def clip_gradients(optimizer: Any, clip: float, grad_norm: float) -> None:
     """Scale the gradients down to total norm ``clip`` (nothing when ``clip <= 0``), given
     their ``grad_norm`` from the optimizer."""
     # Resolved at call time so the CPU platform's replacement applies

@@ -18,13 +18,15 @@ installed by ``policy.kernels.apply_kernels`` (``model.kernels.packed_rope``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
 class PackedRope:
     """cos/sin of a pack's positions for one model's rotary embedding."""
 
-    def __init__(self, model, device: torch.device) -> None:
+    def __init__(self, model: Any, device: torch.device) -> None:
         rope = model.rotary_pos_emb
         config = model.config
         unsupported = {
@@ -38,7 +40,9 @@ class PackedRope:
         # [rot_dim / 2], fp32: megatron builds its frequencies from the same tensor
         self.inv_freq = rope.inv_freq.to(device)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, rot_dim] in ``dtype`` for token positions [T] (on the device)."""
         freqs = torch.outer(positions.to(self.inv_freq.dtype), self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
@@ -55,7 +59,7 @@ def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out if rest is None else torch.cat((out, rest), dim=-1)
 
 
-def skip_megatron_rope_for_packed(model) -> None:
+def skip_megatron_rope_for_packed(model: Any) -> None:
     """Make ``model`` (a GPTModel) pass no rotary embedding to its layers for packed input:
     its ``rotary_pos_emb(..., packed_seq=True)`` returns None, so megatron's attention skips
     RoPE and the core attention applies ``apply_rope`` with the pack's cos/sin. Only for a
@@ -65,7 +69,7 @@ def skip_megatron_rope_for_packed(model) -> None:
         return
     inner = rope.forward
 
-    def forward(*args, packed_seq: bool = False, **kwargs):
+    def forward(*args: Any, packed_seq: bool = False, **kwargs: Any) -> Any:
         return None if packed_seq else inner(*args, packed_seq=packed_seq, **kwargs)
 
     rope.forward = forward

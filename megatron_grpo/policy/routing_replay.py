@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.config.schema import ConfigError
+from megatron_grpo.distributed.setup import ParallelContext
 
 
 class RoutingSlot:
@@ -36,9 +37,11 @@ class RoutingSlot:
         """(routings whose top-k set differs from the target, routings compared)."""
 
     def get_replay_topk(
-        self, scores: torch.Tensor, topk: int, num_groups=None, group_topk=None,
-        default_compute_topk: Callable | None = None,
+        self, scores: torch.Tensor, topk: int, num_groups: int | None = None,
+        group_topk: int | None = None,
+        default_compute_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        assert default_compute_topk is not None, "megatron's top-k (moe_utils) is passed in"
         probs, own = default_compute_topk(
             scores, topk, num_groups=num_groups, group_topk=group_topk
         )
@@ -68,7 +71,9 @@ class RoutingReplay:
         self.slots, self.tp_rank, self.sp_size = slots, tp_rank, sp_size
 
     @classmethod
-    def install(cls, models: list, ctx, replay: bool) -> RoutingReplay | None:
+    def install(
+        cls, models: list[torch.nn.Module], ctx: ParallelContext, replay: bool
+    ) -> RoutingReplay | None:
         """A slot on every ``TopKRouter`` of ``models`` (None: a dense model)."""
         from megatron.core.transformer.moe import moe_utils
         from megatron.core.transformer.moe.router import TopKRouter

@@ -6,9 +6,11 @@ output weight; ``policy.fused_logprob``) or ``logits`` (the output layer's logit
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from megatron_grpo.config.schema import ConfigError
 from megatron_grpo.policy.fused_logprob import fused_logprob_entropy, fused_peak_bytes
@@ -63,7 +65,9 @@ def scoring_bytes(impl: str, tokens: int, local_vocab: int, hidden: int, elem: i
     return fused_peak_bytes(tokens, local_vocab, hidden, elem)
 
 
-def _aligned(score, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _aligned(
+    score: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], input_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Position-aligned (logp, entropy) [B, L] from ``score(target [B, L])``, whose position t
     predicts token t+1: every position is scored (the last against a dummy target, then
     dropped) so the scored tensor enters whole, not as a copied slice; 0 at t = 0."""
@@ -78,28 +82,48 @@ class Scoring:
     of the last stage's output ``out``: ``logp[b, t] = log p(input_ids[b, t] | <t)`` and the
     entropy of that distribution, both of ``softmax(logits / T)`` over the real vocabulary."""
 
-    def __init__(self, impl: str, *, vocab_start: int, vocab_size: int, tp_group) -> None:
+    def __init__(
+        self, impl: str, *, vocab_start: int, vocab_size: int, tp_group: dist.ProcessGroup | None
+    ) -> None:
         self.impl = resolve_logprob_impl(impl)
-        self._vocab = dict(vocab_start=vocab_start, vocab_size=vocab_size, group=tp_group)
+        self.vocab_start, self.vocab_size, self.tp_group = vocab_start, vocab_size, tp_group
         fused = self.impl == "fused"
         self.forward_kwargs: dict[str, Any] = (
             {"output_processor": _hand_over_hidden} if fused else {}
         )
-        self._score = self._fused if fused else self._logits
-
-    def token_logprobs(self, out, input_ids: torch.Tensor, temperature: float):
-        return _aligned(lambda target: self._score(out, target, temperature), input_ids)
-
-    def _fused(self, out: HiddenStates, target: torch.Tensor, temperature: float):
-        return fused_logprob_entropy(
-            out.hidden, out.weight, target, temperature=temperature, **self._vocab
+        self._score: Callable[[Any, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]] = (
+            self._fused if fused else self._logits
         )
 
-    def _logits(self, out: torch.Tensor, target: torch.Tensor, temperature: float):
-        return vocab_parallel_logprob_entropy(out, target, temperature=temperature, **self._vocab)
+    def token_logprobs(
+        self, out: HiddenStates | torch.Tensor, input_ids: torch.Tensor, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _aligned(lambda target: self._score(out, target, temperature), input_ids)
+
+    def _fused(
+        self, out: HiddenStates, target: torch.Tensor, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_logprob_entropy(
+            out.hidden, out.weight, target, temperature=temperature,
+            vocab_start=self.vocab_start, vocab_size=self.vocab_size, group=self.tp_group,
+        )  # fmt: skip
+
+    def _logits(
+        self, out: torch.Tensor, target: torch.Tensor, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return vocab_parallel_logprob_entropy(
+            out, target, temperature=temperature,
+            vocab_start=self.vocab_start, vocab_size=self.vocab_size, group=self.tp_group,
+        )  # fmt: skip
 
 
-def _hand_over_hidden(*, hidden_states, output_layer, output_weight, **_) -> HiddenStates:
+def _hand_over_hidden(
+    *,
+    hidden_states: torch.Tensor,
+    output_layer: Any,
+    output_weight: torch.Tensor | None,
+    **_: Any,
+) -> HiddenStates:
     """GPTModel's ``output_processor`` on the last stage: apply ColumnParallelLinear's input
     region (megatron/core/tensor_parallel/layers.py ``forward``: the sequence-parallel
     all-gather, or a copy whose backward all-reduces the input gradient over TP, which the

@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TypedDict
 
 from megatron_grpo.rewards.gsm8k import gsm8k_flexible, gsm8k_format, gsm8k_strict
 from megatron_grpo.rewards.math import math_format
@@ -47,6 +48,19 @@ _POOLED: dict[str, tuple[str, Callable[[str], float]]] = {
 
 def _short(x: str, n: int = 300) -> str:
     return x if len(x) <= n else x[:n] + f"...<{len(x) - n} more chars>"
+
+
+class RewardInfo(TypedDict):
+    """What scoring one batch counted, beside its rewards."""
+
+    errors: int
+    timeouts: int
+    total_errors: int
+    total_timeouts: int
+    task_mean: float
+    format_mean: float
+    reward_mean: float
+    task_scores: list[float]
 
 
 class RewardFn:
@@ -91,7 +105,7 @@ class RewardFn:
 
     def __call__(
         self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str]
-    ) -> tuple[list[float], dict[str, float]]:
+    ) -> tuple[list[float], RewardInfo]:
         if not len(prompts) == len(responses) == len(answers):
             raise ValueError(
                 f"reward batch lengths differ: {len(prompts)} prompts, {len(responses)} "
@@ -101,7 +115,7 @@ class RewardFn:
         with self._lock:
             return self._score(args)
 
-    def _score(self, args: list[tuple[str, str, str]]) -> tuple[list[float], dict[str, float]]:
+    def _score(self, args: list[tuple[str, str, str]]) -> tuple[list[float], RewardInfo]:
         if self._pool is not None:
             outcomes = self._pool.map(args)
         else:
@@ -133,7 +147,7 @@ class RewardFn:
         self.total_errors += errors
         self.total_timeouts += timeouts
         n = max(len(rewards), 1)
-        info = {
+        info: RewardInfo = {
             "errors": errors,
             "timeouts": timeouts,
             "total_errors": self.total_errors,

@@ -213,11 +213,12 @@ class DeadlinePool:
                 continue
             conns = [w.conn for w in self._workers if w.task is not None or not w.ready]
             for conn in wait(conns, timeout=max(0.0, min(deadlines) - now)):
-                w = next((x for x in self._workers if x.conn is conn), None)
-                if w is None:  # replaced earlier in this round
+                found = next((x for x in self._workers if x.conn is conn), None)
+                if found is None:  # replaced earlier in this round
                     continue
+                w = found
                 try:
-                    kind, idx, payload = conn.recv()
+                    kind, idx, payload = w.conn.recv()
                 except (EOFError, OSError):
                     if w.task is not None:
                         results[w.task[0]] = Outcome("error", detail="reward worker died")

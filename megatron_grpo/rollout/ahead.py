@@ -172,13 +172,16 @@ class WindowBuffer:
             # parent-death signal tied to the thread that started it (platform/lifetime.py).
             self._arrivals = queue.SimpleQueue()
             threading.Thread(
-                target=self._arrivals_thread, name="rollout-arrivals", daemon=True
+                target=self._arrivals_thread,
+                args=(self._arrivals,),
+                name="rollout-arrivals",
+                daemon=True,
             ).start()
         self._arrivals.put((window, thunks))
 
-    def _arrivals_thread(self) -> None:
+    def _arrivals_thread(self, arrivals: queue.SimpleQueue) -> None:
         while True:
-            self._arrive(*self._arrivals.get())
+            self._arrive(*arrivals.get())
 
     def _arrive(self, window: list[_Buffered], thunks: list[Callable[[], Any]]) -> None:
         """In step order: wait for a step's samples, publish them, score them."""

@@ -8,6 +8,7 @@ on every rank, prompt-major, so every rank holds the whole batch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -30,11 +31,17 @@ class ColocatedRollout:
     def __init__(self, engine: Any, ctx: Any, rollout_tp: int) -> None:
         self.engine, self.ctx, self.rollout_tp = engine, ctx, rollout_tp
 
-    def launch(self, steps: list[tuple[list, int]], **sampling: Any) -> list[Callable[[], list]]:
+    def launch(
+        self, steps: list[tuple[list, int]], **sampling: Any
+    ) -> list[Callable[[], list | None]]:
         """One ``generate`` call for all ``steps`` (``[(prompt_ids, seed)]``) on every
         engine: engine ``e`` samples its share of each step's prompts, each request seeded
         as the step's own call would seed it (``seed + i*n`` for its i-th prompt); the shares
         are gathered on every rank. Returns one thunk per step yielding its samples."""
+        return [functools.partial(list, s) for s in self._per_step(steps, **sampling)]
+
+    def _per_step(self, steps: list[tuple[list, int]], **sampling: Any) -> list[list]:
+        """Each step's samples (``launch``), gathered from every engine."""
         ctx, tp, n = self.ctx, self.rollout_tp, sampling["n"]
         engines, e = ctx.world_size // tp, ctx.rank // tp
         ids: list = []
@@ -57,7 +64,7 @@ class ColocatedRollout:
                 per_step[j] += theirs[at : at + count]
                 at += count
         # prompt-major over the whole step: engine 0's share, then engine 1's, ...
-        return [(lambda s=s: list(s)) for s in per_step]
+        return per_step
 
     @staticmethod
     def share(fn: Callable[[], Any]) -> Any:
@@ -66,7 +73,7 @@ class ColocatedRollout:
 
     def generate(self, prompt_ids: list, seed: int, **sampling: Any) -> list:
         """All prompts' samples, prompt-major, on every rank (one step's ``launch``)."""
-        return self.launch([(prompt_ids, seed)], **sampling)[0]()
+        return self._per_step([(prompt_ids, seed)], **sampling)[0]
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -336,7 +336,7 @@ class RolloutEngine:
         llm = getattr(self, "llm", None)
         if llm is None:
             return
-        self.llm = None  # type: ignore[assignment]
+        self.llm = None
         shm = own_cpu_shm_segment() if self.is_colocated else None
         if self.is_colocated:
             shutdown_in_process(llm)

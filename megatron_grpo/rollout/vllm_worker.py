@@ -4,12 +4,16 @@ the receiver's string RPCs (bridge/vllm_plugin.py) and routing replay's capture
 
 from __future__ import annotations
 
+from typing import Any
+
 from megatron_grpo.bridge.vllm_plugin import ReceiverWorkerExtension
 from megatron_grpo.rollout.routing_capture import RoutingCapture
 
 
 class RolloutWorkerExtension(ReceiverWorkerExtension):
     """The receiver's worker RPCs (bridge/vllm_plugin.py) plus the routing capture's."""
+
+    model_runner: Any  # the vLLM worker's, which this class is mixed into
 
     def mgrpo_capture_routing(self) -> int:
         """Start capturing routed experts; returns the number of MoE layers."""

@@ -20,14 +20,15 @@ import collections
 import os
 import sys
 from dataclasses import dataclass, field
+from types import FrameType
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _OWN_ROOTS = tuple(
-    os.path.dirname(os.path.dirname(m.__file__)) + os.sep
-    for m in (sys.modules[__name__.split(".")[0]],)
+    os.path.dirname(os.path.dirname(str(m.__file__))) + os.sep
+    for m in (sys.modules[__name__.split(".")[0]],)  # a regular package: __file__ is set
 )
 _TORCH_ROOT = os.path.dirname(torch.__file__) + os.sep
 _THIS_FILE = __file__
@@ -38,7 +39,7 @@ _MODE_HANDLERS = ("__torch_function__", "__torch_dispatch__")
 def _site(depth: int = 2) -> str:
     """``file:line function`` of the innermost frame outside torch and this module: the
     line of the project or a library that made the call."""
-    frame = sys._getframe(depth)
+    frame: FrameType | None = sys._getframe(depth)
     while frame is not None:
         name = frame.f_code.co_filename
         if (
@@ -157,7 +158,7 @@ def _optimizer_step_counter(name: str) -> bool:
     (unless the optimizer is fused or capturable), so reading it never waits on the device."""
     if name != "item":
         return False
-    frame = sys._getframe(3)
+    frame: FrameType | None = sys._getframe(3)
     while frame is not None and frame.f_code.co_name in _MODE_HANDLERS + ("_note",):
         frame = frame.f_back
     return frame is not None and f"torch{os.sep}optim{os.sep}" in frame.f_code.co_filename

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -46,8 +46,8 @@ class BenchOpsArgs:
     prompt_len: int = 32
     min_len: int = 8
     max_len: int = 48
-    dtype: str = "bfloat16"
-    fused_adam: str = "on"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    fused_adam: Literal["auto", "on", "off"] = "on"
     """``optim.fused_adam`` of the policy counted: ``on`` is what ``auto`` gives on a GPU
     (torch's fused AdamW), on a CPU too, like the bf16 default."""
     device: str = "auto"

@@ -239,7 +239,7 @@ class Scenario:
     """Per-sync cost S (seconds) in this scenario."""
     source: str
     """Where S comes from."""
-    ratios: dict[int, float] = field(default_factory=dict)
+    ratios: dict[float, float] = field(default_factory=dict)
 
 
 def default_scenarios(a: Assumptions, b: PlanBytes, s_paper: float) -> list[Scenario]:

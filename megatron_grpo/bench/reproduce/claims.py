@@ -185,7 +185,7 @@ def matched_sync_interval(steps: int, syncs: int) -> int:
 
 def plan_runs(claims: Sequence[int]) -> tuple[list[RunSpec], dict[tuple[int, str], str]]:
     """The distinct runs the claims need, in claim order, and ``(claim, variant) -> run name``."""
-    runs: dict[tuple[int, tuple[str, ...]], RunSpec] = {}
+    runs: dict[tuple[int, tuple[str, ...], str | None], RunSpec] = {}
     of: dict[tuple[int, str], str] = {}
     for cid in claims:
         c = CLAIMS[cid]

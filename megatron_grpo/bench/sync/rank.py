@@ -40,7 +40,7 @@ SCALE = 0.9
 engine (started from the unscaled checkpoint) must really receive new weights."""
 
 
-def _gather_stats(st):
+def _gather_stats(st: Any) -> list[Any]:
     import torch.distributed as dist
 
     everyone: list = [None] * dist.get_world_size()

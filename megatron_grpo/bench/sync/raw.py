@@ -70,8 +70,9 @@ class RawTransfer:
             st.bytes_per_link[link_key(self.rank, self.rank)] = st.bytes_local
         for w in works:
             # A real bound under NCCL too: wait(timeout) blocks until done (wait() only
-            # enqueues); gloo raises naming the op on timeout.
-            w.wait(timeout=self.timeout)
+            # enqueues); gloo raises naming the op on timeout. (None: a rank outside the group.)
+            if w is not None:
+                w.wait(timeout=self.timeout)
         st.total_s = st.transfer_s = time.perf_counter() - t0
         for k, b in self.send.items():
             st.bytes_sent += b.numel() * self.es

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
+from typing import Any
 
 from megatron_grpo.bench.common import format_table
 from megatron_grpo.bench.sync.args import BenchSyncArgs
@@ -35,7 +36,7 @@ METHOD_KEYS = (
 def method_summary(reports: list[dict]) -> dict:
     """One method's repeats (rank 0's merged ``SyncReport`` dicts): medians, the byte counts
     and per-link bytes of the first, and the phase breakdown."""
-    d = {k: _median([r[k] for r in reports]) for k in METHOD_KEYS}
+    d: dict[str, Any] = {k: _median([r[k] for r in reports]) for k in METHOD_KEYS}
     d["bytes"] = int(reports[0]["bytes"])
     d["wire_bytes"] = int(reports[0]["wire_bytes"])
     d["local_bytes"] = int(reports[0]["local_bytes"])

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import tempfile
+from typing import Any
 
 from megatron_grpo.algorithms.seeds import sampling_seed
 from megatron_grpo.distributed.spawn import free_port
@@ -37,7 +38,7 @@ def measure(steps: int, prompts: int, group: int, max_new_tokens: int, seed: int
         [[rng.randrange(3, 60) for _ in range(rng.randrange(4, 12))] for _ in range(prompts)]
         for _ in range(steps)
     ]
-    sampling = dict(n=group, temperature=1.0, max_new_tokens=max_new_tokens)
+    sampling: dict[str, Any] = dict(n=group, temperature=1.0, max_new_tokens=max_new_tokens)
     with tempfile.TemporaryDirectory() as d:
         model = build_hf_model(d, seed=1)
         eng = RolloutEngine(model, tp=1, max_model_len=128, cpu_kv_cache_gb=0.25)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,15 +140,15 @@ def train_command(
 ``os.sched_setaffinity`` to trainer and rollout ranks (vLLM's processes inherit theirs)."""
 
 
-def pin_env(cpus: Sequence[int]) -> dict[str, str]:
+def pin_env(cpus: Iterable[int]) -> dict[str, str]:
     """Trainer ranks on the first half of ``cpus``, rollout ranks on the rest."""
-    cpus = sorted(cpus)
-    if len(cpus) < 2:
+    ordered = sorted(cpus)
+    if len(ordered) < 2:
         return {}
-    half = len(cpus) // 2
+    half = len(ordered) // 2
     return {
-        PIN_ENV[0]: ",".join(map(str, cpus[:half])),
-        PIN_ENV[1]: ",".join(map(str, cpus[half:])),
+        PIN_ENV[0]: ",".join(map(str, ordered[:half])),
+        PIN_ENV[1]: ",".join(map(str, ordered[half:])),
     }
 
 

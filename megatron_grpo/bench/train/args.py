@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -38,7 +39,7 @@ class BenchTrainArgs:
     None: ``micro_batch_size * (prompt_len + max_len)``, the trainer's ``micro_batch_tokens=0``
     (and its ``auto`` off the GPU; on a GPU ``auto`` is sized by memory, ``dry_run.budget``);
     0: padded rows of ``micro_batch_size`` like the HF side (``grpo.pack_sequences=false``)."""
-    recompute: str = "none"
+    recompute: Literal["none", "full"] = "none"
     """Activation recomputation on both sides: ``full`` is the project's
     ``model.recompute=full`` and HF's ``gradient_checkpointing_enable()``."""
     steps: int = 5
@@ -47,7 +48,7 @@ class BenchTrainArgs:
     """Untimed repeats before them."""
     device: str = "auto"
     """``auto`` (cuda when available), ``cuda`` or ``cpu``."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """``auto`` (bf16 on GPU, fp32 on CPU), ``bfloat16`` or ``float32``: both sides."""
     peak_tflops: float | None = None
     """Device peak for MFU; default from ``PEAK_BF16_TFLOPS`` (None on CPU: MFU n/a)."""
@@ -59,7 +60,7 @@ class BenchTrainArgs:
     lr: float = 1e-6
     sides: str = "project,hf,hf-packed"
     """The sides measured, in order (the project first: the others load its weights)."""
-    liger: str = "auto"
+    liger: Literal["auto", "on", "off"] = "auto"
     """Liger-Kernel on the project side (``model.kernels.liger``) and the ``hf-packed`` side:
     ``auto`` (where installed, on CUDA), ``on``, ``off``."""
 

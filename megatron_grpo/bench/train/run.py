@@ -129,8 +129,12 @@ def measure_sides(
 def hf_packed_budget(args: BenchTrainArgs) -> int:
     """The ``hf-packed`` side's token budget: the project's (its default when the project
     runs padded rows)."""
+    own = ProjectSide.budget_of(args)
+    if own is not None:
+        return own
     default = ProjectSide.budget_of(dataclasses.replace(args, micro_batch_tokens=None))
-    return ProjectSide.budget_of(args) or default
+    assert default is not None, "micro_batch_tokens=None: padded rows' budget"
+    return default
 
 
 def ratios(sides: dict[str, dict]) -> dict[str, dict[str, float | None]]:
@@ -145,7 +149,7 @@ def ratios(sides: dict[str, dict]) -> dict[str, dict[str, float | None]]:
     return out
 
 
-def pop_parity(sides: dict[str, dict], batch: Rows) -> dict[str, dict | None]:
+def pop_parity(sides: dict[str, dict], batch: Rows) -> dict[str, dict | None] | None:
     """Log-prob parity on the same weights (None where a side's log-prob pass failed):
     ``project`` vs ``hf`` under the old flat keys, and ``hf-packed`` vs ``hf``; the first
     log-probs are taken out of the result."""

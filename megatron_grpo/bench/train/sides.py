@@ -75,7 +75,7 @@ class ProjectSide:
         return {"loss": m["loss"], "grad_norm": m["grad_norm"]}
 
     def close(self) -> None:
-        self.policy = None
+        del self.policy  # its memory is freed before the next side is built
 
 
 VARLEN_ATTENTION = "megatron_grpo_varlen"
@@ -258,4 +258,4 @@ class HFSide:
         return {"loss": float(total), "grad_norm": float(grad_norm)}
 
     def close(self) -> None:
-        self.model = self.optimizer = None
+        del self.model, self.optimizer  # their memory is freed before the next side is built
