@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megatron_grpo.config.schema import GRPOConfig
+
 
 def _check_2d(rewards_PG: Tensor) -> None:
     if rewards_PG.dim() != 2:
@@ -144,7 +146,7 @@ class Advantages:
 AdvantageFn = Callable[..., Advantages]
 
 
-def build_advantage_fn(grpo_cfg) -> AdvantageFn:
+def build_advantage_fn(grpo_cfg: GRPOConfig) -> AdvantageFn:
     """Pick the advantage variant once from ``grpo.{advantage, red_drop, zero_variance_mask}``.
 
     Returns ``fn(rewards_PG, generator, task_rewards_PG=None) -> Advantages``. Order: RED-Drop
@@ -158,13 +160,13 @@ def build_advantage_fn(grpo_cfg) -> AdvantageFn:
     base: Callable[[Tensor, Tensor | None], Tensor]
     if grpo_cfg.advantage == "grpo":
 
-        def base(r, keep):
+        def base(r: Tensor, keep: Tensor | None) -> Tensor:
             return group_whiten(r, eps, keep)
     elif grpo_cfg.advantage == "drgrpo":
         base = group_center
     elif grpo_cfg.advantage == "red_weight":
 
-        def base(r, keep):
+        def base(r: Tensor, keep: Tensor | None) -> Tensor:
             return red_weight(group_center(r, keep), tau)
     else:  # the config validates choices; this guards direct construction
         raise ValueError(f"grpo.advantage={grpo_cfg.advantage!r}: use grpo, drgrpo or red_weight.")

@@ -20,7 +20,6 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from torch import Tensor
 
 from megatron_grpo.algorithms.losses import (
-    Metrics,
     asymre_term,
     gspo_loss,
     mask_weight,
@@ -39,6 +38,7 @@ from megatron_grpo.algorithms.losses import (
     token_is_ratio,
     truncate_weight,
 )
+from megatron_grpo.algorithms.step_batch import Metrics
 from megatron_grpo.config.plugins import load_object
 from megatron_grpo.config.schema import ConfigError, GRPOConfig
 
@@ -139,12 +139,13 @@ class OffPolicyClip:
     def __call__(
         self, logp_BT: Tensor, *, adv: Tensor, mask_BT: Tensor, lp: RoleLogprobs
     ) -> tuple[Tensor, Metrics]:
-        eps = {"eps_low": self.eps_low, "eps_high": self.eps_high, "dual_clip_c": self.dual_clip_c}
+        lo, hi, dual = self.eps_low, self.eps_high, self.dual_clip_c
         if self.around_pi_k:
-            return off_policy_clip_loss(logp_BT, lp.of(Role.PI_K), adv, mask_BT, **eps)
+            base = lp.of(Role.PI_K)
+            return off_policy_clip_loss(logp_BT, base, adv, mask_BT, lo, hi, dual_clip_c=dual)
         pi_k = lp.of(Role.PI_K) if self.exact else None
         return off_policy_clip_loss(
-            logp_BT, lp.of(self.alpha), adv, mask_BT, pi_k_logp_BT=pi_k, **eps
+            logp_BT, lp.of(self.alpha), adv, mask_BT, lo, hi, pi_k_logp_BT=pi_k, dual_clip_c=dual
         )
 
 
@@ -159,14 +160,15 @@ class Rec:
 
     @classmethod
     def from_config(cls, c: GRPOConfig) -> Rec:
-        eps = {"eps_low": c.clip_eps_low, "eps_high": c.clip_eps_high}
-        ring = {"ring_eps_low": c.rec_ring_eps_low, "ring_eps_high": c.rec_ring_eps_high}
+        lo, hi = c.clip_eps_low, c.clip_eps_high
+        ring_lo, ring_hi = c.rec_ring_eps_low, c.rec_ring_eps_high
         masks: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
             "none": rec_mask_none,
-            "one_side": partial(rec_mask_one_side, **eps),
-            "two_side": partial(rec_mask_two_side, **eps),
-            "ring": partial(rec_mask_ring, **eps, **ring),
-        }
+            "one_side": partial(rec_mask_one_side, eps_low=lo, eps_high=hi),
+            "two_side": partial(rec_mask_two_side, eps_low=lo, eps_high=hi),
+            "ring": partial(rec_mask_ring, eps_low=lo, eps_high=hi, ring_eps_low=ring_lo,
+                            ring_eps_high=ring_hi),
+        }  # fmt: skip
         weights: dict[str, Callable[[Tensor], Tensor]] = {
             "none": rec_weight_none,
             "is": rec_weight_is,

@@ -99,7 +99,7 @@ class Rows:
             elif isinstance(v, Normalizers):
                 parts = {k: moved.get(f"{f.name}.{k}", t) for k, t in v.parts().items()}
                 new[f.name] = Normalizers(**parts)
-        return dataclasses.replace(self, **new)
+        return dataclasses.replace(self, **new)  # type: ignore[arg-type]  # fields by name
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2:
@@ -173,6 +173,6 @@ LossFn = Callable[[Tensor, Tensor, LossBatch], tuple[Tensor, Metrics]]
 """``loss_fn(logp, entropy, mb) -> (loss, metrics)``: one micro-batch's share of the global
 objective (algorithms/aggregation.py ``make_loss_fn``)."""
 
-ScoreFn = Callable[[Tensor, Tensor, Rows], tuple[Tensor, Metrics]]
-"""What the policy's forward hands each micro-batch's ``logp``, ``entropy`` to: a ``LossFn``
-in a train step, a collector in a log-prob pass."""
+ScoreFn = Callable[[Tensor, Tensor, S], tuple[Tensor, Metrics]]
+"""What the policy's forward hands each micro-batch's ``logp``, ``entropy`` and rows (a value
+of the batch's stage ``S``) to: a ``LossFn`` in a train step, a collector in a log-prob pass."""

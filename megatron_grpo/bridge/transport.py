@@ -335,6 +335,8 @@ class _Sync:
     def on_done(self, op: Op) -> None:
         """A completed operation: unpack a received bucket, free its slot, post what next."""
         b = op.bucket
+        # only bucket ops come here (the handshake waits without on_done): both are set
+        assert b is not None and op.link is not None
         if op.kind == "recv":
             lk = self.recv[op.link]
             t0 = time.perf_counter()
@@ -352,6 +354,8 @@ class _Sync:
     def describe(self, op: Op) -> str:
         what = "receive from" if op.kind == "recv" else "send to"
         b, link = op.bucket, op.link
+        # only bucket ops come here (the handshake has its own describe): both are set
+        assert b is not None and link is not None
         return (
             f"{what} rank {op.peer} of bucket {b.index + 1}/{len(self.tr.schedule[link])} of "
             f"link {link[0]}->{link[1]} ({b.numel * self.es} bytes, first tensor "

@@ -7,19 +7,27 @@ function. ``Policy.compute_logprobs`` and ``Policy.train_step`` differ only in t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.algorithms.step_batch import Rows, ScoreFn
+from megatron_grpo.algorithms.step_batch import Metrics, Rows, ScoreFn
 from megatron_grpo.config.schema import ModelConfig
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.policy.kernels import resolve_transformer_impl
-from megatron_grpo.policy.micro_batches import PackedRows, check_expert_ranks_agree, split_batch
+from megatron_grpo.policy.micro_batches import (
+    MicroBatches,
+    PackedRows,
+    check_expert_ranks_agree,
+    split_batch,
+)
 from megatron_grpo.policy.rope import PackedRope
 from megatron_grpo.policy.routing_replay import RoutingReplay
 from megatron_grpo.policy.scoring import Scoring
 from megatron_grpo.policy.transfer import to_device
+
+R = TypeVar("R", bound=Rows)
 
 
 class MicroBatchForward:
@@ -27,7 +35,7 @@ class MicroBatchForward:
 
     def __init__(
         self,
-        models: list,
+        models: list[Any],
         ctx: ParallelContext,
         model_cfg: ModelConfig,
         scoring: Scoring,
@@ -53,14 +61,15 @@ class MicroBatchForward:
             else None
         )
 
-    def split(self, batch: Rows, micro_batch_size: int, token_budget: int | None) -> list:
+    def split(self, batch: R, micro_batch_size: int, token_budget: int | None) -> MicroBatches[R]:
         return split_batch(
             batch, micro_batch_size, token_budget, self._length_multiple, can_pack=self.can_pack
         )
 
     def run(
-        self, chunks: list, mbs: list, score: ScoreFn, *, temperature: float, forward_only: bool
-    ) -> list:
+        self, chunks: list[Any], mbs: MicroBatches[R], score: ScoreFn[R], *, temperature: float,
+        forward_only: bool,
+    ) -> list[Any]:  # fmt: skip
         """megatron's schedule over ``chunks`` (DDP-wrapped or bare) and the micro-batches
         ``mbs`` of ``split``; each micro-batch's output is scored at ``temperature`` and
         reduced by ``score`` (``_step``). Returns the last stage's reduced values."""
@@ -75,8 +84,8 @@ class MicroBatchForward:
         shapes = [
             (mb.input_ids if pack is None else pack.input_ids).shape for _, _, mb, pack in mbs
         ]
-        iters: list[Iterator] = [iter([(mb, pack) for _, _, mb, pack in mbs]) for _ in chunks]
-        return self._forward_backward(
+        iters: list[Iterator[Any]] = [iter([(mb, pack) for _, _, mb, pack in mbs]) for _ in chunks]
+        results: list[Any] = self._forward_backward(
             forward_step_func=self._step(score, temperature),
             data_iterator=iters if len(iters) > 1 else iters[0],
             model=chunks if len(chunks) > 1 else chunks[0],
@@ -85,22 +94,25 @@ class MicroBatchForward:
             micro_batch_size=max(shape[0] for shape in shapes),
             forward_only=forward_only,
         )
+        return results
 
-    def _step(self, score: ScoreFn, temperature: float) -> Callable:
+    def _step(self, score: ScoreFn[R], temperature: float) -> Callable[..., Any]:
         """megatron's ``forward_step_func`` for one micro-batch: its tensors moved to the
         device in one copy, the model's output (logits or hidden states, ``self.scoring``),
         and a reduction that scores it (``logp``, ``entropy`` [n, L] of the padded rows) and
         hands them with the micro-batch's tensors to ``score(logp, entropy, mb) -> (loss,
         reduced)``."""
 
-        def step(data_iterator, model):
+        def step(
+            data_iterator: Iterator[tuple[R, PackedRows | None]], model: Any
+        ) -> tuple[torch.Tensor, Any]:
             mb, pack = self._to_device(*next(data_iterator))
             if self.routing is not None:  # this micro-batch's vLLM experts, on every stage
                 routed = mb.routed_experts if pack is None else pack.routed_experts
                 self.routing.set_targets(routed, packed=pack is not None)
             out = self._model_forward(model, mb, pack)
 
-            def reduce(out):
+            def reduce(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
                 logp, ent = self._row_logp_entropy(out, mb, pack, temperature)
                 loss, reduced = score(logp, ent, mb)
                 # num_tokens is unused (calculate_per_token_loss, docs/architecture-policy.md)
@@ -110,7 +122,7 @@ class MicroBatchForward:
 
         return step
 
-    def _to_device(self, mb: Rows, pack: PackedRows | None) -> tuple[Rows, PackedRows | None]:
+    def _to_device(self, mb: R, pack: PackedRows | None) -> tuple[R, PackedRows | None]:
         """The micro-batch's and the pack's tensors on the device, in one copy
         (``policy.transfer``); other values as they are."""
         tensors = {f"mb.{k}": v for k, v in mb.tensors().items()}
@@ -124,7 +136,7 @@ class MicroBatchForward:
             )
         return mb, pack
 
-    def _model_forward(self, model, mb: Rows, pack: PackedRows | None) -> torch.Tensor:
+    def _model_forward(self, model: Any, mb: Rows, pack: PackedRows | None) -> torch.Tensor:
         """The last stage's output (``self.scoring``: logits [n, L, V/tp] or hidden states) of
         the padded rows, or of the pack ([1, T, ...]); tensors on the device."""
         if pack is not None:
@@ -137,24 +149,29 @@ class MicroBatchForward:
                 rope = self.packed_rope.cos_sin(pack.positions, self.config.params_dtype)
             params = pack.packed_seq_params(rope)
             positions = pack.positions.unsqueeze(0)
-            return model(
+            out: torch.Tensor = model(
                 pack.input_ids, positions, None, packed_seq_params=params,
                 **self.scoring.forward_kwargs,
             )  # fmt: skip
+            return out
         ids = mb.input_ids
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         # attention_mask=None: the local/TE core attention applies its causal mask
         # (AttnMaskType.causal in the GPT layer spec).
-        return model(ids, positions, None, **self.scoring.forward_kwargs)
+        out = model(ids, positions, None, **self.scoring.forward_kwargs)
+        return out
 
-    def _row_logp_entropy(self, out, mb: Rows, pack: PackedRows | None, temperature: float):
+    def _row_logp_entropy(
+        self, out: torch.Tensor, mb: Rows, pack: PackedRows | None, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``logp``, ``entropy`` [n, L] of the micro-batch's rows, position-aligned; the
         temperature divides each fp32 chunk inside: no divided copy of the logits."""
         ids = mb.input_ids
         if pack is None:
             return self.scoring.token_logprobs(out, ids, temperature)
         logp, ent = self.scoring.token_logprobs(out, pack.input_ids, temperature)
-        return pack.unpack(logp, ids.shape), pack.unpack(ent, ids.shape)
+        shape = (ids.shape[0], ids.shape[1])
+        return pack.unpack(logp, shape), pack.unpack(ent, shape)
 
     def broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         if self.ctx.pp > 1:

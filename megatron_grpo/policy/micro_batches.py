@@ -15,8 +15,9 @@ end under a token budget (``PackedRows``; the batch contract: docs/architecture-
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -24,6 +25,8 @@ from megatron_grpo.algorithms.step_batch import Rows
 from megatron_grpo.config.schema import Config, ConfigError
 
 R = TypeVar("R", bound=Rows)
+MicroBatches = Sequence[tuple[slice, int, R, "PackedRows | None"]]
+"""(row slice, trimmed length, the rows as a value of the batch's stage, the pack or None)."""
 
 
 def micro_batch_token_budget(cfg: Config) -> int | None:
@@ -141,9 +144,10 @@ class PackedRows:
         for n in doc_lens:
             starts.append(starts[-1] + n)
         scored = [(i, n, s) for i, (n, s) in enumerate(zip(lengths, starts)) if n > 1]
-        cat = (
-            (lambda xs: torch.cat(xs)) if scored else (lambda xs: torch.zeros(0, dtype=torch.long))
-        )
+
+        def cat(xs: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(xs) if scored else torch.zeros(0, dtype=torch.long)
+
         return cls(
             input_ids=torch.cat(docs).unsqueeze(0),
             cu_seqlens=torch.tensor(starts, dtype=torch.int32),
@@ -162,9 +166,10 @@ class PackedRows:
 
     def on(self, moved: dict[str, torch.Tensor]) -> PackedRows:
         """This pack with its tensors replaced by ``moved`` (``tensors()`` on the device)."""
-        return dataclasses.replace(self, **{k: moved[k] for k in self.TENSORS if k in moved})
+        new = {k: moved[k] for k in self.TENSORS if k in moved}
+        return dataclasses.replace(self, **new)  # type: ignore[arg-type]  # tensor fields only
 
-    def packed_seq_params(self, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def packed_seq_params(self, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
         """megatron's ``PackedSeqParams`` of this pack (its tensors where they are), with two
         attributes the core attention reads (``policy.attention``): ``bounds``, the documents
         on the host, and ``rope``, the pack's (cos, sin) when it applies RoPE itself."""
@@ -237,7 +242,7 @@ def split_batch(
     multiple: int = 1,
     *,
     can_pack: bool = True,
-) -> list[tuple[slice, int, R, PackedRows | None]]:
+) -> MicroBatches[R]:
     """Micro-batches of ``batch``: packed under ``token_budget`` when it is given, else
     ``micro_batch_size`` padded rows (pack None). ``can_pack`` is False under megatron's
     unfused attention, which refuses packed sequences."""
@@ -255,7 +260,7 @@ def split_batch(
     return packed_micro_batches(batch, token_budget, multiple)
 
 
-def check_expert_ranks_agree(num_micro_batches: int, ep_group, ep: int) -> None:
+def check_expert_ranks_agree(num_micro_batches: int, ep_group: Any, ep: int) -> None:
     """ValueError (one line) when the expert-parallel ranks would run different numbers of
     micro-batches: every MoE layer's forward is an alltoall over the EP group, so a rank
     with one micro-batch more would wait for peers that never come. Padded micro-batches of

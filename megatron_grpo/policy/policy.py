@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.algorithms.step_batch import Metrics, Rows
+from megatron_grpo.algorithms.step_batch import Metrics, Rows, ScoreFn
 from megatron_grpo.config.schema import ConfigError, ModelConfig, OptimConfig
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec
@@ -46,7 +46,7 @@ class Policy:
 
     def __init__(
         self,
-        models: list,
+        models: list[Any],
         ctx: ParallelContext,
         spec: ModelSpec,
         model_cfg: ModelConfig,
@@ -101,7 +101,7 @@ class Policy:
                 "interleaved schedule deadlocks with per-micro-batch sequence lengths; set "
                 "parallel.vpp=null (forward-only policies accept vpp)."
             )
-        if self.trainable:
+        if self.optim_cfg is not None:
             return setup_training(self.models, self.ctx, self.optim_cfg, total_steps)
         for m in self.models:
             m.eval()
@@ -109,12 +109,12 @@ class Policy:
         return None
 
     @property
-    def chunks(self) -> list:
+    def chunks(self) -> list[Any]:
         """What megatron's schedule runs: the DDP-wrapped chunks, or the bare models."""
         return self.training.chunks if self.training else self.models
 
     @property
-    def optimizer(self):
+    def optimizer(self) -> Any:
         return self.training.optimizer if self.training else None
 
     @property
@@ -156,7 +156,7 @@ class Policy:
         for m in self.models:
             m.eval()
 
-        def keep(logp, ent, mb):
+        def keep(logp: torch.Tensor, ent: torch.Tensor, mb: Rows) -> tuple[torch.Tensor, Metrics]:
             return logp.new_zeros(()), {"logp": logp, "entropy": ent}
 
         results = self.forward.run(
@@ -176,7 +176,7 @@ class Policy:
     def train_step(
         self,
         batch: R,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor, R], tuple[torch.Tensor, Metrics]],
+        loss_fn: ScoreFn[R],
         micro_batch_size: int,
         *,
         token_budget: int | None = None,
@@ -191,18 +191,14 @@ class Policy:
         the loss or the grad norm was not finite: no update was applied), and loss_fn's own
         metrics averaged over micro-batches and DP ranks.
         """
-        if not self.trainable:
-            raise RuntimeError(
-                "train_step on a forward-only Policy (built without optim_cfg): build it "
-                "with build_policy(..., optim_cfg=...)."
-            )
+        training, optim_cfg = self._trained()
         mbs = self.forward.split(batch, micro_batch_size, token_budget)
         for m in self.chunks:
             m.train()
             m.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        training.optimizer.zero_grad()
 
-        def loss_of(logp, ent, mb):
+        def loss_of(logp: torch.Tensor, ent: torch.Tensor, mb: R) -> tuple[torch.Tensor, Metrics]:
             loss, metrics = loss_fn(logp, ent, mb)
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar loss, got {tuple(loss.shape)}")
@@ -215,34 +211,45 @@ class Policy:
         )
         stats = self._reduce_metrics(results, len(mbs))
 
-        self.optimizer.prepare_grads()
-        grad_norm = float(self.optimizer.get_grad_norm())
-        lr = self.scheduler.current_lr
-        skipped = self._step_or_skip(stats["loss"], grad_norm)
+        training.optimizer.prepare_grads()
+        grad_norm = float(training.optimizer.get_grad_norm())
+        lr = training.scheduler.current_lr
+        skipped = self._step_or_skip(stats["loss"], grad_norm, training, optim_cfg)
         return {**stats, "grad_norm": grad_norm, "lr": lr, "skipped": skipped}
 
-    def _step_or_skip(self, loss: float, grad_norm: float) -> bool:
+    def _trained(self) -> tuple[TrainingParts, OptimConfig]:
+        """What a train step steps with; a one-line error on a forward-only policy."""
+        if self.training is None or self.optim_cfg is None:
+            raise RuntimeError(
+                "train_step on a forward-only Policy (built without optim_cfg): build it "
+                "with build_policy(..., optim_cfg=...)."
+            )
+        return self.training, self.optim_cfg
+
+    def _step_or_skip(
+        self, loss: float, grad_norm: float, training: TrainingParts, optim_cfg: OptimConfig
+    ) -> bool:
         """Clip and apply the gradients when ``loss`` and ``grad_norm`` are finite; otherwise
         drop them (no update) and raise after more than ``optim.max_nan_steps_in_row`` such
         steps in a row. Returns whether the step was skipped."""
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.nan_steps_in_row = 0
-            clip_gradients(self.optimizer, self.optim_cfg.clip_grad, grad_norm)
-            self.optimizer.step_with_ready_grads()
-            self.scheduler.step()
+            clip_gradients(training.optimizer, optim_cfg.clip_grad, grad_norm)
+            training.optimizer.step_with_ready_grads()
+            training.scheduler.step()
             return False
         self.nan_steps_in_row += 1
-        if self.nan_steps_in_row > self.optim_cfg.max_nan_steps_in_row:
+        if self.nan_steps_in_row > optim_cfg.max_nan_steps_in_row:
             raise RuntimeError(
                 f"{self.nan_steps_in_row} optimizer steps in a row had a non-finite loss "
                 f"({loss}) or grad norm ({grad_norm}), more than "
-                f"optim.max_nan_steps_in_row={self.optim_cfg.max_nan_steps_in_row}: lower "
+                f"optim.max_nan_steps_in_row={optim_cfg.max_nan_steps_in_row}: lower "
                 "optim.lr, check the loss inputs (advantages, pi_k_logp), or raise the limit."
             )
-        self.optimizer.zero_grad()
+        training.optimizer.zero_grad()
         return True
 
-    def _reduce_metrics(self, results: list, num_mb: int) -> dict[str, float]:
+    def _reduce_metrics(self, results: list[Any], num_mb: int) -> dict[str, float]:
         """Sum the loss / average the metrics over micro-batches and DP; share over PP."""
         stats: dict[str, float] | None = None
         if self.ctx.is_last_stage:
@@ -259,6 +266,7 @@ class Policy:
             box = [stats]
             dist.broadcast_object_list(box, src=self.ctx.last_stage_rank, group=self.ctx.pp_group)
             stats = box[0]
+        assert stats is not None  # the last stage's, on every stage
         return stats
 
     # ------------------------------------------------------------- weights and checkpoints
@@ -316,7 +324,7 @@ def build_policy(
     model_cfg: ModelConfig,
     optim_cfg: OptimConfig | None = None,
     *,
-    init_weights: Callable[[list], None] | None = None,
+    init_weights: Callable[[list[Any]], None] | None = None,
     total_steps: int = 1,
     temperature: float = 1.0,
     routing_replay: bool = False,

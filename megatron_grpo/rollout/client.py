@@ -126,6 +126,7 @@ class RolloutClient:
         only, no collective, so the arrivals thread may wait here (rollout/ahead.py)."""
         if self.ch is None:
             return None
+        assert ticket is not None  # rank 0 (it has the channel) posted it: _submit's int
         return [s for part in self._collect(ticket, "generate", ("samples",)) for s in part]
 
     def init_transfer(self, inputs: Any, backend: str, timeout_s: float) -> Any:
@@ -149,7 +150,12 @@ class RolloutClient:
         # Gloo/NCCL group construction blocks until all WORLD ranks joined (drivers' workers
         # join inside the init_weight_transfer_engine RPC).
         group = init_transfer_group(addr, port, self.ctx.rank, world, backend, timeout_s)
-        self.share(lambda: self._collect(seq, "init_transfer"))
+
+        def collect() -> list[Any]:
+            assert seq is not None  # share runs this on rank 0 only, which posted seq above
+            return self._collect(seq, "init_transfer")
+
+        self.share(collect)
         return group
 
     def begin_update(self) -> None:

@@ -13,6 +13,7 @@ import json
 import struct
 import sys
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,7 +138,7 @@ def _check(value: Any, schema: Any, path: str) -> str | None:
 
 
 # ------------------------------------------------------------------------------ encode
-def _frame(kind: str, body: Any, arrays: list[tuple[str, str, list]] = ()) -> bytes:
+def _frame(kind: str, body: Any, arrays: Sequence[tuple[str, str, Sequence[Any]]] = ()) -> bytes:
     blobs = []
     for _, dtype, values in arrays:
         a = array(_ARRAY_CODES[dtype], values)
@@ -182,7 +183,7 @@ def samples(batch: list[Sample]) -> bytes:
         "finish_reason": [s.finish_reason for s in batch],
         "weight_version": [s.weight_version for s in batch],
     }
-    flat = {
+    flat: dict[str, list[int] | list[float]] = {
         "prompt_ids": [t for s in batch for t in s.prompt_ids],
         "response_ids": [t for s in batch for t in s.response_ids],
         "logprobs": [float(x) for s in batch for x in s.logprobs],
@@ -198,7 +199,11 @@ def samples(batch: list[Sample]) -> bytes:
 
 # ------------------------------------------------------------------------------ decode
 def decode(
-    raw: bytes, key: str, peer: str, expect: tuple[str, ...], max_bytes: int = MAX_MESSAGE_BYTES
+    raw: bytes | memoryview,
+    key: str,
+    peer: str,
+    expect: tuple[str, ...],
+    max_bytes: int = MAX_MESSAGE_BYTES,
 ) -> Message:
     """The message in ``raw``, read from ``key`` (``peer``: who wrote it, for what), checked
     against its kind's schema and against the kinds ``expect``-ed there; raises ``BadMessage``
@@ -214,7 +219,7 @@ def decode(
         raise BadMessage(f"control message {key!r} ({peer}) refused: {e}; {_FIX}.") from None
 
 
-def too_large(data: bytes, max_bytes: int) -> str:
+def too_large(data: bytes | memoryview, max_bytes: int) -> str:
     """Why a message of ``data``'s size is refused, and what to change."""
     return (
         f"{len(data)} bytes, over the limit of {max_bytes} (rollout/messages.py "

@@ -182,7 +182,7 @@ def _schedule_text(cfg: Config) -> str:
 
 
 def window_buffer(cfg: Config, prompts: PromptSource, rollout: Rollout, memory: ColocatedMemory,
-                 eos_token_id: int, score: Callable[[list, list], Any] | None = None,
+                 eos_token_id: int, score: Callable[[list[Any], list[Any]], Any] | None = None,
                  schedule: SyncSchedule | None = None) -> WindowBuffer:  # fmt: skip
     """Each step's prompts (from ``prompts``, a data source), samples and rewards (``score``):
     with rollout.ahead = a, up to a + 1 steps of the sync window are generated at once (0:
@@ -193,7 +193,7 @@ def window_buffer(cfg: Config, prompts: PromptSource, rollout: Rollout, memory: 
     r = cfg.rollout
     sampling = sampling_args(r, cfg.grpo.group_size, eos_token_id)
 
-    def launch(steps: list[tuple[list, int]]) -> list:
+    def launch(steps: list[tuple[list[Any], int]]) -> list[Any]:
         memory.before_generate()
         try:
             return rollout.launch(steps, **sampling)

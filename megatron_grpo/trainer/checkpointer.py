@@ -47,7 +47,7 @@ class Preemption:
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handler)
 
-    def _handler(self, signum, frame) -> None:
+    def _handler(self, signum: int, frame: object) -> None:
         self.requested = True
 
     def agreed(self, ctx: ParallelContext) -> bool:

@@ -100,6 +100,11 @@ class ColocatedMemory:
         out, self.boundaries = self.boundaries, {}
         return out or None
 
+    def _engine(self) -> SleepingEngine:
+        """The engine that sleeps (there is one whenever ``sleep_level`` is set: from_config)."""
+        assert self.engine is not None, "vLLM sleep mode without an engine"
+        return self.engine
+
     # ------------------------------------------------------------------ the dance
     def before_generate(self) -> None:
         if self.active:
@@ -110,10 +115,10 @@ class ColocatedMemory:
             self._empty_cache()
             if self.sleep_level:
                 if not self.vllm_weights_awake:
-                    self.engine.wake_up(tags=["weights"])
+                    self._engine().wake_up(tags=["weights"])
                     self.vllm_weights_awake = True
                 if not self.vllm_kv_awake:
-                    self.engine.wake_up(tags=["kv_cache"])
+                    self._engine().wake_up(tags=["kv_cache"])
                     self.vllm_kv_awake = True
         self.mark("rollout_start")
 
@@ -121,7 +126,7 @@ class ColocatedMemory:
         self.mark("rollout_end")
         if self.active:
             if self.sleep_level:
-                self.engine.sleep(level=self.sleep_level)
+                self._engine().sleep(level=self.sleep_level)
                 self.vllm_weights_awake = self.vllm_kv_awake = False
             self._empty_cache()
             if self.weights is not None:
@@ -137,7 +142,7 @@ class ColocatedMemory:
                 self.state.offload()
             self._empty_cache()
             if self.sleep_level and not self.vllm_weights_awake:
-                self.engine.wake_up(tags=["weights"])
+                self._engine().wake_up(tags=["weights"])
                 self.vllm_weights_awake = True
         self.mark("sync_start")
 

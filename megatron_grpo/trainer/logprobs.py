@@ -143,7 +143,7 @@ class StepLogprobs:
             # at lag 0 the trainer holds alpha itself: pi_k's log-probs are alpha's (no
             # extra pass; the staleness is exactly 0)
             alpha = (self._alpha(shard) if lag else pi_k) if with_alpha else None
-            if g.score_alpha:
+            if alpha is not None and g.score_alpha:
                 parts = split_ratio(pi_k, alpha, shard, g, ctx)
             alpha_for_drift = shard.alpha_engine_logp if alpha is None else alpha
             drift = measure_drift(pi_k, alpha_for_drift, shard.response_mask, ctx)

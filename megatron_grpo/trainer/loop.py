@@ -21,6 +21,7 @@ The batch of step k was sampled from ``policy_version``, the step whose weights 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,13 +42,14 @@ from megatron_grpo.bridge.weight_sync import WeightSender
 from megatron_grpo.checkpoint import LoopState, find_latest
 from megatron_grpo.config import Config
 from megatron_grpo.distributed import ParallelContext
-from megatron_grpo.dry_run.budget import TokenBudget, resolve_token_budget
+from megatron_grpo.dry_run.budget import TokenBudget
 from megatron_grpo.metrics import MetricsLogger, PhaseTimer
 from megatron_grpo.metrics.console import console_out, say_rank0
 from megatron_grpo.metrics.row import step_row
 from megatron_grpo.policy import Policy
 from megatron_grpo.rollout.ahead import WindowBuffer
 from megatron_grpo.rollout.interface import Rollout, RolloutFailure
+from megatron_grpo.rollout.samples import Sample
 from megatron_grpo.trainer.checkpointer import Checkpointer, loop_state_of
 from megatron_grpo.trainer.collate import collate, mini_batches, with_advantages
 from megatron_grpo.trainer.colocated_memory import ColocatedMemory
@@ -78,21 +80,15 @@ class GRPOTrainer:
     checkpointer: Checkpointer
     logger: MetricsLogger
     timer: PhaseTimer
+    schedule: SyncSchedule  # when to sync (``SyncSchedule.from_config(cfg.sync)``)
+    budget: TokenBudget  # tokens per packed micro-batch (trainer.build sizes it)
     validator: Validator | None = None  # when eval.interval > 0
     alpha: Policy | None = None  # grpo.score_alpha, v > 1: a copy of the weights vLLM serves
-    schedule: SyncSchedule | None = None  # when to sync; None: built from cfg.sync
-    budget: TokenBudget | None = None  # tokens per packed micro-batch; None: resolved off-GPU
     start_step: int = 0
     closers: list[Callable[[], None]] = field(default_factory=list)
     logprobs: StepLogprobs = field(init=False)  # the scoring passes outside SGD
 
     def __post_init__(self) -> None:
-        if self.budget is None:  # as on CPU: no memory model needed (trainer.build sizes it)
-            self.budget = resolve_token_budget(
-                None, self.cfg, dp=self.ctx.dp, colocated=True, capacity_bytes=None
-            )
-        if self.schedule is None:
-            self.schedule = SyncSchedule.from_config(self.cfg.sync)
         self.logprobs = StepLogprobs(self.cfg, self.ctx, self.policy, self.ref, self.alpha,
                                      self.timer, self.budget.tokens, self.loss_fn.needs)  # fmt: skip
 
@@ -145,7 +141,7 @@ class GRPOTrainer:
         return self.finish()
 
     # ------------------------------------------------------------------------ phases
-    def take_batch(self, step: int) -> tuple[list, list]:
+    def take_batch(self, step: int) -> tuple[list[Any], list[Sample]]:
         """Step ``step``'s prompts and samples, from the sync window's buffer (generated
         once per window with rollout.ahead, else once per step)."""
         try:
@@ -228,6 +224,7 @@ class GRPOTrainer:
 
     def evaluate(self) -> dict[str, Any]:
         """eval.interval: pass@1 on held-out prompts from the weights vLLM serves now."""
+        assert self.validator is not None  # called when validator.due
         self.memory.before_generate()  # vLLM awake, trainer state off the GPU
         try:
             return self.validator.run(self.rollout.generate, self.policy_version)
@@ -235,7 +232,7 @@ class GRPOTrainer:
             self.memory.after_generate()
 
     # ------------------------------------------------------------------------ helpers
-    def _bounded(self, what: str):
+    def _bounded(self, what: str) -> contextlib.AbstractContextManager[None]:
         """Every wait of the loop ends, at the latest after parallel.timeout_s (watchdog.py)."""
         return bounded(what, self.cfg.parallel.timeout_s, "parallel.timeout_s bounds it")
 

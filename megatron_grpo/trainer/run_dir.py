@@ -37,7 +37,7 @@ def run_contents(run_dir: Path) -> list[str]:
     return sorted(p.name for p in run_dir.iterdir() if p.name not in _NOT_A_RUN)
 
 
-def check_run_dir(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool) -> list[Path]:
+def check_run_dir(run_dir: str | os.PathLike[str], *, resume: bool, overwrite: bool) -> list[Path]:
     """Refuse a run directory this run cannot or must not use; return what ``overwrite``
     deletes ([] without it). Reads only: every rank calls it.
 

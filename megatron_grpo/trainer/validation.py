@@ -19,13 +19,14 @@ from megatron_grpo.algorithms.seeds import validation_seed
 from megatron_grpo.config import Config
 from megatron_grpo.data import build_prompt_source
 from megatron_grpo.metrics.pass_at_k import mean_pass_at_k
+from megatron_grpo.rewards.builder import RewardFn
 from megatron_grpo.rollout.interface import sampling_args
 
 
 class Validator:
     """Holds the held-out prompts; ``run(generate, policy_version)`` returns the metrics."""
 
-    def __init__(self, cfg: Config, tokenizer, reward_fn) -> None:
+    def __init__(self, cfg: Config, tokenizer: Any, reward_fn: RewardFn) -> None:
         e = cfg.eval
         data = (
             dataclasses.replace(cfg.data, source=e.data, split="train")
@@ -39,7 +40,7 @@ class Validator:
     def due(self, step: int) -> bool:
         return bool(self.cfg.eval.interval) and step % self.cfg.eval.interval == 0
 
-    def run(self, generate: Callable[..., list], policy_version: int) -> dict[str, Any]:
+    def run(self, generate: Callable[..., list[Any]], policy_version: int) -> dict[str, Any]:
         e, r, k = self.cfg.eval, self.cfg.rollout, self.cfg.eval.samples
         samples = generate(
             [p.prompt_ids for p in self.prompts],

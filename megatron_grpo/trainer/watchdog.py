@@ -15,7 +15,7 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from megatron_grpo.metrics.console import console_err, log_path
 
@@ -30,7 +30,9 @@ def _exit(message: str) -> None:
 
 
 @contextlib.contextmanager
-def bounded(what: str, seconds: float, setting: str, on_timeout=_exit) -> Iterator[None]:
+def bounded(
+    what: str, seconds: float, setting: str, on_timeout: Callable[[str], object] = _exit
+) -> Iterator[None]:
     """Run the body; if it has not finished after ``seconds``, call ``on_timeout`` with
     ``error: <what> did not finish within <seconds>s (<setting>): ...`` (default: print it
     and exit the process with status 3)."""

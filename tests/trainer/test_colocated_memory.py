@@ -12,12 +12,14 @@ import torch
 
 from megatron_grpo.config import Config, ConfigError
 from megatron_grpo.config.loader import load_config
+from megatron_grpo.dry_run.budget import resolve_token_budget
 from megatron_grpo.metrics import PhaseTimer
 from megatron_grpo.trainer import checkpointer as checkpointer_module
 from megatron_grpo.trainer import loop
 from megatron_grpo.trainer.build import window_buffer
 from megatron_grpo.trainer.checkpointer import Checkpointer
 from megatron_grpo.trainer.colocated_memory import ColocatedMemory
+from megatron_grpo.trainer.sync_schedule import SyncSchedule
 
 
 class FakeEngine:
@@ -91,6 +93,8 @@ def _trainer(cfg: Config, memory: ColocatedMemory, calls: list, monkeypatch) -> 
                              score=lambda prompts, samples: (torch.zeros(1, 2), {})),
         advantage_fn=None,
         loss_fn=SimpleNamespace(needs=frozenset()), memory=memory, checkpointer=checkpointer,
+        schedule=SyncSchedule.from_config(cfg.sync),
+        budget=resolve_token_budget(None, cfg, dp=1, colocated=True, capacity_bytes=None),
         logger=SimpleNamespace(log=lambda step: calls.append(f"log {step}")), timer=StepTimer(),
     )  # fmt: skip
     t.logprobs = SimpleNamespace(reference=rec("logprobs", (None, None)))

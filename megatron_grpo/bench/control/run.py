@@ -90,7 +90,7 @@ class _ZmqEnd:
         self.ch.close()
 
 
-_ENDS = {"store": _StoreEnd, "zmq": _ZmqEnd}
+_ENDS: dict[str, type[_StoreEnd] | type[_ZmqEnd]] = {"store": _StoreEnd, "zmq": _ZmqEnd}
 
 
 def _commands(a: BenchControlArgs) -> dict[str, dict[str, Any]]:
@@ -114,8 +114,12 @@ def _rank(rank: int, world: int, channel: str, a: dict) -> dict[str, list[float]
     args = BenchControlArgs(**a)
     store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=args.timeout_s)))
     end = _ENDS[channel](store, rank, args.timeout_s)
+    out: dict[str, list[float]] | None = None
     try:
-        out = _drive(end, args) if rank == 0 else _answer(end, args)
+        if rank == 0:
+            out = _drive(end, args)
+        else:
+            _answer(end, args)
     finally:
         end.close()
     # Rank 0 hosts the store (torchrun's agent does in a run): it leaves after rank 1.

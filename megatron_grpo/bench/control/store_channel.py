@@ -34,7 +34,8 @@ class Channel:
         """Store one encoded message (``rollout.messages``: ``command``, ``samples``, ...)."""
         if len(data) > self.max_bytes:
             raise ValueError(f"control message {key!r} not sent: {too_large(data, self.max_bytes)}")
-        self.store.set(key, data)
+        # the stub says str, but the binding takes bytes (std::string) and get returns them
+        self.store.set(key, data)  # type: ignore[arg-type]
 
     def beat_forever(self, key: str) -> None:
         """Bump ``key`` every few seconds from a daemon thread until ``stop_beating``."""

@@ -210,12 +210,13 @@ def ops_table(res: dict) -> str:
         f"(budget {b['token_budget']})",
         "",
     ]
-    titles, widths = ("phase", "ATen ops", "per layer/mb", "host syncs"), OPS_WIDTHS
+    titles: tuple[str, ...] = ("phase", "ATen ops", "per layer/mb", "host syncs")
+    widths: tuple[int, ...] = OPS_WIDTHS
     if cuda:
         titles, widths = titles + ("CUDA launches", "/ syncs"), widths + CUDA_WIDTHS
     rows = []
     for phase, c in res["phases"].items():
-        cells = (phase, c["ops"]["total"], f"{c['ops']['per_layer_per_micro_batch']:.1f}",
+        cells: tuple[Any, ...] = (phase, c["ops"]["total"], f"{c['ops']['per_layer_per_micro_batch']:.1f}",
                  c["syncs"]["total"])  # fmt: skip
         if cuda:
             cells += (c["cuda"]["kernel_launches"], f"/ {c['cuda']['host_syncs']}")

@@ -114,9 +114,12 @@ def judge(
                 "variants the same seeds, or paired=False."
             )
         diff, sd = mean_std([x - y for x, y in zip(a, b)])
+        assert diff is not None and sd is not None  # len(a) >= 2: mean and std both defined
         se, df = sd / math.sqrt(len(a)), len(a) - 1.0
     else:
         (ma, sa), (mb, sb) = mean_std(a), mean_std(b)
+        # len(a), len(b) >= 2 (checked above): every mean and std is defined
+        assert ma is not None and sa is not None and mb is not None and sb is not None
         diff = ma - mb
         va, vb = sa**2 / len(a), sb**2 / len(b)
         se = math.sqrt(va + vb)

@@ -159,6 +159,7 @@ def pop_parity(sides: dict[str, dict], batch: Rows) -> dict[str, dict | None] | 
     def parity(a: str, b: str):
         if first.get(a) is None or first.get(b) is None:
             return None
+        assert mask is not None  # the bench's batch (bench/train/batch.py) always has one
         return logprob_parity(first[a], first[b], mask)
 
     out = parity("project", "hf") or parity("project", "hf-packed") or {}

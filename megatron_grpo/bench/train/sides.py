@@ -4,6 +4,7 @@ and the plain Hugging Face baseline, behind the same four calls (``num_parameter
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -208,7 +209,7 @@ class HFSide:
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())  # tied weights counted once
 
-    def _micro_batches(self, batch: R) -> list[tuple[slice, int, R, PackedRows | None]]:
+    def _micro_batches(self, batch: R) -> Sequence[tuple[slice, int, R, PackedRows | None]]:
         if self.packed_budget is None:
             return [
                 (r, n, mb, None) for r, n, mb in micro_batches(batch, self.args.micro_batch_size)
@@ -226,7 +227,8 @@ class HFSide:
         logp, ent = token_logprobs(
             logits, pack.input_ids, vocab_start=0, vocab_size=self.spec.vocab_size
         )
-        return pack.unpack(logp, ids.shape), pack.unpack(ent, ids.shape)
+        shape = (ids.shape[0], ids.shape[1])  # [n, L]
+        return pack.unpack(logp, shape), pack.unpack(ent, shape)
 
     @torch.no_grad()
     def logprobs(self, batch: Rows) -> dict[str, torch.Tensor]:
