@@ -1,5 +1,5 @@
 """The policy loss, composed once from ``GRPOConfig``: a surrogate (``grpo.policy_loss``:
-:class:`OffPolicyClip`, :class:`Rec`, :class:`Gspo`, or a user's class named
+:class:`OffPolicyClip`, REC and GSPO (:class:`PiOldTerm`), or a user's class named
 ``path/to/file.py:Name`` / ``package.module:Name``), times the ``grpo.tis`` weight, plus the
 ``grpo.regularizer`` term (:func:`build_policy_loss`).
 
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import partial
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -149,34 +149,18 @@ class OffPolicyClip:
         )
 
 
+RatioFn = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Metrics]]
+"""``fn(logp_BT, pi_old_logp_BT, adv, mask_BT) -> (loss_BT, metrics)``: a term of the ratio
+``rho = pi/pi_old`` (losses.py ``rec_loss``, ``gspo_loss``)."""
+
+
 @dataclass(frozen=True)
-class Rec:
-    """Group-relative REINFORCE (Yao et al.): ``-w(rho) * A * logp * M(rho, A)`` with
-    ``rho = pi/pi_old``, the mask ``grpo.rec_clip`` and the weight ``grpo.rec_weight``."""
+class PiOldTerm:
+    """A term of ``rho = pi/pi_old`` (REC, GSPO, OPMD): ``fn`` with pi_old's log-probs, pi_old
+    being pi_k under ``ratio_mode=exact``, else alpha."""
 
-    clip_mask_fn: Callable[[Tensor, Tensor], Tensor]
-    weight_fn: Callable[[Tensor], Tensor]
+    fn: RatioFn
     pi_old: Role
-
-    @classmethod
-    def from_config(cls, c: GRPOConfig) -> Rec:
-        lo, hi = c.clip_eps_low, c.clip_eps_high
-        ring_lo, ring_hi = c.rec_ring_eps_low, c.rec_ring_eps_high
-        masks: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-            "none": rec_mask_none,
-            "one_side": partial(rec_mask_one_side, eps_low=lo, eps_high=hi),
-            "two_side": partial(rec_mask_two_side, eps_low=lo, eps_high=hi),
-            "ring": partial(rec_mask_ring, eps_low=lo, eps_high=hi, ring_eps_low=ring_lo,
-                            ring_eps_high=ring_hi),
-        }  # fmt: skip
-        weights: dict[str, Callable[[Tensor], Tensor]] = {
-            "none": rec_weight_none,
-            "is": rec_weight_is,
-            "tis": partial(
-                rec_weight_tis, eps_low=c.rec_ring_eps_low, eps_high=c.rec_ring_eps_high
-            ),
-        }
-        return cls(masks[c.rec_clip], weights[c.rec_weight], _pi_old(c))
 
     @property
     def needs(self) -> frozenset[Role]:
@@ -185,34 +169,42 @@ class Rec:
     def __call__(
         self, logp_BT: Tensor, *, adv: Tensor, mask_BT: Tensor, lp: RoleLogprobs
     ) -> tuple[Tensor, Metrics]:
-        return rec_loss(logp_BT, lp.of(self.pi_old), adv, mask_BT,
-                        clip_mask_fn=self.clip_mask_fn, weight_fn=self.weight_fn)  # fmt: skip
+        return self.fn(logp_BT, lp.of(self.pi_old), adv, mask_BT)
 
 
-@dataclass(frozen=True)
-class Gspo:
+def rec_term(c: GRPOConfig) -> PiOldTerm:
+    """Group-relative REINFORCE (Yao et al.): ``-w(rho) * A * logp * M(rho, A)``, the mask
+    ``grpo.rec_clip`` and the weight ``grpo.rec_weight``."""
+    lo, hi = c.clip_eps_low, c.clip_eps_high
+    ring_lo, ring_hi = c.rec_ring_eps_low, c.rec_ring_eps_high
+    masks: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+        "none": rec_mask_none,
+        "one_side": partial(rec_mask_one_side, eps_low=lo, eps_high=hi),
+        "two_side": partial(rec_mask_two_side, eps_low=lo, eps_high=hi),
+        "ring": partial(rec_mask_ring, eps_low=lo, eps_high=hi, ring_eps_low=ring_lo,
+                        ring_eps_high=ring_hi),
+    }  # fmt: skip
+    weights: dict[str, Callable[[Tensor], Tensor]] = {
+        "none": rec_weight_none,
+        "is": rec_weight_is,
+        "tis": partial(rec_weight_tis, eps_low=ring_lo, eps_high=ring_hi),
+    }
+    fn = partial(rec_loss, clip_mask_fn=masks[c.rec_clip], weight_fn=weights[c.rec_weight])
+    return PiOldTerm(fn, _pi_old(c))
+
+
+def gspo_term(c: GRPOConfig) -> PiOldTerm:
     """GSPO (Zheng et al.): the sequence ratio ``exp(mean_t log(pi/pi_old))`` clipped."""
-
-    eps_low: float
-    eps_high: float
-    pi_old: Role
-
-    @classmethod
-    def from_config(cls, c: GRPOConfig) -> Gspo:
-        return cls(c.clip_eps_low, c.clip_eps_high, _pi_old(c))
-
-    @property
-    def needs(self) -> frozenset[Role]:
-        return frozenset({self.pi_old})
-
-    def __call__(
-        self, logp_BT: Tensor, *, adv: Tensor, mask_BT: Tensor, lp: RoleLogprobs
-    ) -> tuple[Tensor, Metrics]:
-        return gspo_loss(logp_BT, lp.of(self.pi_old), adv, mask_BT, self.eps_low, self.eps_high)
+    return PiOldTerm(partial(gspo_loss, eps_low=c.clip_eps_low, eps_high=c.clip_eps_high),
+                     _pi_old(c))  # fmt: skip
 
 
-SURROGATES: dict[str, Any] = {"off_policy_clip": OffPolicyClip, "rec": Rec, "gspo": Gspo}
-"""``grpo.policy_loss`` -> its class; each builds itself with ``from_config(grpo_cfg)``."""
+SURROGATES: dict[str, Callable[[GRPOConfig], LossTerm]] = {
+    "off_policy_clip": OffPolicyClip.from_config,
+    "rec": rec_term,
+    "gspo": gspo_term,
+}
+"""``grpo.policy_loss`` -> what builds its term from ``GRPOConfig``."""
 
 
 # ------------------------------------------------------------ TIS weight and regularizers
@@ -267,21 +259,10 @@ class AsymRE:
         return asymre_term(logp_BT, self.coef), {}
 
 
-@dataclass(frozen=True)
-class Opmd:
-    """OPMD: ``c * (logp - log pi_old)^2``, a proximal pull toward pi_old."""
-
-    coef: float
-    pi_old: Role
-
-    @property
-    def needs(self) -> frozenset[Role]:
-        return frozenset({self.pi_old})
-
-    def __call__(
-        self, logp_BT: Tensor, *, adv: Tensor, mask_BT: Tensor, lp: RoleLogprobs
-    ) -> tuple[Tensor, Metrics]:
-        return opmd_term(logp_BT, lp.of(self.pi_old), self.coef), {}
+def _opmd(
+    logp_BT: Tensor, pi_old_logp_BT: Tensor, adv: Tensor, mask_BT: Tensor, coef: float
+) -> tuple[Tensor, Metrics]:
+    return opmd_term(logp_BT, pi_old_logp_BT, coef), {}
 
 
 def regularizer_of(c: GRPOConfig) -> LossTerm | None:
@@ -291,7 +272,7 @@ def regularizer_of(c: GRPOConfig) -> LossTerm | None:
     if c.regularizer == "asymre":
         return AsymRE(c.regularizer_coef)
     if c.regularizer == "opmd":
-        return Opmd(c.regularizer_coef, _pi_old(c))
+        return PiOldTerm(partial(_opmd, coef=c.regularizer_coef), _pi_old(c))
     raise ValueError(f"grpo.regularizer={c.regularizer!r}: use none, asymre or opmd.")
 
 
@@ -340,8 +321,7 @@ def surrogate_of(c: GRPOConfig) -> LossTerm:
     """``grpo.policy_loss``: a built-in name, or a user's class ``path/to/file.py:Name`` /
     ``package.module:Name`` built as ``Name(grpo_cfg)``."""
     if c.policy_loss in SURROGATES:
-        term: LossTerm = SURROGATES[c.policy_loss].from_config(c)
-        return term
+        return SURROGATES[c.policy_loss](c)
     cls = load_object(c.policy_loss, "loss", "class", "grpo.policy_loss=mypkg.losses:MyLoss")
     term = cls(c)
     if not isinstance(term, LossTerm) or not isinstance(term.needs, frozenset):
