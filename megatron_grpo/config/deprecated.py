@@ -15,6 +15,9 @@ from collections.abc import Callable
 from megatron_grpo.config.schema import ConfigError
 
 REMOVED_IN = "0.3.0"
+SHOWN_VAR = "MEGATRON_GRPO_DEPRECATIONS_SHOWN"
+"""Set in the environment of the ranks ``train`` starts itself (distributed/spawn.py
+``run_under_torchrun``): the process that started them printed the notices already."""
 
 _SECTIONS = {
     "batch": ("prompts_per_step", "sgd_iterations", "mini_batch_size", "micro_batch_size",
@@ -34,12 +37,12 @@ DEPRECATED: dict[str, str] = {
 
 
 def _say(msg: str) -> None:
-    """One line on the console's error stream, on rank 0 only (``train``'s console rules:
-    metrics/console.py)."""
+    """One line on the console's error stream, once per launch: on rank 0, and not again in
+    the ranks a ``train`` started (``train``'s console rules: metrics/console.py)."""
     # Not imported here: a config loaded before the console is set up must not load it (nor
     # what its package imports); cli/errors.py's ``_report`` does the same.
     console = sys.modules.get("megatron_grpo.metrics.console")
-    if os.environ.get("RANK", "0") == "0":
+    if os.environ.get("RANK", "0") == "0" and not os.environ.get(SHOWN_VAR):
         print(msg, file=console.console_err() if console else sys.stderr, flush=True)
 
 

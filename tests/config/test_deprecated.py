@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from megatron_grpo.config import DEPRECATED, Config, ConfigError, load_config, save_config
-from megatron_grpo.config.deprecated import REMOVED_IN
+from megatron_grpo.config.deprecated import REMOVED_IN, SHOWN_VAR
 
 
 def _field(cls: type, dotted: str) -> dataclasses.Field | None:
@@ -100,4 +100,14 @@ def test_a_run_dirs_old_flat_config_yaml_loads(tmp_path, capsys):
     written = yaml.safe_load(save_config(old, tmp_path / "new").read_text())
     assert set(written["grpo"]) >= {"batch", "loss", "kl", "off_policy"}
     assert dataclasses.asdict(load_config(tmp_path / "new" / "config.yaml")) == tree
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("env", [{"RANK": "1"}, {SHOWN_VAR: "1"}])
+def test_the_notice_is_printed_once_per_launch(env, monkeypatch, capsys):
+    """Rank 0 prints it, and the ranks a one-process ``train`` starts do not print it again
+    (distributed/spawn.py ``run_under_torchrun`` sets SHOWN_VAR in their environment)."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert load_config(overrides=["grpo.kl_coef=0.1"]).grpo.kl.kl_coef == 0.1
     assert capsys.readouterr().err == ""
