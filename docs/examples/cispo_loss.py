@@ -4,10 +4,10 @@ docs/algorithms.md, "Write your own loss"; tests/algorithms/test_custom_loss.py 
 CISPO keeps every token's gradient and clips the importance weight instead of the update:
 ``loss_t = -sg(min(r_t, 1 + eps_high)) * A * log pi(y_t)``, ``r_t = pi / pi_old``.
 
-Use it with ``grpo.policy_loss=docs/examples/cispo_loss.py:Cispo``: the trainer builds
+Use it with ``grpo.loss.policy_loss=docs/examples/cispo_loss.py:Cispo``: the trainer builds
 ``Cispo(grpo)`` once, reads ``needs`` to know which log-probs to score, and calls the
-instance per micro-batch; ``grpo.tis``, the regularizer, the KL and the aggregation compose
-around it as around the built-in losses.
+instance per micro-batch; ``grpo.off_policy.tis``, the regularizer, the KL and the
+aggregation compose around it as around the built-in losses.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from megatron_grpo.config.schema import GRPOConfig
 
 class Cispo:
     def __init__(self, grpo: GRPOConfig) -> None:
-        self.eps_high = grpo.clip_eps_high
+        self.eps_high = grpo.loss.clip_eps_high
         # pi_old: pi_k scored on the trainer under ratio_mode=exact, else alpha as served
-        self.pi_old = Role.PI_K if grpo.ratio_mode == "exact" else Role.ALPHA_ENGINE
+        self.pi_old = Role.PI_K if grpo.off_policy.ratio_mode == "exact" else Role.ALPHA_ENGINE
         self.needs = frozenset({self.pi_old})  # the trainer scores exactly these
 
     def __call__(

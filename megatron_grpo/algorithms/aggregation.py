@@ -5,7 +5,7 @@
 the gradient of the SUM of its losses over the mini-batch's micro-batches and DP ranks, so
 every loss is pre-divided by normalizers spanning the whole mini-batch
 (:func:`compute_global_normalizers`, once per mini-batch). The keys read from ``mb``, the
-``grpo.loss_agg`` modes and ``grpo.loss_normalizer``: docs/algorithms.md, "Loss and
+``grpo.loss.loss_agg`` modes and ``grpo.loss.loss_normalizer``: docs/algorithms.md, "Loss and
 aggregation: the trainer contract".
 """
 
@@ -56,27 +56,27 @@ AGGREGATORS: dict[str, tuple[Callable[..., Tensor], str]] = {
     "seq_mean_token_sum": (agg_seq_mean_token_sum, "num_seqs"),
     "constant": (agg_constant, "num_rows"),
 }
-"""``grpo.loss_agg`` -> (the aggregator, the ``Normalizers`` field it divides by)."""
+"""``grpo.loss.loss_agg`` -> (the aggregator, the ``Normalizers`` field it divides by)."""
 
 
 def _aggregator(
     c: GRPOConfig, max_response_len: int | None
 ) -> Callable[[Tensor, Tensor, Normalizers], Tensor]:
-    """``(loss_BT, mask_BT, normalizers) -> loss`` for ``grpo.loss_agg``."""
-    if c.loss_agg not in AGGREGATORS:
+    """``(loss_BT, mask_BT, normalizers) -> loss`` for ``grpo.loss.loss_agg``."""
+    if c.loss.loss_agg not in AGGREGATORS:
         raise ValueError(
-            f"grpo.loss_agg={c.loss_agg!r}: use token_mean, seq_mean_token_mean, "
+            f"grpo.loss.loss_agg={c.loss.loss_agg!r}: use token_mean, seq_mean_token_mean, "
             "seq_mean_token_sum or constant."
         )
-    agg, key = AGGREGATORS[c.loss_agg]
+    agg, key = AGGREGATORS[c.loss.loss_agg]
     extra: tuple[float, ...] = ()
-    if c.loss_agg == "constant":
-        constant = c.loss_agg_constant or max_response_len
+    if c.loss.loss_agg == "constant":
+        constant = c.loss.loss_agg_constant or max_response_len
         if not constant:
             raise ValueError(
-                "grpo.loss_agg=constant with grpo.loss_agg_constant=0 needs the maximum response "
-                "length: pass make_loss_fn(grpo_cfg, max_response_len=rollout.max_new_tokens) "
-                "or set grpo.loss_agg_constant."
+                "grpo.loss.loss_agg=constant with grpo.loss.loss_agg_constant=0 needs the maximum "
+                "response length: pass make_loss_fn(grpo_cfg, max_response_len=rollout.max_new_tokens) "
+                "or set grpo.loss.loss_agg_constant."
             )
         extra = (constant,)
 
@@ -112,14 +112,14 @@ def normalizers_from_counts(counts: Tensor) -> Normalizers:
 
 
 def normalizer_mask(mb: AdvantagedBatch, loss_normalizer: str) -> Tensor:
-    """The mask the global normalizers count for ``grpo.loss_normalizer``: ``kept`` ->
+    """The mask the global normalizers count for ``grpo.loss.loss_normalizer``: ``kept`` ->
     ``mb.loss_mask`` (after the advantage step's keep mask); ``all`` -> ``mb.response_mask``
     (every response token, before it). See docs/algorithms.md."""
     if loss_normalizer == "kept":
         return mb.loss_mask
     if loss_normalizer == "all":
         return mb.response_mask
-    raise ValueError(f"grpo.loss_normalizer={loss_normalizer!r}: use kept or all.")
+    raise ValueError(f"grpo.loss.loss_normalizer={loss_normalizer!r}: use kept or all.")
 
 
 def compute_global_normalizers(
@@ -188,13 +188,13 @@ def make_loss_fn(grpo_cfg: GRPOConfig, max_response_len: int | None = None) -> G
     """Build the per-micro-batch ``loss_fn(logp, entropy, mb) -> (loss, metrics)`` once: the
     policy loss (:func:`build_policy_loss`), KL-in-loss and its estimator, the entropy bonus
     and the aggregation mode. ``max_response_len`` (``rollout.max_new_tokens``) is the
-    Dr.GRPO constant when ``grpo.loss_agg_constant == 0``."""
+    Dr.GRPO constant when ``grpo.loss.loss_agg_constant == 0``."""
     c = grpo_cfg
-    kl_in_loss = c.kl_coef > 0 and not c.kl_in_reward
+    kl_in_loss = c.kl.kl_coef > 0 and not c.kl.kl_in_reward
     return GRPOLoss(
         policy_loss=build_policy_loss(c),
         aggregate=_aggregator(c, max_response_len),
-        kl_coef=c.kl_coef if kl_in_loss else 0.0,
-        kl_estimator=get_kl_estimator(c.kl_estimator) if kl_in_loss else None,
-        entropy_coef=c.entropy_coef,
+        kl_coef=c.kl.kl_coef if kl_in_loss else 0.0,
+        kl_estimator=get_kl_estimator(c.kl.kl_estimator) if kl_in_loss else None,
+        entropy_coef=c.loss.entropy_coef,
     )

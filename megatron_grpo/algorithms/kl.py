@@ -10,7 +10,7 @@ close to it):
 
 KL goes either into the loss (``beta * kl_t`` per token, aggregated like the policy loss) or
 into the reward (``r_i - beta * sum_t kl_t``, :func:`kl_penalized_rewards`), chosen by
-``grpo.kl_in_reward``. All inputs are ``[B, T]`` log-probs of the sampled tokens.
+``grpo.kl.kl_in_reward``. All inputs are ``[B, T]`` log-probs of the sampled tokens.
 """
 
 from __future__ import annotations
@@ -49,12 +49,12 @@ KL_ESTIMATORS: dict[str, KLEstimator] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 
 
 def get_kl_estimator(name: str) -> KLEstimator:
-    """The estimator function for ``grpo.kl_estimator`` (looked up once, at build time)."""
+    """The estimator function for ``grpo.kl.kl_estimator`` (looked up once, at build time)."""
     try:
         return KL_ESTIMATORS[name]
     except KeyError:
         raise ValueError(
-            f"grpo.kl_estimator={name!r} is unknown: use one of {sorted(KL_ESTIMATORS)}."
+            f"grpo.kl.kl_estimator={name!r} is unknown: use one of {sorted(KL_ESTIMATORS)}."
         ) from None
 
 

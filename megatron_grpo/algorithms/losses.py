@@ -283,10 +283,11 @@ def mismatch_tis_weight(
     ratio_fn: Callable[[Tensor, Tensor, Tensor], Tensor],
     cap_fn: Callable[[Tensor], Tensor],
 ) -> tuple[Tensor, Metrics]:
-    """Rollout-mismatch TIS (``grpo.tis``): the detached weight ``[B, T]`` =
+    """Rollout-mismatch TIS (``grpo.off_policy.tis``): the detached weight ``[B, T]`` =
     ``cap_fn(ratio_fn(old, rollout, mask))``, e.g. ``min(exp(logp_old - logp_rollout), C)``.
     It corrects vLLM-vs-trainer numerics only where old is alpha on the trainer (v = 1, or
-    grpo.score_alpha: staleness.py); REC's ``rec_weight=tis`` is a clamp of ``pi/pi_old``."""
+    grpo.off_policy.score_alpha: staleness.py); REC's ``rec_weight=tis`` is a clamp of
+    ``pi/pi_old``."""
     ratio = ratio_fn(trainer_logp_BT, alpha_engine_logp_BT, mask_BT)
     w = cap_fn(ratio)
     return w, {

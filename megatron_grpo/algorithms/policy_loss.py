@@ -1,7 +1,7 @@
-"""The policy loss, composed once from ``GRPOConfig``: a surrogate (``grpo.policy_loss``:
+"""The policy loss, composed once from ``GRPOConfig``: a surrogate (``grpo.loss.policy_loss``:
 :class:`OffPolicyClip`, REC and GSPO (:class:`PiOldTerm`), or a user's class named
-``path/to/file.py:Name`` / ``package.module:Name``), times the ``grpo.tis`` weight, plus the
-``grpo.regularizer`` term (:func:`build_policy_loss`).
+``path/to/file.py:Name`` / ``package.module:Name``), times the ``grpo.off_policy.tis`` weight,
+plus the ``grpo.loss.regularizer`` term (:func:`build_policy_loss`).
 
 Every part is a :class:`LossTerm`: it declares the log-probs it reads by role (``needs``) and
 receives them by name in a :class:`RoleLogprobs`, so the trainer scores exactly the passes
@@ -52,7 +52,7 @@ class Role(StrEnum):
     """alpha, the behaviour policy, as the engine served it (its log-probs come with the
     samples: always there)."""
     ALPHA_TRAINER = "alpha_trainer"
-    """alpha's weights scored on the trainer's numerics (``grpo.score_alpha``)."""
+    """alpha's weights scored on the trainer's numerics (``grpo.off_policy.score_alpha``)."""
     PI_K = "pi_k"
     """the trainer's weights before the step's first update."""
     PI_REF = "pi_ref"
@@ -98,22 +98,22 @@ class LossTerm(Protocol):
 
 def _alpha_role(c: GRPOConfig) -> Role:
     """Whose alpha the surrogate's ratios are taken against: the trainer's scoring of it
-    under ``grpo.score_alpha`` (the staleness ratio, algorithms/staleness.py), else the
+    under ``grpo.off_policy.score_alpha`` (the staleness ratio, algorithms/staleness.py), else the
     engine's."""
-    return Role.ALPHA_TRAINER if c.score_alpha else Role.ALPHA_ENGINE
+    return Role.ALPHA_TRAINER if c.off_policy.score_alpha else Role.ALPHA_ENGINE
 
 
 def _pi_old(c: GRPOConfig) -> Role:
     """pi_old of the ratio rho = pi / pi_old (REC, GSPO, OPMD): pi_k under
     ``ratio_mode=exact``, else alpha."""
-    return Role.PI_K if c.ratio_mode == "exact" else _alpha_role(c)
+    return Role.PI_K if c.off_policy.ratio_mode == "exact" else _alpha_role(c)
 
 
 # ------------------------------------------------------------------------------- surrogates
 @dataclass(frozen=True)
 class OffPolicyClip:
     """``-f_eps(r, r', A)`` (off-policy GRPO eq. 6-7): ``r = pi/alpha``, ``r' = pi_k/alpha``
-    under ``ratio_mode=exact`` else 1; with ``around_pi_k`` (``grpo.tis`` without
+    under ``ratio_mode=exact`` else 1; with ``around_pi_k`` (``grpo.off_policy.tis`` without
     ``score_alpha``) PPO around pi_k, ``r = pi/pi_k``, ``r' = 1``, which the TIS weight
     ``min(pi_k/alpha, C)`` multiplies: the truncated form of the exact objective."""
 
@@ -126,9 +126,9 @@ class OffPolicyClip:
 
     @classmethod
     def from_config(cls, c: GRPOConfig) -> OffPolicyClip:
-        around = c.tis != "none" and not c.score_alpha
-        return cls(c.clip_eps_low, c.clip_eps_high, c.dual_clip_c, _alpha_role(c),
-                   c.ratio_mode == "exact", around)  # fmt: skip
+        around = c.off_policy.tis != "none" and not c.off_policy.score_alpha
+        return cls(c.loss.clip_eps_low, c.loss.clip_eps_high, c.loss.dual_clip_c, _alpha_role(c),
+                   c.off_policy.ratio_mode == "exact", around)  # fmt: skip
 
     @property
     def needs(self) -> frozenset[Role]:
@@ -174,9 +174,9 @@ class PiOldTerm:
 
 def rec_term(c: GRPOConfig) -> PiOldTerm:
     """Group-relative REINFORCE (Yao et al.): ``-w(rho) * A * logp * M(rho, A)``, the mask
-    ``grpo.rec_clip`` and the weight ``grpo.rec_weight``."""
-    lo, hi = c.clip_eps_low, c.clip_eps_high
-    ring_lo, ring_hi = c.rec_ring_eps_low, c.rec_ring_eps_high
+    ``grpo.loss.rec_clip`` and the weight ``grpo.loss.rec_weight``."""
+    lo, hi = c.loss.clip_eps_low, c.loss.clip_eps_high
+    ring_lo, ring_hi = c.loss.rec_ring_eps_low, c.loss.rec_ring_eps_high
     masks: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
         "none": rec_mask_none,
         "one_side": partial(rec_mask_one_side, eps_low=lo, eps_high=hi),
@@ -189,13 +189,15 @@ def rec_term(c: GRPOConfig) -> PiOldTerm:
         "is": rec_weight_is,
         "tis": partial(rec_weight_tis, eps_low=ring_lo, eps_high=ring_hi),
     }
-    fn = partial(rec_loss, clip_mask_fn=masks[c.rec_clip], weight_fn=weights[c.rec_weight])
+    fn = partial(
+        rec_loss, clip_mask_fn=masks[c.loss.rec_clip], weight_fn=weights[c.loss.rec_weight]
+    )
     return PiOldTerm(fn, _pi_old(c))
 
 
 def gspo_term(c: GRPOConfig) -> PiOldTerm:
     """GSPO (Zheng et al.): the sequence ratio ``exp(mean_t log(pi/pi_old))`` clipped."""
-    return PiOldTerm(partial(gspo_loss, eps_low=c.clip_eps_low, eps_high=c.clip_eps_high),
+    return PiOldTerm(partial(gspo_loss, eps_low=c.loss.clip_eps_low, eps_high=c.loss.clip_eps_high),
                      _pi_old(c))  # fmt: skip
 
 
@@ -204,15 +206,15 @@ SURROGATES: dict[str, Callable[[GRPOConfig], LossTerm]] = {
     "rec": rec_term,
     "gspo": gspo_term,
 }
-"""``grpo.policy_loss`` -> what builds its term from ``GRPOConfig``."""
+"""``grpo.loss.policy_loss`` -> what builds its term from ``GRPOConfig``."""
 
 
 # ------------------------------------------------------------ TIS weight and regularizers
 @dataclass(frozen=True)
 class TisWeight:
-    """``grpo.tis``: the detached weight ``cap(ratio)`` of the rollout mismatch, the ratio
-    ``numerator / alpha_engine`` per token or per sequence; the numerator is pi_k, or
-    alpha_trainer under ``grpo.score_alpha`` (the numerics ratio alone)."""
+    """``grpo.off_policy.tis``: the detached weight ``cap(ratio)`` of the rollout mismatch, the
+    ratio ``numerator / alpha_engine`` per token or per sequence; the numerator is pi_k, or
+    alpha_trainer under ``grpo.off_policy.score_alpha`` (the numerics ratio alone)."""
 
     numerator: Role
     token_level: bool
@@ -221,15 +223,21 @@ class TisWeight:
 
     @classmethod
     def from_config(cls, c: GRPOConfig) -> TisWeight | None:
-        if c.tis == "none":
+        if c.off_policy.tis == "none":
             return None
-        if c.ratio_mode != "exact" and not c.score_alpha:
+        if c.off_policy.ratio_mode != "exact" and not c.off_policy.score_alpha:
             raise ConfigError(
-                f"grpo.tis={c.tis!r} needs grpo.ratio_mode=exact (the trainer's pi_k log-probs): "
-                "set grpo.ratio_mode=exact or grpo.tis=none."
+                f"grpo.off_policy.tis={c.off_policy.tis!r} needs grpo.off_policy.ratio_mode=exact "
+                "(the trainer's pi_k log-probs): set grpo.off_policy.ratio_mode=exact or "
+                "grpo.off_policy.tis=none."
             )
-        numerator = Role.ALPHA_TRAINER if c.score_alpha else Role.PI_K
-        return cls(numerator, c.tis.startswith("token"), c.tis.endswith("truncate"), c.tis_cap)
+        numerator = Role.ALPHA_TRAINER if c.off_policy.score_alpha else Role.PI_K
+        return cls(
+            numerator,
+            c.off_policy.tis.startswith("token"),
+            c.off_policy.tis.endswith("truncate"),
+            c.off_policy.tis_cap,
+        )
 
     @property
     def needs(self) -> frozenset[Role]:
@@ -266,14 +274,14 @@ def _opmd(
 
 
 def regularizer_of(c: GRPOConfig) -> LossTerm | None:
-    """``grpo.regularizer`` as a term, or None."""
-    if c.regularizer == "none" or c.regularizer_coef == 0:
+    """``grpo.loss.regularizer`` as a term, or None."""
+    if c.loss.regularizer == "none" or c.loss.regularizer_coef == 0:
         return None
-    if c.regularizer == "asymre":
-        return AsymRE(c.regularizer_coef)
-    if c.regularizer == "opmd":
-        return PiOldTerm(partial(_opmd, coef=c.regularizer_coef), _pi_old(c))
-    raise ValueError(f"grpo.regularizer={c.regularizer!r}: use none, asymre or opmd.")
+    if c.loss.regularizer == "asymre":
+        return AsymRE(c.loss.regularizer_coef)
+    if c.loss.regularizer == "opmd":
+        return PiOldTerm(partial(_opmd, coef=c.loss.regularizer_coef), _pi_old(c))
+    raise ValueError(f"grpo.loss.regularizer={c.loss.regularizer!r}: use none, asymre or opmd.")
 
 
 # ------------------------------------------------------------------------------- the loss
@@ -310,7 +318,7 @@ class PolicyLoss:
 
 def build_policy_loss(grpo_cfg: GRPOConfig) -> PolicyLoss:
     """The policy loss of ``grpo_cfg``, composed once. Which log-probs play which role:
-    docs/algorithms.md, "Which log-probs play which role"; under ``grpo.score_alpha``
+    docs/algorithms.md, "Which log-probs play which role"; under ``grpo.off_policy.score_alpha``
     alpha_trainer takes alpha's place in every ratio and TIS weighs it against
     alpha_engine (algorithms/staleness.py)."""
     c = grpo_cfg
@@ -318,16 +326,18 @@ def build_policy_loss(grpo_cfg: GRPOConfig) -> PolicyLoss:
 
 
 def surrogate_of(c: GRPOConfig) -> LossTerm:
-    """``grpo.policy_loss``: a built-in name, or a user's class ``path/to/file.py:Name`` /
+    """``grpo.loss.policy_loss``: a built-in name, or a user's class ``path/to/file.py:Name`` /
     ``package.module:Name`` built as ``Name(grpo_cfg)``."""
-    if c.policy_loss in SURROGATES:
-        return SURROGATES[c.policy_loss](c)
-    cls = load_object(c.policy_loss, "loss", "class", "grpo.policy_loss=mypkg.losses:MyLoss")
+    if c.loss.policy_loss in SURROGATES:
+        return SURROGATES[c.loss.policy_loss](c)
+    cls = load_object(
+        c.loss.policy_loss, "loss", "class", "grpo.loss.policy_loss=mypkg.losses:MyLoss"
+    )
     term = cls(c)
     if not isinstance(term, LossTerm) or not isinstance(term.needs, frozenset):
         raise ConfigError(
-            f"grpo.policy_loss={c.policy_loss!r}: {cls.__name__}(grpo) must have `needs` (a "
-            "frozenset of Role) and be called as term(logp_BT, adv=, mask_BT=, lp=) -> "
-            "(loss_BT, metrics): see docs/algorithms.md, 'Write your own loss'."
+            f"grpo.loss.policy_loss={c.loss.policy_loss!r}: {cls.__name__}(grpo) must have "
+            "`needs` (a frozenset of Role) and be called as term(logp_BT, adv=, mask_BT=, "
+            "lp=) -> (loss_BT, metrics): see docs/algorithms.md, 'Write your own loss'."
         )
     return term

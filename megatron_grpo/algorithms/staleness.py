@@ -1,7 +1,7 @@
-"""Staleness and engine numerics, measured apart (``grpo.score_alpha``; issue 33).
+"""Staleness and engine numerics, measured apart (``grpo.off_policy.score_alpha``; issue 33).
 
 The rollout log-probs vLLM returns are alpha's on vLLM's kernels (``alpha_engine_logp``); with
-``grpo.score_alpha`` the trainer also scores the samples under alpha's weights on its own
+``grpo.off_policy.score_alpha`` the trainer also scores the samples under alpha's weights on its own
 kernels (``alpha_trainer_logp``). Per token, today's log-ratio log pi_k - log alpha_vLLM splits as
 
     numerics  = log alpha_trainer - log alpha_vLLM   (same weights, two engines)
@@ -9,7 +9,7 @@ kernels (``alpha_trainer_logp``). Per token, today's log-ratio log pi_k - log al
 
 and each part goes where it belongs: the off-policy clip, REC/GSPO and OPMD read the
 staleness ratio (alpha_trainer in the place of alpha: algorithms/policy_loss.py
-``Role.ALPHA_TRAINER``), ``grpo.tis`` truncates or masks the numerics ratio only, and
+``Role.ALPHA_TRAINER``), ``grpo.off_policy.tis`` truncates or masks the numerics ratio only, and
 ``sync.mode=adaptive`` reads the staleness KL (docs/algorithms.md, "Staleness and numerics").
 
 Shapes: ``logp_BT`` (pi, differentiable), ``pi_k_logp_BT`` (pi_k, before the step's update),
@@ -76,7 +76,7 @@ def decomposition_sums(
     log-ratio and k3 KL (numerics: KL(alpha_vLLM || alpha_trainer), staleness:
     KL(alpha || pi_k)), the token count, the tokens and sequences ``tis = (token_level, cap)``
     touches on the numerics ratio and on the mixed one (pi_k / alpha_vLLM, what TIS reads
-    without ``grpo.score_alpha``), and the sequence count. Maxima: each part's largest
+    without ``grpo.off_policy.score_alpha``), and the sequence count. Maxima: each part's largest
     ``|log-ratio|``."""
     m = mask_BT != 0
     numerics, staleness = (

@@ -35,11 +35,11 @@ class Normalizers:
     each at least 1: algorithms/aggregation.py ``compute_global_normalizers``)."""
 
     num_tokens: Tensor
-    """loss tokens (``grpo.loss_agg=token_mean``)."""
+    """loss tokens (``grpo.loss.loss_agg=token_mean``)."""
     num_seqs: Tensor
     """sequences with at least one loss token (the ``seq_mean_*`` modes)."""
     num_rows: Tensor
-    """sequences, masked or not (``grpo.loss_agg=constant``)."""
+    """sequences, masked or not (``grpo.loss.loss_agg=constant``)."""
 
     def parts(self) -> dict[str, Tensor]:
         """The three by name (not ``dataclasses.asdict``, which copies tensors)."""
@@ -120,7 +120,7 @@ class SampledBatch(Rows):
 
     attention_mask: Tensor
     response_mask: Tensor
-    """``[B, L]``: 1 on every response token (``grpo.loss_normalizer=all`` counts these)."""
+    """``[B, L]``: 1 on every response token (``grpo.loss.loss_normalizer=all`` counts these)."""
     alpha_engine_logp: Tensor
     """``[B, L]``: alpha's log-probs as the engine returned them with the samples; 0 off the
     response."""
@@ -149,8 +149,8 @@ class ScoredBatch(AdvantagedBatch):
     pi_k_logp: Tensor | None = None
     """``[B, L]``: pi_k's log-probs, scored before the step's first update."""
     alpha_trainer_logp: Tensor | None = None
-    """``[B, L]``: alpha's weights scored on the trainer's numerics (``grpo.score_alpha``,
-    algorithms/staleness.py)."""
+    """``[B, L]``: alpha's weights scored on the trainer's numerics
+    (``grpo.off_policy.score_alpha``, algorithms/staleness.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)

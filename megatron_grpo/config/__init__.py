@@ -1,7 +1,9 @@
 """The typed config tree (schema) and its YAML/override loader."""
 
+from megatron_grpo.config.deprecated import DEPRECATED
 from megatron_grpo.config.loader import format_config, load_config, parse_overrides, save_config
 from megatron_grpo.config.schema import (
+    BatchConfig,
     CheckpointConfig,
     Config,
     ConfigError,
@@ -9,8 +11,11 @@ from megatron_grpo.config.schema import (
     EvalConfig,
     GRPOConfig,
     KernelsConfig,
+    KLConfig,
     LoggingConfig,
+    LossConfig,
     ModelConfig,
+    OffPolicyConfig,
     OptimConfig,
     ParallelConfig,
     RewardConfig,
@@ -19,6 +24,11 @@ from megatron_grpo.config.schema import (
 )
 
 __all__ = [
+    "DEPRECATED",
+    "BatchConfig",
+    "KLConfig",
+    "LossConfig",
+    "OffPolicyConfig",
     "CheckpointConfig",
     "Config",
     "ConfigError",

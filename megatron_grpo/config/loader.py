@@ -1,7 +1,8 @@
 """Load the config tree from YAML plus dotted ``key=value`` overrides, and write it back.
 
 Values are coerced to the field's declared type, so ``grpo.group_size=16`` is an int and
-``parallel.vpp=null`` is None. Unknown keys raise, listing the keys that exist there.
+``parallel.vpp=null`` is None. Unknown keys raise, listing the keys that exist there. Old keys of the last release move to
+their new place first, with a one-line notice (``config/deprecated.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
+from megatron_grpo.config.deprecated import move_deprecated
 from megatron_grpo.config.schema import Config, ConfigError
 
 if TYPE_CHECKING:
@@ -160,7 +162,7 @@ def load_config(
             raise ConfigError(_yaml_error(p, e)) from None
     if overrides:
         data = _merge(data, parse_overrides(overrides))
-    return _build(Config, data, "")
+    return _build(Config, move_deprecated(data), "")
 
 
 def save_config(cfg: Config, run_dir: str | os.PathLike) -> Path:

@@ -1,5 +1,5 @@
 """A user's object named in the config, ``package.module:name`` or ``path/to/file.py:name``:
-a reward function (``reward.name``), a loss class (``grpo.policy_loss``). One loader, with
+a reward function (``reward.name``), a loss class (``grpo.loss.policy_loss``). One loader, with
 errors that name the config key's kind of object and the fix."""
 
 from __future__ import annotations

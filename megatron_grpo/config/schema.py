@@ -297,13 +297,13 @@ class RolloutConfig:
 
 
 POLICY_LOSSES = ("off_policy_clip", "rec", "gspo")
-"""The built-in ``grpo.policy_loss`` names (algorithms/policy_loss.py ``SURROGATES``)."""
+"""The built-in ``grpo.loss.policy_loss`` names (algorithms/policy_loss.py ``SURROGATES``)."""
 
 
 @dataclass
-class GRPOConfig:
-    group_size: int = 8
-    """G: responses sampled per prompt."""
+class BatchConfig:
+    """``grpo.batch``: how many samples a step takes and how they are cut for the passes."""
+
     prompts_per_step: int = 8
     """Prompts sampled per trainer step (the batch is prompts_per_step * group_size)."""
     sgd_iterations: int = 1
@@ -326,23 +326,28 @@ class GRPOConfig:
     model of ``megatron-grpo plan``, which prints it and what bounds it; a multiple of 256
     tokens, at most one step's sequences per rank; ``dry_run/budget.py``); on CPU, the 0
     below. 0 = ``micro_batch_size * (data.max_prompt_tokens + rollout.max_new_tokens)``."""
-    advantage: Literal["grpo", "drgrpo", "red_weight"] = "grpo"
-    """``grpo``: (r - mean)/sqrt(std^2 + eps); ``drgrpo``: r - mean; ``red_weight``:
-    A * exp(A / tau) on unnormalized advantages."""
-    advantage_eps: float = 1e-6
-    red_weight_tau: float = 1.0
-    red_drop: bool = False
-    """RED-Drop: drop surplus negatives in groups with more negatives than positives."""
-    zero_variance_mask: bool = True
-    """Groups whose G rewards are all equal contribute nothing (paper eq. 8 mask)."""
+
+    def __post_init__(self) -> None:
+        _positive("grpo.batch", self, "prompts_per_step", "sgd_iterations")
+        _non_negative("grpo.batch", self, "mini_batch_size")
+        _positive("grpo.batch", self, "micro_batch_size")
+        t = self.micro_batch_tokens
+        if t != "auto" and (isinstance(t, (bool, str)) or t < 0):
+            raise ConfigError(
+                f"grpo.batch.micro_batch_tokens={t!r} must be 'auto' (sized by the GPU's memory) "
+                "or an integer >= 0 (0: grpo.batch.micro_batch_size full-length sequences)."
+            )
+
+
+@dataclass
+class LossConfig:
+    """``grpo.loss``: the policy loss, its clips and regularizers, and how it is aggregated."""
+
     policy_loss: str = "off_policy_clip"
     """``off_policy_clip``: f_eps(r, r', A) (PPO/DAPO/dual-clip family); ``rec``: group-relative
     REINFORCE with clip masks and weights (Yao et al.); ``gspo``: sequence-level ratio; or a
     loss class of your own, ``path/to/file.py:Name`` or ``package.module:Name``, built as
     ``Name(grpo)`` (docs/algorithms.md, "Write your own loss")."""
-    ratio_mode: Literal["one", "exact"] = "one"
-    """r' = pi_k/alpha: ``one`` approximates r' = 1 (paper's runs); ``exact`` recomputes pi_k's
-    log-probs on the trainer and keeps alpha's from the rollout."""
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
     dual_clip_c: float | None = None
@@ -356,6 +361,71 @@ class GRPOConfig:
     """eps'_high of the REC paper (ring: ``rho >= 1+eps'_high``; TIS: the upper clamp)."""
     regularizer: Literal["none", "asymre", "opmd"] = "none"
     regularizer_coef: float = 0.0
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"] = (
+        "token_mean"
+    )
+    loss_agg_constant: float = 0.0
+    """Normalizer for loss_agg=constant (Dr.GRPO); 0 = rollout.max_new_tokens."""
+    loss_normalizer: Literal["kept", "all"] = "kept"
+    """Which samples the loss's token/sequence counts run over: ``kept`` (after the
+    zero-variance mask and RED-Drop; DAPO's per-batch renormalisation) or ``all`` (every
+    sampled response; the off-policy GRPO paper's expectation over all prompts)."""
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if ":" not in self.policy_loss and self.policy_loss not in POLICY_LOSSES:
+            raise ConfigError(  # a class path is loaded (and checked) by make_loss_fn
+                f"grpo.loss.policy_loss={self.policy_loss!r} is not one of {list(POLICY_LOSSES)}: "
+                "set grpo.loss.policy_loss to one of them, or to a loss class "
+                "'path/to/file.py:Name' (docs/algorithms.md, 'Write your own loss')."
+            )
+        _check_choice("grpo.loss.rec_clip", self.rec_clip, ("none", "one_side", "two_side", "ring"))
+        _check_choice("grpo.loss.rec_weight", self.rec_weight, ("none", "is", "tis"))
+        _check_choice("grpo.loss.regularizer", self.regularizer, ("none", "asymre", "opmd"))
+        _check_choice(
+            "grpo.loss.loss_agg",
+            self.loss_agg,
+            ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"),
+        )
+        _check_choice("grpo.loss.loss_normalizer", self.loss_normalizer, ("kept", "all"))
+        if self.policy_loss == "gspo" and self.loss_agg != "seq_mean_token_mean":
+            raise ConfigError(
+                f"grpo.loss.policy_loss=gspo with grpo.loss.loss_agg={self.loss_agg!r}: GSPO's "
+                "objective is a mean over sequences of the sequence ratio; set "
+                "grpo.loss.loss_agg=seq_mean_token_mean."
+            )
+        _non_negative("grpo.loss", self, "clip_eps_low", "clip_eps_high")
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            raise ConfigError(
+                f"grpo.loss.dual_clip_c={self.dual_clip_c} must be > 1 (3 is usual) or null to "
+                "disable."
+            )
+
+
+@dataclass
+class KLConfig:
+    """``grpo.kl``: the reference policy pi_ref and the KL penalty towards it."""
+
+    kl_coef: float = 0.0
+    """beta: KL(pi || pi_ref) coefficient; 0 disables the reference policy."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in_reward: bool = False
+    """Subtract beta*KL from the reward instead of adding it to the loss."""
+    ref_update_interval: int = 0
+    """Reset pi_ref <- pi_theta every this many steps (0 = never)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("grpo.kl.kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
+        _non_negative("grpo.kl", self, "kl_coef", "ref_update_interval")
+
+
+@dataclass
+class OffPolicyConfig:
+    """``grpo.off_policy``: the corrections for samples drawn by an older policy alpha."""
+
+    ratio_mode: Literal["one", "exact"] = "one"
+    """r' = pi_k/alpha: ``one`` approximates r' = 1 (paper's runs); ``exact`` recomputes pi_k's
+    log-probs on the trainer and keeps alpha's from the rollout."""
     tis: Literal["none", "token_truncate", "token_mask", "seq_truncate", "seq_mask"] = "none"
     """Rollout-mismatch TIS, ``min(exp(logp_old - logp_rollout), tis_cap)`` (needs
     ratio_mode=exact, or score_alpha); unrelated to REC's ``rec_weight=tis``. With
@@ -370,29 +440,53 @@ class GRPOConfig:
     log-prob pass per batch at lag > 0 (none at lag 0, where the trainer holds alpha), by
     a forward-only copy of the served weights: ``checkpoint.exact_resume``'s (the default)
     when it keeps one, else one more copy of the weights, refreshed at each sync."""
-    kl_coef: float = 0.0
-    """beta: KL(pi || pi_ref) coefficient; 0 disables the reference policy."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_in_reward: bool = False
-    """Subtract beta*KL from the reward instead of adding it to the loss."""
-    ref_update_interval: int = 0
-    """Reset pi_ref <- pi_theta every this many steps (0 = never)."""
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"] = (
-        "token_mean"
-    )
-    loss_agg_constant: float = 0.0
-    """Normalizer for loss_agg=constant (Dr.GRPO); 0 = rollout.max_new_tokens."""
-    loss_normalizer: Literal["kept", "all"] = "kept"
-    """Which samples the loss's token/sequence counts run over: ``kept`` (after the
-    zero-variance mask and RED-Drop; DAPO's per-batch renormalisation) or ``all`` (every
-    sampled response; the off-policy GRPO paper's expectation over all prompts)."""
-    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_choice("grpo.off_policy.ratio_mode", self.ratio_mode, ("one", "exact"))
+        _check_choice(
+            "grpo.off_policy.tis",
+            self.tis,
+            ("none", "token_truncate", "token_mask", "seq_truncate", "seq_mask"),
+        )
+        if self.tis != "none" and self.ratio_mode != "exact" and not self.score_alpha:
+            raise ConfigError(
+                f"grpo.off_policy.tis={self.tis!r} compares the trainer's log-probs of alpha with "
+                "the rollout's, which only grpo.off_policy.ratio_mode=exact or "
+                "grpo.off_policy.score_alpha=true computes: set grpo.off_policy.ratio_mode=exact, "
+                "grpo.off_policy.score_alpha=true or grpo.off_policy.tis=none."
+            )
+
+
+@dataclass
+class GRPOConfig:
+    """The algorithm: the group advantages here, the rest in four sections (``batch``,
+    ``loss``, ``kl``, ``off_policy``)."""
+
+    group_size: int = 8
+    """G: responses sampled per prompt."""
+    advantage: Literal["grpo", "drgrpo", "red_weight"] = "grpo"
+    """``grpo``: (r - mean)/sqrt(std^2 + eps); ``drgrpo``: r - mean; ``red_weight``:
+    A * exp(A / tau) on unnormalized advantages."""
+    advantage_eps: float = 1e-6
+    red_weight_tau: float = 1.0
+    red_drop: bool = False
+    """RED-Drop: drop surplus negatives in groups with more negatives than positives."""
+    zero_variance_mask: bool = True
+    """Groups whose G rewards are all equal contribute nothing (paper eq. 8 mask)."""
     overlong_buffer: int = 0
     """DAPO overlong shaping: linear penalty over the last this-many tokens; 0 disables."""
     overlong_penalty: float = 1.0
     """DAPO overlong shaping: the penalty a response of the full length gets."""
     overlong_filter: bool = False
     """DAPO overlong filtering: truncated responses get no gradient."""
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    """Batching: prompts per step, SGD passes, mini- and micro-batches, packing."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The policy loss, its clips, regularizers and aggregation."""
+    kl: KLConfig = field(default_factory=KLConfig)
+    """The reference policy and the KL penalty."""
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
+    """Off-policy corrections: pi_k/alpha, TIS, scoring alpha on the trainer."""
 
     def __post_init__(self) -> None:
         _positive("grpo", self, "group_size")
@@ -401,56 +495,8 @@ class GRPOConfig:
                 f"grpo.group_size={self.group_size}: group advantages need at least 2 "
                 "responses per prompt; set grpo.group_size >= 2."
             )
-        _positive("grpo", self, "prompts_per_step", "sgd_iterations")
-        _non_negative("grpo", self, "mini_batch_size")
-        _positive("grpo", self, "micro_batch_size")
-        t = self.micro_batch_tokens
-        if t != "auto" and (isinstance(t, (bool, str)) or t < 0):
-            raise ConfigError(
-                f"grpo.micro_batch_tokens={t!r} must be 'auto' (sized by the GPU's memory) or "
-                "an integer >= 0 (0: grpo.micro_batch_size full-length sequences)."
-            )
         _check_choice("grpo.advantage", self.advantage, ("grpo", "drgrpo", "red_weight"))
-        if ":" not in self.policy_loss and self.policy_loss not in POLICY_LOSSES:
-            raise ConfigError(  # a class path is loaded (and checked) by make_loss_fn
-                f"grpo.policy_loss={self.policy_loss!r} is not one of {list(POLICY_LOSSES)}: set "
-                "grpo.policy_loss to one of them, or to a loss class 'path/to/file.py:Name' "
-                "(docs/algorithms.md, 'Write your own loss')."
-            )
-        _check_choice("grpo.ratio_mode", self.ratio_mode, ("one", "exact"))
-        _check_choice("grpo.rec_clip", self.rec_clip, ("none", "one_side", "two_side", "ring"))
-        _check_choice("grpo.rec_weight", self.rec_weight, ("none", "is", "tis"))
-        _check_choice("grpo.regularizer", self.regularizer, ("none", "asymre", "opmd"))
-        _check_choice(
-            "grpo.tis",
-            self.tis,
-            ("none", "token_truncate", "token_mask", "seq_truncate", "seq_mask"),
-        )
-        _check_choice("grpo.kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
-        _check_choice(
-            "grpo.loss_agg",
-            self.loss_agg,
-            ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"),
-        )
-        _check_choice("grpo.loss_normalizer", self.loss_normalizer, ("kept", "all"))
-        if self.policy_loss == "gspo" and self.loss_agg != "seq_mean_token_mean":
-            raise ConfigError(
-                f"grpo.policy_loss=gspo with grpo.loss_agg={self.loss_agg!r}: GSPO's objective "
-                "is a mean over sequences of the sequence ratio; set "
-                "grpo.loss_agg=seq_mean_token_mean."
-            )
-        _non_negative("grpo", self, "clip_eps_low", "clip_eps_high")
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
-            raise ConfigError(
-                f"grpo.dual_clip_c={self.dual_clip_c} must be > 1 (3 is usual) or null to disable."
-            )
-        _non_negative("grpo", self, "kl_coef", "overlong_buffer", "ref_update_interval")
-        if self.tis != "none" and self.ratio_mode != "exact" and not self.score_alpha:
-            raise ConfigError(
-                f"grpo.tis={self.tis!r} compares the trainer's log-probs of alpha with the "
-                "rollout's, which only grpo.ratio_mode=exact or grpo.score_alpha=true computes: "
-                "set grpo.ratio_mode=exact, grpo.score_alpha=true or grpo.tis=none."
-            )
+        _non_negative("grpo", self, "overlong_buffer")
 
 
 @dataclass
@@ -501,10 +547,10 @@ class SyncConfig:
     drift of the trainer's policy from the served one exceeds ``max_drift``, or once
     ``max_interval`` steps have (``interval`` is then unused). The drift is the token-mean k3
     estimate of KL(alpha || pi_k) on the step's samples (algorithms/drift.py;
-    docs/algorithms.md, "Adaptive sync"); with ``grpo.ratio_mode=one`` it costs one extra
+    docs/algorithms.md, "Adaptive sync"); with ``grpo.off_policy.ratio_mode=one`` it costs one extra
     forward pass of the batch per step (``exact`` has pi_k's log-probs already). With
-    ``grpo.score_alpha`` alpha is scored by the trainer: the drift is the staleness alone,
-    without vLLM's numerical mismatch with the trainer."""
+    ``grpo.off_policy.score_alpha`` alpha is scored by the trainer: the drift is the staleness
+    alone, without vLLM's numerical mismatch with the trainer."""
     interval: int = 4
     """v: push the trainer's weights to vLLM when step % v == 0 (Algorithm 1); ``mode=fixed``."""
     max_drift: float = 0.01
@@ -512,8 +558,8 @@ class SyncConfig:
     exceeds this. By Pinsker, a sequence of L tokens then has TV(pi_k, alpha) <= sqrt(L *
     max_drift / 2), the distance the paper's bound charges (roughly: the drift is a batch
     mean, measured before the step's update, which may overshoot it). The run's ``drift`` column
-    (metrics.jsonl; logged in fixed mode too with ``grpo.ratio_mode=exact``) shows the scale
-    of a job."""
+    (metrics.jsonl; logged in fixed mode too with ``grpo.off_policy.ratio_mode=exact``) shows the
+    scale of a job."""
     min_interval: int = 1
     """``mode=adaptive``: never sync before this many steps trained on the served weights;
     ``rollout.ahead`` generates at most this many steps of a window at once."""
@@ -673,12 +719,13 @@ class Config:
                 f"data file (data.source={self.data.source!r} has no built-in test split)."
             )
         _check_ranges(self)
-        batch = self.grpo.prompts_per_step * self.grpo.group_size
-        if self.grpo.mini_batch_size and batch % self.grpo.mini_batch_size:
+        batch = self.grpo.batch.prompts_per_step * self.grpo.group_size
+        if self.grpo.batch.mini_batch_size and batch % self.grpo.batch.mini_batch_size:
             raise ConfigError(
-                f"grpo.prompts_per_step({self.grpo.prompts_per_step}) * grpo.group_size"
-                f"({self.grpo.group_size}) = {batch} is not a multiple of grpo.mini_batch_size"
-                f"({self.grpo.mini_batch_size}): pick a mini-batch size that divides {batch}."
+                f"grpo.batch.prompts_per_step({self.grpo.batch.prompts_per_step}) * grpo.group_size"
+                f"({self.grpo.group_size}) = {batch} is not a multiple of "
+                "grpo.batch.mini_batch_size"
+                f"({self.grpo.batch.mini_batch_size}): pick a mini-batch size that divides {batch}."
             )
         if self.grpo.overlong_buffer > self.rollout.max_new_tokens:
             raise ConfigError(
@@ -688,14 +735,15 @@ class Config:
             )
         m = self.model
         if (
-            self.grpo.pack_sequences
+            self.grpo.batch.pack_sequences
             and m.local_attention == "unfused"
             and (m.transformer_impl != "transformer_engine")
         ):
             raise ConfigError(
-                "grpo.pack_sequences=true needs an attention that keeps packed sequences apart, "
+                "grpo.batch.pack_sequences=true needs an attention that keeps packed sequences "
+                "apart, "
                 "but model.local_attention=unfused (megatron's DotProductAttention refuses "
-                "them): set model.local_attention=sdpa or grpo.pack_sequences=false."
+                "them): set model.local_attention=sdpa or grpo.batch.pack_sequences=false."
             )
         _check_budget(self)
         r = self.rollout
@@ -718,13 +766,14 @@ class Config:
 def _check_budget(cfg: Config) -> None:
     """A packed micro-batch holds at least one whole sequence: a smaller explicit budget."""
     g, seq = cfg.grpo, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    budget = g.micro_batch_tokens
-    if g.pack_sequences and isinstance(budget, int) and budget != 0 and budget < seq:
+    budget = g.batch.micro_batch_tokens
+    if g.batch.pack_sequences and isinstance(budget, int) and budget != 0 and budget < seq:
         raise ConfigError(
-            f"grpo.micro_batch_tokens={g.micro_batch_tokens} is smaller than the longest "
+            f"grpo.batch.micro_batch_tokens={g.batch.micro_batch_tokens} is smaller than the "
+            "longest "
             f"sequence, data.max_prompt_tokens({cfg.data.max_prompt_tokens}) + "
             f"rollout.max_new_tokens({cfg.rollout.max_new_tokens}) = {seq}, which never splits: "
-            f"set grpo.micro_batch_tokens >= {seq}, or auto."
+            f"set grpo.batch.micro_batch_tokens >= {seq}, or auto."
         )
 
 
@@ -735,9 +784,10 @@ def _check_ranges(cfg: Config) -> None:
     _positive("rollout", r, "cpu_kv_cache_gb")
     _non_negative("grpo", g, "advantage_eps")
     _positive("grpo", g, "red_weight_tau")
-    _non_negative("grpo", g, "rec_ring_eps_low", "rec_ring_eps_high", "regularizer_coef",
-                  "loss_agg_constant", "overlong_penalty")  # fmt: skip
-    _positive("grpo", g, "tis_cap")
+    _non_negative("grpo.loss", g.loss, "rec_ring_eps_low", "rec_ring_eps_high",
+                  "regularizer_coef", "loss_agg_constant")  # fmt: skip
+    _non_negative("grpo", g, "overlong_penalty")
+    _positive("grpo.off_policy", g.off_policy, "tis_cap")
     _non_negative("optim", o, "weight_decay")
     _positive("optim", o, "adam_eps")
     for key in ("adam_beta1", "adam_beta2"):

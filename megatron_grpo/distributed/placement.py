@@ -89,9 +89,10 @@ def validate_world(cfg: Config, world_size: int) -> int:
             f"the {engines} colocated vLLM engines (WORLD_SIZE {world_size} / rollout.tp "
             f"{cfg.rollout.tp})"
         )
-    if cfg.grpo.prompts_per_step % engines:
+    if cfg.grpo.batch.prompts_per_step % engines:
         raise ConfigError(
-            f"grpo.prompts_per_step({cfg.grpo.prompts_per_step}) is not a multiple of {source}: "
+            f"grpo.batch.prompts_per_step({cfg.grpo.batch.prompts_per_step}) is not a multiple of "
+            f"{source}: "
             f"make it a multiple of {engines}."
         )
     return engines

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from megatron_grpo.config.deprecated import SHOWN_VAR as DEPRECATIONS_SHOWN
 from megatron_grpo.config.schema import Config
 from megatron_grpo.platform.lifetime import die_with_parent
 
@@ -249,7 +250,7 @@ def torchrun_argv(nproc: int, *argv: str) -> list[str]:
 def run_under_torchrun(argv: list[str], nproc: int) -> int:
     """:func:`torchrun_argv` as a child bound to this process; returns its exit status."""
     parent = os.getpid()
-    env = {**os.environ}
+    env = {**os.environ, DEPRECATIONS_SHOWN: "1"}  # this process printed the config's notices
     env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.Popen(torchrun_argv(nproc, *argv), env=env,
                             preexec_fn=lambda: die_with_parent(parent, signal.SIGTERM))  # fmt: skip

@@ -1,4 +1,4 @@
-"""The token budget of a packed micro-batch (``grpo.micro_batch_tokens``), and what bounds it.
+"""The token budget of a packed micro-batch (``grpo.batch.micro_batch_tokens``), and what bounds it.
 
 ``auto`` on a GPU is sized by the memory model of ``dry_run.memory``: the largest multiple of
 ``BUDGET_MULTIPLE`` tokens whose activations and scoring (the fused scoring holds no logits)
@@ -7,7 +7,7 @@ gradients, optimizer state, copies and runtime (and vLLM's reservation when it d
 sleep); at least one whole sequence, which never splits, and at most one step's sequences
 per rank, in at least ``PIPELINE_MICRO_BATCHES * pp`` micro-batches with pipeline
 parallelism. docs/launch.md ("micro-batch token budget") has the reasoning. Without a GPU (the
-trainer on CPU) ``auto`` is ``grpo.micro_batch_size`` full-length sequences, the budget of
+trainer on CPU) ``auto`` is ``grpo.batch.micro_batch_size`` full-length sequences, the budget of
 before, so CPU runs and their golden numbers are unchanged. ``plan`` and the trainer print
 ``TokenBudget.line``.
 """
@@ -78,14 +78,18 @@ def resolve_token_budget(
     ``estimate_memory``'s."""
     g = cfg.grpo
     seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    rows = f"grpo.micro_batch_size({g.micro_batch_size}) x {seq:,} tokens"
-    if not g.pack_sequences:
-        return TokenBudget(None, "padded", f"{rows}, padded (grpo.pack_sequences=false)")
-    if g.micro_batch_tokens != "auto":
-        if g.micro_batch_tokens:
-            return TokenBudget(g.micro_batch_tokens, "config", "grpo.micro_batch_tokens")
+    rows = f"grpo.batch.micro_batch_size({g.batch.micro_batch_size}) x {seq:,} tokens"
+    if not g.batch.pack_sequences:
+        return TokenBudget(None, "padded", f"{rows}, padded (grpo.batch.pack_sequences=false)")
+    if g.batch.micro_batch_tokens != "auto":
+        if g.batch.micro_batch_tokens:
+            return TokenBudget(
+                g.batch.micro_batch_tokens, "config", "grpo.batch.micro_batch_tokens"
+            )
         return TokenBudget(
-            micro_batch_token_budget(cfg), "micro_batch_size", f"grpo.micro_batch_tokens=0: {rows}"
+            micro_batch_token_budget(cfg),
+            "micro_batch_size",
+            f"grpo.batch.micro_batch_tokens=0: {rows}",
         )
     if capacity_bytes is None:
         return TokenBudget(
@@ -120,7 +124,7 @@ def resolve_token_budget(
     used = f"{act(top) / GIB:.1f} GiB of activations and scoring, {where}"
     what = {
         "memory": "the most that fits",
-        "batch": f"a step's {math.ceil(g.prompts_per_step * g.group_size / dp)} sequences per rank",
+        "batch": f"a step's {math.ceil(g.batch.prompts_per_step * g.group_size / dp)} sequences per rank",
         "pipeline": f"{PIPELINE_MICRO_BATCHES * cfg.parallel.pp} micro-batches per step at pp={cfg.parallel.pp}",
     }[bound]
     return TokenBudget(top, bound, f"auto, bounded by {bound}: {what}; {used}")
@@ -131,10 +135,10 @@ def _upper(cfg: Config, dp: int, seq: int) -> tuple[int, str]:
     whole step), or with pp > 1 the train step's mini-batch over PIPELINE_MICRO_BATCHES * pp
     micro-batches (a multiple of BUDGET_MULTIPLE, at least one sequence)."""
     g, pp = cfg.grpo, cfg.parallel.pp
-    step = g.prompts_per_step * g.group_size
+    step = g.batch.prompts_per_step * g.group_size
     top = math.ceil(step / dp) * seq
     if pp > 1:
-        mini = math.ceil((g.mini_batch_size or step) / dp) * seq
+        mini = math.ceil((g.batch.mini_batch_size or step) / dp) * seq
         piped = mini // (PIPELINE_MICRO_BATCHES * pp) // BUDGET_MULTIPLE * BUDGET_MULTIPLE
         if max(piped, seq) < top:
             return max(piped, seq), "pipeline"

@@ -305,9 +305,10 @@ def _place(
             "parallelism across nodes is slow; prefer pp or dp across nodes."
         )
     engines = len(ranks.engines)
-    if cfg.grpo.prompts_per_step % engines:
+    if cfg.grpo.batch.prompts_per_step % engines:
         raise PlanError(
-            f"grpo.prompts_per_step({cfg.grpo.prompts_per_step}) is not a multiple of the "
+            f"grpo.batch.prompts_per_step({cfg.grpo.batch.prompts_per_step}) is not a multiple of "
+            "the "
             f"{engines} vLLM engines: make it a multiple of {engines}."
         )
     if ranks.placement == "disaggregated":
@@ -371,7 +372,7 @@ def _activation_fix(budget: TokenBudget, cfg: Config) -> str:
     """How to hold fewer activations, for the budget the plan used."""
     recompute = "" if cfg.model.recompute == "full" else "set model.recompute=full or "
     if budget.bound == "padded":
-        return f"{recompute}lower grpo.micro_batch_size"
+        return f"{recompute}lower grpo.batch.micro_batch_size"
     if budget.bound in ("config", "micro_batch_size"):
-        return f"{recompute}set grpo.micro_batch_tokens=auto (sized to fit)"
+        return f"{recompute}set grpo.batch.micro_batch_tokens=auto (sized to fit)"
     return f"{recompute}shorten data.max_prompt_tokens + rollout.max_new_tokens"

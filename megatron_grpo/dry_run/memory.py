@@ -87,8 +87,8 @@ def micro_batch_tokens(cfg: Config, budget: int | None = None) -> int:
     """Tokens one micro-batch holds at most (module docstring, ``n``): ``budget`` (packed),
     else the budget without a memory model (``policy.micro_batches.micro_batch_token_budget``)."""
     s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    if not cfg.grpo.pack_sequences:
-        return s * cfg.grpo.micro_batch_size
+    if not cfg.grpo.batch.pack_sequences:
+        return s * cfg.grpo.batch.micro_batch_size
     packed = budget or micro_batch_token_budget(cfg)
     assert packed is not None, "pack_sequences: micro_batch_token_budget is an int"
     return max(packed, s)
@@ -111,8 +111,8 @@ def activation_bytes(
         per_micro += full_layer
     else:
         per_micro = layers * full_layer
-    per_micro += attention_score_bytes(spec, cfg, g.micro_batch_size, recompute)
-    batch = g.mini_batch_size or g.prompts_per_step * g.group_size
+    per_micro += attention_score_bytes(spec, cfg, g.batch.micro_batch_size, recompute)
+    batch = g.batch.mini_batch_size or g.batch.prompts_per_step * g.group_size
     micro_batches = max(1, batch * s // max(dp, 1) // n)
     in_flight = min(p.pp, micro_batches)
     padded = megatron_padded_vocab(spec.vocab_size, t, cfg.model.make_vocab_size_divisible_by)
@@ -200,7 +200,7 @@ def estimate_memory(
         "params": n * elem,
         "grads": n * 4,
         "optimizer": opt,
-        "reference": n * elem if cfg.grpo.kl_coef > 0 else 0,
+        "reference": n * elem if cfg.grpo.kl.kl_coef > 0 else 0,
         "served": n * elem if cfg.checkpoint.exact_resume and cfg.sync.can_lag else 0,
         "activations": activation_bytes(
             spec, cfg, dp, recompute or cfg.model.recompute == "full", budget
@@ -211,7 +211,7 @@ def estimate_memory(
     weights = vllm_params_per_rank(spec, r.tp, r.expert_parallel) * elem
     reserved = int(r.gpu_memory_utilization * capacity_bytes)
     kv_reserved = max(0, reserved - weights)
-    seqs = cfg.grpo.prompts_per_step // max(num_engines, 1) * cfg.grpo.group_size
+    seqs = cfg.grpo.batch.prompts_per_step // max(num_engines, 1) * cfg.grpo.group_size
     kv_needed = seqs * r.max_model_len * kv_bytes_per_token(spec, r.tp, elem)
     vllm = {"vllm_weights": weights, "vllm_kv_cache": kv_reserved}
     rt = {"runtime": RUNTIME_OVERHEAD_BYTES}

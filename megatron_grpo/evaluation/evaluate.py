@@ -195,7 +195,7 @@ def eval_rank(rank: int, world: int, s: EvalSettings) -> dict[str, Any] | None:
             **sampling_args(r, s.samples, s.eos_token_id, 0.0 if s.greedy else None),
         )
         layout = {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, "world": ctx.world_size}
-        policy_lp = _policy_logprobs(policy, samples, cfg.grpo.micro_batch_size) if (
+        policy_lp = _policy_logprobs(policy, samples, cfg.grpo.batch.micro_batch_size) if (
             s.policy_logprobs) else None  # fmt: skip
     finally:
         if rollout is not None:

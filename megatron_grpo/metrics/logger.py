@@ -67,7 +67,7 @@ def _tb_tag(key: str) -> str:
     if key in ("synced", "policy_version", "lag", "sync_bytes", "drift", "interval_since_sync"):
         return "sync/" + key
     if key.startswith(("staleness_", "numerics_", "tis_tokens", "tis_seqs", "tis_mixed_")):
-        return "ratio_parts/" + key  # grpo.score_alpha (algorithms/staleness.py)
+        return "ratio_parts/" + key  # grpo.off_policy.score_alpha (algorithms/staleness.py)
     return "train/" + key
 
 

@@ -143,8 +143,8 @@ def plot_drift(
 
 
 def plot_ratio_parts(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:
-    """``grpo.score_alpha``: ``staleness_kl`` and ``numerics_kl`` per step on one log axis
-    (a step whose value is exactly 0, staleness at lag 0, has no point)."""
+    """``grpo.off_policy.score_alpha``: ``staleness_kl`` and ``numerics_kl`` per step on one log
+    axis (a step whose value is exactly 0, staleness at lag 0, has no point)."""
     from matplotlib.figure import Figure
 
     path = Path(path)
@@ -172,8 +172,9 @@ def write_plots(
     run_dir: str | os.PathLike, rows: Sequence[Mapping[str, Any]], max_drift: float | None = None
 ) -> list[Path]:
     """Write ``reward.png`` and ``step_time.png`` into the run directory, and ``drift.png``
-    when the run measured its drift (``sync.mode=adaptive`` or ``grpo.ratio_mode=exact``), and
-    ``ratio_parts.png`` when it split the ratio (``grpo.score_alpha``)."""
+    when the run measured its drift (``sync.mode=adaptive`` or
+    ``grpo.off_policy.ratio_mode=exact``), and ``ratio_parts.png`` when it split the ratio
+    (``grpo.off_policy.score_alpha``)."""
     run_dir = Path(run_dir)
     out = [
         plot_reward(rows, run_dir / "reward.png"),

@@ -43,7 +43,7 @@ def step_row(
     optimizer step (``policy.train_step``); ``sync_report``: the bridge's ``SyncReport``
     when the step synced, else None; ``times``: ``PhaseTimer.times()``; ``drift``: the
     step's agreed drift of pi_k from alpha (``trainer.logprobs.measure_drift``), if measured;
-    ``ratio_parts``: grpo.score_alpha's staleness and numerics metrics
+    ``ratio_parts``: grpo.off_policy.score_alpha's staleness and numerics metrics
     (``algorithms.staleness.decomposition_metrics``), if measured; ``routing_mismatch``:
     the share of MoE routings where the trainer's router chose other experts than vLLM
     (``rollout.routing_replay``), if measured."""

@@ -43,8 +43,8 @@ class StepMetrics:
     drift: float | None = None
     """Drift of the trainer's policy pi_k (before this step's update) from the served alpha:
     token-mean k3 estimate of KL(alpha || pi_k) on the batch (algorithms/drift.py), the value
-    sync.mode=adaptive decides by. Measured with sync.mode=adaptive or grpo.ratio_mode=exact
-    (None otherwise)."""
+    sync.mode=adaptive decides by. Measured with sync.mode=adaptive or
+    grpo.off_policy.ratio_mode=exact (None otherwise)."""
     sync_bytes: int = 0
     """Bytes of weights sent to vLLM in this step (0 when not synced)."""
     time_rollout: float | None = None
@@ -68,7 +68,7 @@ class StepMetrics:
     clip_frac_high: float | None = None
     """Fraction of response tokens clipped at the upper bound (ratio > r' + eps_high, A > 0)."""
     kl: float | None = None
-    """Mean per-token KL(pi || pi_ref) estimate (grpo.kl_estimator)."""
+    """Mean per-token KL(pi || pi_ref) estimate (grpo.kl.kl_estimator)."""
     entropy: float | None = None
     """Mean per-token entropy of pi."""
     masked_frac: float | None = None

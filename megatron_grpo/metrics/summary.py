@@ -148,8 +148,8 @@ def _sync_every_v_saving(
 
 
 def _ratio_parts(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """grpo.score_alpha: each part's largest |log-ratio| and KL over the run (mean and max of
-    the steps' values), and the mean fraction of tokens / sequences TIS touched; {} when the
+    """grpo.off_policy.score_alpha: each part's largest |log-ratio| and KL over the run (mean and
+    max of the steps' values), and the mean fraction of tokens / sequences TIS touched; {} when the
     run did not split the ratio."""
     out: dict[str, Any] = {}
     for part in ("numerics", "staleness"):
@@ -167,7 +167,7 @@ def _ratio_parts_line(s: Mapping[str, Any]) -> str | None:
     if s.get("staleness_kl_mean") is None:
         return None
     line = (
-        f"ratio pi_k/alpha_vLLM split (grpo.score_alpha): staleness KL mean "
+        f"ratio pi_k/alpha_vLLM split (grpo.off_policy.score_alpha): staleness KL mean "
         f"{s['staleness_kl_mean']:.3g} (max {s['staleness_kl_max']:.3g}), numerics KL mean "
         f"{s['numerics_kl_mean']:.3g}, max |log-ratio| staleness "
         f"{_fmt(s['staleness_max_abs'], '.3g')}, numerics {_fmt(s['numerics_max_abs'], '.3g')}"

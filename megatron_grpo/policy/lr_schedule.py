@@ -69,7 +69,7 @@ class LRSchedule:
             raise ConfigError(
                 f"the checkpoint's cosine LR schedule spans total_steps={saved} optimizer "
                 f"steps but this run's config gives {self.total_steps}: resume with the "
-                "steps, grpo.sgd_iterations and batch sizes it was saved with (or start a "
+                "steps, grpo.batch.sgd_iterations and batch sizes it was saved with (or start a "
                 "new run to change the schedule's length)."
             )
         self.step_count = int(state["step_count"])

@@ -31,15 +31,15 @@ MicroBatches = Sequence[tuple[slice, int, R, "PackedRows | None"]]
 
 def micro_batch_token_budget(cfg: Config) -> int | None:
     """The token budget of a packed micro-batch without a memory model: an explicit
-    ``grpo.micro_batch_tokens``, else (0, or ``auto`` off the GPU) ``micro_batch_size``
-    full-length sequences; None when ``grpo.pack_sequences=false`` (``micro_batch_size``
+    ``grpo.batch.micro_batch_tokens``, else (0, or ``auto`` off the GPU) ``micro_batch_size``
+    full-length sequences; None when ``grpo.batch.pack_sequences=false`` (``micro_batch_size``
     padded rows). ``auto`` on a GPU is sized by memory: ``dry_run.budget``."""
     g = cfg.grpo
-    if not g.pack_sequences:
+    if not g.batch.pack_sequences:
         return None
-    if g.micro_batch_tokens != "auto" and g.micro_batch_tokens:
-        return g.micro_batch_tokens
-    return g.micro_batch_size * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    if g.batch.micro_batch_tokens != "auto" and g.batch.micro_batch_tokens:
+        return g.batch.micro_batch_tokens
+    return g.batch.micro_batch_size * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
 
 
 def _row_lengths(batch: Rows) -> list[int]:
@@ -255,7 +255,7 @@ def split_batch(
             "packed micro-batches (a token budget) need the SDPA or Transformer-Engine "
             "attention, but model.local_attention=unfused (megatron's DotProductAttention "
             "refuses packed sequences): set model.local_attention=sdpa or "
-            "grpo.pack_sequences=false."
+            "grpo.batch.pack_sequences=false."
         )
     return packed_micro_batches(batch, token_budget, multiple)
 
@@ -275,5 +275,5 @@ def check_expert_ranks_agree(num_micro_batches: int, ep_group: Any, ep: int) -> 
         raise ValueError(
             f"the {ep} expert-parallel ranks split their batches into {-int(counts[1])} to "
             f"{int(counts[0])} micro-batches, and MoE layers need the same number on each: "
-            "set grpo.pack_sequences=false (padded micro-batches) for parallel.ep > 1."
+            "set grpo.batch.pack_sequences=false (padded micro-batches) for parallel.ep > 1."
         )

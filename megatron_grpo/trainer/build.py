@@ -1,7 +1,7 @@
 """Build a run's parts once, in the order that fails cheapest first, and run it.
 
 ``build_trainer``: checks (``trainer.preflight``) -> model directory -> process groups ->
-policy (+ pi_ref, + the served copy for exact resume or grpo.score_alpha) -> engines and
+policy (+ pi_ref, + the served copy for exact resume or grpo.off_policy.score_alpha) -> engines and
 weight sender (``rollout.interface``) -> data, rewards, losses -> resume -> metrics -> the
 trainer, whose ``start`` pushes the starting weights (the initial sync).
 ``train``: build, ``GRPOTrainer.run``, tear down (every process started here is stopped).
@@ -126,13 +126,15 @@ def _say_run(
 def _build_policies(
     cfg: Config, spec: ModelSpec, ctx: ParallelContext, hf_dir: Path, needs: frozenset[Role]
 ) -> tuple[Policy, Policy | None, Policy | None, Policy | None]:
-    """The policy, warm-started from ``hf_dir``, and its copies: pi_ref (grpo.kl_coef > 0,
+    """The policy, warm-started from ``hf_dir``, and its copies: pi_ref (grpo.kl.kl_coef > 0,
     or a loss that reads it), the served copy (exact resume of a lagging sync) and alpha
-    (a loss that reads alpha_trainer, i.e. grpo.score_alpha: the weights vLLM serves, on
+    (a loss that reads alpha_trainer, i.e. grpo.off_policy.score_alpha: the weights vLLM serves, on
     the trainer; the served copy when there is one). ``needs``: what the loss reads."""
     g = cfg.grpo
-    batch = g.prompts_per_step * g.group_size
-    optimizer_steps = cfg.steps * g.sgd_iterations * (batch // (g.mini_batch_size or batch))
+    batch = g.batch.prompts_per_step * g.group_size
+    optimizer_steps = (
+        cfg.steps * g.batch.sgd_iterations * (batch // (g.batch.mini_batch_size or batch))
+    )
     policy = build_policy(
         spec,
         ctx,
@@ -143,11 +145,11 @@ def _build_policies(
         temperature=cfg.rollout.temperature,  # log-probs of softmax(logits / T), as sampled
         routing_replay=cfg.rollout.routing_replay == "on",  # vLLM's experts (docs/moe.md)
     )
-    ref = policy.make_reference() if g.kl_coef > 0 or Role.PI_REF in needs else None
+    ref = policy.make_reference() if g.kl.kl_coef > 0 or Role.PI_REF in needs else None
     keep_served = cfg.checkpoint.exact_resume and cfg.sync.can_lag
     served = policy.make_reference() if keep_served else None
     alpha = None
-    if (g.score_alpha or Role.ALPHA_TRAINER in needs) and cfg.sync.can_lag:
+    if (g.off_policy.score_alpha or Role.ALPHA_TRAINER in needs) and cfg.sync.can_lag:
         alpha = served if served is not None else policy.make_reference()
     return policy, ref, served, alpha
 
@@ -200,7 +202,7 @@ def window_buffer(cfg: Config, prompts: PromptSource, rollout: Rollout, memory: 
         finally:
             memory.after_generate()
 
-    return WindowBuffer(prompts, cfg.grpo.prompts_per_step, r.ahead, cfg.sync.interval,
+    return WindowBuffer(prompts, cfg.grpo.batch.prompts_per_step, r.ahead, cfg.sync.interval,
                         cfg.steps, r.seed, launch, score, rollout.share,
                         schedule.window_end if schedule is not None else None)  # fmt: skip
 

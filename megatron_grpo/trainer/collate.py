@@ -84,7 +84,7 @@ def dp_rows(n: int, dp_rank: int, dp: int) -> slice:
     if n % dp:
         raise ValueError(
             f"batch of {n} sequences does not split over data-parallel size {dp}: make "
-            "grpo.prompts_per_step * grpo.group_size a multiple of the DP size."
+            "grpo.batch.prompts_per_step * grpo.group_size a multiple of the DP size."
         )
     per = n // dp
     return slice(dp_rank * per, (dp_rank + 1) * per)
@@ -107,7 +107,8 @@ def mini_batches(
         return [batch.select(order)]
     if mini_batch_size % dp:
         raise ValueError(
-            f"grpo.mini_batch_size={mini_batch_size} is not a multiple of the data-parallel size "
+            f"grpo.batch.mini_batch_size={mini_batch_size} is not a multiple of the data-parallel "
+            "size "
             f"{dp}: every DP rank must take an equal share of each mini-batch."
         )
     per = mini_batch_size // dp

@@ -2,9 +2,9 @@
 declares it reads (``GRPOLoss.needs``, algorithms/policy_loss.py ``Role``): pi_ref's
 log-probs (and, for KL-in-reward, the policy's) over the whole batch; pi_k's, scored once
 before the first update, which the exact ratio, TIS, the adaptive schedule's drift and
-``grpo.score_alpha``'s staleness read; alpha's on the trainer (``grpo.score_alpha``). The
-shard's ``ScoredBatch`` is made here, once. Every value returned is the same on every rank
-(DP shards are gathered or summed)."""
+``grpo.off_policy.score_alpha``'s staleness read; alpha's on the trainer
+(``grpo.off_policy.score_alpha``). The shard's ``ScoredBatch`` is made here, once. Every
+value returned is the same on every rank (DP shards are gathered or summed)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def measure_drift(
     (algorithms/drift.py), the same value on every rank: the DP shards' sums are added,
     then the world takes the largest value (all ranks hold the same one up to rounding;
     a decision read from it cannot differ between ranks). ``alpha_logp``: the engine's, or
-    with grpo.score_alpha the trainer's (the drift is then the staleness KL, without the
+    with grpo.off_policy.score_alpha the trainer's (the drift is then the staleness KL, without the
     engines' numerics)."""
     sums = k3_drift_sums(pi_k_logp, alpha_logp, response_mask)
     if ctx.dp > 1:
@@ -69,10 +69,14 @@ def split_ratio(
     pi_k_logp: torch.Tensor, alpha_trainer_logp: torch.Tensor, shard: SampledBatch,
     grpo_cfg: GRPOConfig, ctx: ParallelContext,
 ) -> dict[str, float]:  # fmt: skip
-    """grpo.score_alpha: the step's staleness / numerics metrics (algorithms/staleness.py),
-    the same on every rank."""
+    """grpo.off_policy.score_alpha: the step's staleness / numerics metrics
+    (algorithms/staleness.py), the same on every rank."""
     g = grpo_cfg
-    tis = None if g.tis == "none" else (g.tis.startswith("token"), g.tis_cap)
+    tis = (
+        None
+        if g.off_policy.tis == "none"
+        else (g.off_policy.tis.startswith("token"), g.off_policy.tis_cap)
+    )
     sums, maxima = decomposition_sums(
         pi_k_logp, alpha_trainer_logp, shard.alpha_engine_logp, shard.response_mask, tis
     )
@@ -85,7 +89,7 @@ def split_ratio(
 @dataclass(frozen=True)
 class Scored:
     """``StepLogprobs.score``'s result: the shard's ``ScoredBatch``, the drift of pi_k from
-    alpha (None when nothing scored pi_k) and ``grpo.score_alpha``'s ratio parts."""
+    alpha (None when nothing scored pi_k) and ``grpo.off_policy.score_alpha``'s ratio parts."""
 
     batch: ScoredBatch
     drift: float | None
@@ -101,27 +105,27 @@ class StepLogprobs:
     ctx: ParallelContext
     policy: Policy
     ref: Policy | None  # pi_ref; None without a KL term
-    alpha: Policy | None  # grpo.score_alpha, v > 1: the kept copy of the served weights
+    alpha: Policy | None  # grpo.off_policy.score_alpha, v > 1: the kept copy of the served weights
     timer: Any
     token_budget: int | None
     needs: frozenset[Role]
 
     def whole_batch(self, policy: Policy, batch: Rows) -> torch.Tensor:
         return dp_logprobs(
-            policy, batch, self.ctx, self.cfg.grpo.micro_batch_size, self.token_budget
+            policy, batch, self.ctx, self.cfg.grpo.batch.micro_batch_size, self.token_budget
         )
 
     def reference(self, batch: SampledBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """pi_ref's log-probs of the whole batch [N, L] when the loss reads them or the KL is
         in the reward, and then the per-sequence KL for KL-in-reward [N] (else None)."""
         g = self.cfg.grpo
-        if self.ref is None or not (Role.PI_REF in self.needs or g.kl_in_reward):
+        if self.ref is None or not (Role.PI_REF in self.needs or g.kl.kl_in_reward):
             return None, None
         pi_ref = self.whole_batch(self.ref, batch)
-        if not g.kl_in_reward:
+        if not g.kl.kl_in_reward:
             return pi_ref, None
         logp = self.whole_batch(self.policy, batch)
-        kl = get_kl_estimator(g.kl_estimator)(logp, pi_ref) * batch.response_mask
+        kl = get_kl_estimator(g.kl.kl_estimator)(logp, pi_ref) * batch.response_mask
         return pi_ref, kl.sum(dim=1)
 
     def score(
@@ -133,17 +137,17 @@ class StepLogprobs:
         score_alpha) and score_alpha's ratio parts. ``lag``: the batch's lag."""
         g, ctx = self.cfg.grpo, self.ctx
         shard = dp_shard(batch, ctx.dp_rank, ctx.dp)
-        # grpo.score_alpha measures the parts even where the loss reads pi_k alone
-        with_alpha = Role.ALPHA_TRAINER in self.needs or g.score_alpha
+        # grpo.off_policy.score_alpha measures the parts even where the loss reads pi_k alone
+        with_alpha = Role.ALPHA_TRAINER in self.needs or g.off_policy.score_alpha
         drift = parts = pi_k = alpha = None
         if Role.PI_K in self.needs or adaptive or with_alpha:
             pi_k = self.policy.compute_logprobs(
-                shard, g.micro_batch_size, token_budget=self.token_budget
+                shard, g.batch.micro_batch_size, token_budget=self.token_budget
             )["logp"]
             # at lag 0 the trainer holds alpha itself: pi_k's log-probs are alpha's (no
             # extra pass; the staleness is exactly 0)
             alpha = (self._alpha(shard) if lag else pi_k) if with_alpha else None
-            if alpha is not None and g.score_alpha:
+            if alpha is not None and g.off_policy.score_alpha:
                 parts = split_ratio(pi_k, alpha, shard, g, ctx)
             alpha_for_drift = shard.alpha_engine_logp if alpha is None else alpha
             drift = measure_drift(pi_k, alpha_for_drift, shard.response_mask, ctx)
@@ -162,9 +166,9 @@ class StepLogprobs:
         if self.alpha is None:
             raise RuntimeError(
                 "the loss reads alpha_trainer's log-probs at lag > 0 but the run keeps no copy "
-                "of the served weights: set grpo.score_alpha=true."
+                "of the served weights: set grpo.off_policy.score_alpha=true."
             )
         with self.timer.phase("score_alpha"):  # inside "train": its cost, for the bench
             return self.alpha.compute_logprobs(
-                shard, self.cfg.grpo.micro_batch_size, token_budget=self.token_budget
+                shard, self.cfg.grpo.batch.micro_batch_size, token_budget=self.token_budget
             )["logp"]

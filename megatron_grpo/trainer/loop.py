@@ -10,7 +10,7 @@ For k = 1..steps (``GRPOTrainer.run``, one screen):
     train      i SGD iterations over mini-batches (policy.train_step with algorithms' loss_fn)
     sync       when k % v == 0 (or, sync.mode=adaptive, when pi_k drifted from alpha:
                trainer/sync_schedule.py), the resharding bridge pushes pi_k into vLLM
-    ref reset  pi_ref <- pi_k every ``grpo.ref_update_interval`` steps
+    ref reset  pi_ref <- pi_k every ``grpo.kl.ref_update_interval`` steps
     log        one metrics.jsonl line, TensorBoard, progress bar
     checkpoint when due or on a pre-emption signal (trainer/checkpointer.py)
 
@@ -83,7 +83,9 @@ class GRPOTrainer:
     schedule: SyncSchedule  # when to sync (``SyncSchedule.from_config(cfg.sync)``)
     budget: TokenBudget  # tokens per packed micro-batch (trainer.build sizes it)
     validator: Validator | None = None  # when eval.interval > 0
-    alpha: Policy | None = None  # grpo.score_alpha, v > 1: a copy of the weights vLLM serves
+    alpha: Policy | None = (
+        None  # grpo.off_policy.score_alpha, v > 1: a copy of the weights vLLM serves
+    )
     start_step: int = 0
     closers: list[Callable[[], None]] = field(default_factory=list)
     logprobs: StepLogprobs = field(init=False)  # the scoring passes outside SGD
@@ -125,7 +127,7 @@ class GRPOTrainer:
             if self.validator is not None and self.validator.due(step):
                 with timer.phase("eval"), self._bounded(f"the evaluation of step {step}"):
                     eval_metrics = self.evaluate()
-            if g.ref_update_interval and step % g.ref_update_interval == 0 and self.ref:
+            if g.kl.ref_update_interval and step % g.kl.ref_update_interval == 0 and self.ref:
                 self.ref.copy_weights_from(self.policy)  # success-rate amplification
             # Log before saving: a checkpoint is never newer than metrics.jsonl (a resume
             # drops the rows after its step and re-runs them, so no step's row is lost).
@@ -156,7 +158,7 @@ class GRPOTrainer:
         g = self.cfg.grpo
         task_PG = rewards_PG  # the zero-variance mask looks at these, not at the KL penalty
         if kl_seq is not None:
-            rewards_PG = rewards_PG - g.kl_coef * kl_seq.view_as(rewards_PG)
+            rewards_PG = rewards_PG - g.kl.kl_coef * kl_seq.view_as(rewards_PG)
         gen = torch.Generator().manual_seed(advantage_seed(self.cfg.seed, step))
         return self.advantage_fn(rewards_PG, gen, task_PG)
 
@@ -165,7 +167,7 @@ class GRPOTrainer:
     ) -> tuple[list[dict[str, Any]], float | None, dict[str, float] | None]:
         """i SGD iterations over mini-batches of this DP rank's share of the batch; returns
         the optimizer steps' metrics, the drift of pi_k from alpha measured before them
-        and, with grpo.score_alpha, the ratio's two parts (``StepLogprobs.score``)."""
+        and, with grpo.off_policy.score_alpha, the ratio's two parts (``StepLogprobs.score``)."""
         g, ctx = self.cfg.grpo, self.ctx
         advantaged = with_advantages(batch, adv, g.overlong_filter)
         lag = step - 1 - self.policy_version
@@ -173,13 +175,15 @@ class GRPOTrainer:
         gen = torch.Generator().manual_seed(mini_batch_seed(self.cfg.seed, step))
         group = ctx.dp_group if ctx.dp > 1 else None
         out = []
-        for _ in range(g.sgd_iterations):
-            for mini in mini_batches(scored.batch, g.mini_batch_size, ctx.dp, gen):
-                norms = compute_global_normalizers(normalizer_mask(mini, g.loss_normalizer), group)
+        for _ in range(g.batch.sgd_iterations):
+            for mini in mini_batches(scored.batch, g.batch.mini_batch_size, ctx.dp, gen):
+                norms = compute_global_normalizers(
+                    normalizer_mask(mini, g.loss.loss_normalizer), group
+                )
                 mb = extend(LossBatch, mini, normalizers=norms)
                 out.append(
                     self.policy.train_step(
-                        mb, self.loss_fn, g.micro_batch_size, token_budget=self.budget.tokens
+                        mb, self.loss_fn, g.batch.micro_batch_size, token_budget=self.budget.tokens
                     )
                 )
         return out, scored.drift, scored.ratio_parts
@@ -208,7 +212,9 @@ class GRPOTrainer:
         self.checkpointer.snapshot_served(weights)
         a = self.alpha
         if a is not None and a is not weights and a is not self.checkpointer.served:
-            a.copy_weights_from(weights)  # grpo.score_alpha: alpha follows what vLLM serves
+            a.copy_weights_from(
+                weights
+            )  # grpo.off_policy.score_alpha: alpha follows what vLLM serves
         return report
 
     def start(self, resumed: tuple[LoopState, Policy] | None = None) -> SyncReport:

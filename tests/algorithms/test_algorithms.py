@@ -17,8 +17,8 @@ from megatron_grpo.algorithms import kl as kl_mod
 from megatron_grpo.algorithms import losses as L
 from megatron_grpo.algorithms.policy_loss import RoleLogprobs, build_policy_loss
 from megatron_grpo.algorithms.shaping import overlong_filter_keep, overlong_penalty
-from megatron_grpo.config.schema import GRPOConfig
 from tests.helpers.batches import advantaged, loss_batch
+from tests.helpers.configs import grpo_config
 from tests.helpers.numerics import close, t
 
 ln = math.log
@@ -76,7 +76,7 @@ def test_red_drop_ties_count_as_positive():
 def test_red_drop_golden():
     # r = [1, 0, 0, 0]: mean .25, 3 negatives vs 1 positive -> drop 2 of the 3 zeros.
     # Kept {1, 0}: mean .5, var .25; eps = .75 -> A = [.5, -.5], dropped get 0.
-    cfg = GRPOConfig(group_size=4, red_drop=True, advantage_eps=0.75)
+    cfg = grpo_config(group_size=4, red_drop=True, advantage_eps=0.75)
     out = adv_mod.build_advantage_fn(cfg)(t([[1, 0, 0, 0]]), torch.Generator().manual_seed(0))
     keep = out.keep[0].tolist()
     assert keep[0] is True and sum(keep[1:]) == 1
@@ -92,7 +92,7 @@ def test_red_drop_golden():
 
 def test_advantage_fn_masks_zero_variance_groups():
     # group 0 all equal -> masked (keep False, A exactly 0); group 1 = [1, 0] eps 0 -> [1, -1].
-    cfg = GRPOConfig(group_size=2, advantage_eps=0.0)
+    cfg = grpo_config(group_size=2, advantage_eps=0.0)
     out = adv_mod.build_advantage_fn(cfg)(t([[0.1, 0.1], [1, 0]]))
     assert out.keep.tolist() == [[False, False], [True, True]]
     assert out.advantages[0].tolist() == [0.0, 0.0]
@@ -102,9 +102,9 @@ def test_advantage_fn_masks_zero_variance_groups():
 
 def test_advantage_setting_selects_drgrpo_centering_or_red_weight():
     r = t([[0, 2]])
-    dr = adv_mod.build_advantage_fn(GRPOConfig(group_size=2, advantage="drgrpo"))(r)
+    dr = adv_mod.build_advantage_fn(grpo_config(group_size=2, advantage="drgrpo"))(r)
     close(dr.advantages, [[-1.0, 1.0]])
-    rw = adv_mod.build_advantage_fn(GRPOConfig(group_size=2, advantage="red_weight"))(r)
+    rw = adv_mod.build_advantage_fn(grpo_config(group_size=2, advantage="red_weight"))(r)
     close(rw.advantages, [[-0.367879, 2.718282]])
 
 
@@ -190,7 +190,7 @@ def test_rec_tis_is_the_papers_clamp():
     close(L.rec_weight_tis(rho, 0.6, 2.0), [0.4, 0.7, 1.0, 1.5, 3.0])
     # Built from the config: rec_weight=tis reads rec_ring_eps_low/high (eps'), A = 1, mask none
     # -> loss = -w * logp; logp = ln .3, old = 0 -> rho = .3 -> w = .4 -> loss = -.4 ln .3.
-    cfg = GRPOConfig(policy_loss="rec", rec_clip="none", rec_weight="tis")
+    cfg = grpo_config(policy_loss="rec", rec_clip="none", rec_weight="tis")
     loss, _ = policy_loss(cfg, t([[ln(0.3)]]), t([1.0]), t([[1.0]]), t([[0.0]]))
     close(loss, [[-0.4 * ln(0.3)]])
 
@@ -253,7 +253,7 @@ def test_tis_weights_golden():
 def test_tis_in_policy_loss():
     # exact + token_truncate: loss = min(pi_k/alpha, 2) * PPO(pi/pi_k).
     # pi = pi_k (r = 1, unclipped), A = 1 -> PPO loss -1; pi_k/alpha = 3 -> w = 2 -> loss -2.
-    cfg = GRPOConfig(ratio_mode="exact", tis="token_truncate", tis_cap=2.0)
+    cfg = grpo_config(ratio_mode="exact", tis="token_truncate", tis_cap=2.0)
     logp = t([[-1.0]])
     loss, m = policy_loss(cfg, logp, t([1.0]), t([[1.0]]), t([[-1.0 - ln(3.0)]]), t([[-1.0]]))
     close(loss, [[-2.0]])
@@ -267,7 +267,7 @@ def test_regularizers_and_entropy():
     close(L.opmd_term(t([-1.0]), t([-1.5]), 0.5), [0.125])
     close(L.entropy_bonus(t([2.0]), 0.01), [-0.02])
     # Through the builder: rec NoIS no clip, A = 0 -> only the regularizer remains.
-    cfg = GRPOConfig(policy_loss="rec", rec_clip="none", regularizer="opmd", regularizer_coef=0.5)
+    cfg = grpo_config(policy_loss="rec", rec_clip="none", regularizer="opmd", regularizer_coef=0.5)
     loss, _ = policy_loss(cfg, t([[-1.0]]), t([0.0]), t([[1.0]]), t([[-1.5]]))
     close(loss, [[0.125]])
 
@@ -314,7 +314,7 @@ def test_loss_fn_golden():
     # entropy [2, 1]: token losses -1 + .0106531 - .02 = -1.0093469,
     #                              -1 + .0367879 - .01 = -0.9732121
     # token_mean over 2 global tokens: -1.9825590 / 2 = -0.9912795.
-    cfg = GRPOConfig(kl_coef=0.1, entropy_coef=0.01)
+    cfg = grpo_config(kl_coef=0.1, entropy_coef=0.01)
     loss_fn = agg.make_loss_fn(cfg)
     mb = loss_batch(
         loss_mask=t([[1, 1]]),
@@ -329,14 +329,14 @@ def test_loss_fn_golden():
 
 
 def test_loss_fn_errors_name_the_fix():
-    loss_fn = agg.make_loss_fn(GRPOConfig(ratio_mode="exact"))
+    loss_fn = agg.make_loss_fn(grpo_config(ratio_mode="exact"))
     mb = loss_batch(loss_mask=t([[1.0]]), advantages=t([1.0]), alpha_engine_logp=t([[0.0]]))
     with pytest.raises(ValueError, match=r"pi_k's log-probs.*Role.PI_K"):
         loss_fn(t([[0.0]]), t([[0.0]]), mb)
     with pytest.raises(ValueError, match="max_response_len"):
-        agg.make_loss_fn(GRPOConfig(loss_agg="constant"))
+        agg.make_loss_fn(grpo_config(loss_agg="constant"))
     # constant mode takes rollout.max_new_tokens when loss_agg_constant is 0.
-    fn = agg.make_loss_fn(GRPOConfig(loss_agg="constant"), max_response_len=4)
+    fn = agg.make_loss_fn(grpo_config(loss_agg="constant"), max_response_len=4)
     mb2 = loss_batch(
         loss_mask=t([[1.0, 1.0]]), advantages=t([1.0]), alpha_engine_logp=t([[0.0, 0.0]])
     )
@@ -357,7 +357,7 @@ def test_overlong_shaping_golden():
 def test_zero_variance_mask_uses_task_rewards_with_kl_in_reward():
     # Task rewards [1, 1] (no signal) penalised by KL to [0.9, 0.7]: the group must stay
     # masked; the old code masked on the penalised rewards and whitened pure KL to +-1.
-    fn = adv_mod.build_advantage_fn(GRPOConfig(group_size=2, advantage_eps=0.0))
+    fn = adv_mod.build_advantage_fn(grpo_config(group_size=2, advantage_eps=0.0))
     task = t([[1.0, 1.0], [1.0, 0.0]])
     penalised = task - t([[0.1, 0.3], [0.1, 0.3]])
     out = fn(penalised, None, task)
@@ -389,8 +389,8 @@ def test_log_ratio_clamped_before_exp():
 
 def test_gspo_needs_sequence_mean_aggregation():
     with pytest.raises(ValueError, match="loss_agg=seq_mean_token_mean"):
-        GRPOConfig(policy_loss="gspo", loss_agg="token_mean")
-    GRPOConfig(policy_loss="gspo", loss_agg="seq_mean_token_mean")
+        grpo_config(policy_loss="gspo", loss_agg="token_mean")
+    grpo_config(policy_loss="gspo", loss_agg="seq_mean_token_mean")
 
 
 def test_loss_normalizer_kept_vs_all_and_constant_is_constant():
@@ -408,7 +408,7 @@ def test_loss_normalizer_kept_vs_all_and_constant_is_constant():
     close(agg.agg_seq_mean_token_mean(loss, keep, every.num_seqs), 0.5)
     # constant: divided by the mini-batch's 4 rows x C = 2 whatever the masks: 4 / 8 = .5,
     # with the kept or the all counts alike (the old code divided by the 2 kept sequences).
-    fn = agg.make_loss_fn(GRPOConfig(loss_agg="constant", loss_agg_constant=2.0))
+    fn = agg.make_loss_fn(grpo_config(loss_agg="constant", loss_agg_constant=2.0))
     for norms in (kept, every):
         full = loss_batch(loss_mask=keep, response_mask=resp, advantages=t([-1.0] * 4),
                           alpha_engine_logp=torch.zeros(4, 2), normalizers=norms)  # fmt: skip

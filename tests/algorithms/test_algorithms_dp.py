@@ -10,6 +10,7 @@ import torch
 
 from megatron_grpo.algorithms import aggregation as agg
 from megatron_grpo.config.schema import GRPOConfig
+from tests.helpers.configs import grpo_config
 
 B, T = 6, 5
 
@@ -29,7 +30,7 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 def _cfg(loss_agg: str) -> GRPOConfig:
-    return GRPOConfig(loss_agg=loss_agg, kl_coef=0.1, loss_agg_constant=5.0)
+    return grpo_config(loss_agg=loss_agg, kl_coef=0.1, loss_agg_constant=5.0)
 
 
 MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,6 +13,7 @@ from megatron_grpo.algorithms import losses as L
 from megatron_grpo.algorithms.step_batch import Normalizers
 from megatron_grpo.config.schema import GRPOConfig
 from tests.helpers.batches import loss_batch
+from tests.helpers.configs import grpo_config
 
 
 def property_test(**strategies):
@@ -70,7 +69,7 @@ def test_zero_variance_groups_get_exactly_zero_gradient(
     rewards[p:] = rewards[p:, :1]  # the last n_const groups are constant
     if policy_loss == "gspo":  # GSPO is tied to sequence-mean aggregation (config check)
         loss_agg = "seq_mean_token_mean"
-    cfg = GRPOConfig(
+    cfg = grpo_config(
         group_size=g,
         policy_loss=policy_loss,
         advantage=advantage,
@@ -148,8 +147,7 @@ def test_aggregation_invariant_to_micro_batch_and_dp_split(
     """
     if variant.get("policy_loss") == "gspo":  # GSPO is tied to sequence-mean aggregation
         loss_agg = "seq_mean_token_mean"
-    cfg = dataclasses.replace(
-        GRPOConfig(),
+    cfg = grpo_config(
         loss_agg=loss_agg,
         loss_agg_constant=7.0,
         kl_coef=0.05,

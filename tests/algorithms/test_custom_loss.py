@@ -1,5 +1,5 @@
 """A user's loss in one module (docs/algorithms.md, "Write your own loss"): the worked example
-docs/examples/cispo_loss.py loaded by ``grpo.policy_loss``, its hand-derived numbers, and the
+docs/examples/cispo_loss.py loaded by ``grpo.loss.policy_loss``, its hand-derived numbers, and the
 trainer scoring exactly the log-probs a loss declares (``needs``)."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import torch
 
 from megatron_grpo.algorithms.aggregation import make_loss_fn
 from megatron_grpo.algorithms.policy_loss import Role
-from megatron_grpo.config.schema import Config, ConfigError, GRPOConfig
+from megatron_grpo.config.schema import Config, ConfigError
 from megatron_grpo.trainer.logprobs import StepLogprobs
 from tests.helpers.batches import advantaged, loss_batch
+from tests.helpers.configs import grpo_config
 from tests.helpers.numerics import close, t
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "cispo_loss.py"
@@ -27,7 +28,7 @@ def test_the_worked_example_loads_and_gives_the_hand_derived_loss():
     # r = pi/alpha = 1.5 (logp = ln 1.5 against 0), eps_high .28 -> weight min(1.5, 1.28)
     # = 1.28; A = 1 -> loss -1.28 ln 1.5 per token, gradient -1.28 (the weight is detached).
     # Second token r = .5 -> weight .5, loss -.5 ln .5; token mean over the 2 tokens.
-    fn = make_loss_fn(GRPOConfig(policy_loss=CISPO, clip_eps_high=0.28))
+    fn = make_loss_fn(grpo_config(policy_loss=CISPO, clip_eps_high=0.28))
     assert fn.needs == {Role.ALPHA_ENGINE}
     logp = t([[ln(1.5), ln(0.5)]]).requires_grad_()
     mb = loss_batch(loss_mask=t([[1.0, 1.0]]), advantages=t([1.0]),
@@ -38,7 +39,7 @@ def test_the_worked_example_loads_and_gives_the_hand_derived_loss():
     close(logp.grad, [[-1.28 / 2, -0.5 / 2]])
     close(m["cispo_clip_frac"], 0.5)
     # Composed like a built-in: a KL term adds pi_ref to what the trainer must score.
-    exact = make_loss_fn(GRPOConfig(policy_loss=CISPO, ratio_mode="exact", kl_coef=0.1))
+    exact = make_loss_fn(grpo_config(policy_loss=CISPO, ratio_mode="exact", kl_coef=0.1))
     assert exact.needs == {Role.PI_K, Role.PI_REF}
 
 
@@ -63,7 +64,7 @@ class _Counting:
     ],
 )
 def test_the_trainer_scores_what_the_loss_declares(grpo, passes, pi_k):
-    cfg = Config(grpo=GRPOConfig(**grpo))
+    cfg = Config(grpo=grpo_config(**grpo))
     policy = _Counting()
     ctx = SimpleNamespace(dp=1, dp_rank=0, world_size=1)
     needs = make_loss_fn(cfg.grpo).needs
@@ -78,12 +79,12 @@ def test_the_trainer_scores_what_the_loss_declares(grpo, passes, pi_k):
 
 def test_a_bad_loss_is_one_line_that_names_the_fix(tmp_path):
     with pytest.raises(ConfigError, match=r"or to a loss class 'path/to/file.py:Name'"):
-        GRPOConfig(policy_loss="cispo")
+        grpo_config(policy_loss="cispo")
     with pytest.raises(ValueError, match=r"loss file 'nowhere.py' .* does not exist"):
-        make_loss_fn(GRPOConfig(policy_loss="nowhere.py:Loss"))
+        make_loss_fn(grpo_config(policy_loss="nowhere.py:Loss"))
     with pytest.raises(ValueError, match="has no attribute 'Missing'"):
-        make_loss_fn(GRPOConfig(policy_loss=f"{EXAMPLE}:Missing"))
+        make_loss_fn(grpo_config(policy_loss=f"{EXAMPLE}:Missing"))
     bad = tmp_path / "bad_loss.py"
     bad.write_text("class NoNeeds:\n    def __init__(self, grpo):\n        pass\n")
     with pytest.raises(ConfigError, match="must have `needs`"):
-        make_loss_fn(GRPOConfig(policy_loss=f"{bad}:NoNeeds"))
+        make_loss_fn(grpo_config(policy_loss=f"{bad}:NoNeeds"))

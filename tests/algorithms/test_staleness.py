@@ -1,4 +1,4 @@
-"""grpo.score_alpha (issue 33): the ratio pi_k/alpha_vLLM split into staleness and numerics.
+"""grpo.off_policy.score_alpha (issue 33): the ratio pi_k/alpha_vLLM split into staleness and numerics.
 
 Hand-derived numbers in the style of tests/algorithms/test_algorithms.py: a ratio r is built as
 ``logp = ln r`` against 0. The end-to-end runs are in tests/e2e/test_staleness_runs.py.
@@ -16,9 +16,10 @@ from megatron_grpo.algorithms import staleness as S
 from megatron_grpo.algorithms.policy_loss import Role, RoleLogprobs, build_policy_loss
 from megatron_grpo.bench.throughput.report import _score_alpha_lines
 from megatron_grpo.bench.throughput.run import analyze_run
-from megatron_grpo.config.schema import ConfigError, GRPOConfig
+from megatron_grpo.config.schema import ConfigError
 from megatron_grpo.metrics.summary import format_summary, summarize
 from tests.helpers.batches import advantaged, loss_batch
+from tests.helpers.configs import grpo_config
 from tests.helpers.numerics import close, t
 
 ln = math.log
@@ -100,7 +101,7 @@ def test_split_loss_with_alpha_trainer_in_alphas_place_is_todays_loss(kw):
     logp = -torch.rand(4, 6, generator=g) - 0.5
     alpha, old = logp - 0.1 * torch.randn(4, 6, generator=g), logp - 0.05
     adv, mask = torch.randn(4, generator=g), (torch.rand(4, 6, generator=g) > 0.2).float()
-    today, split = GRPOConfig(**kw), GRPOConfig(score_alpha=True, **kw)
+    today, split = grpo_config(**kw), grpo_config(score_alpha=True, **kw)
     # alpha_trainer is read wherever alpha was: the clip's r, and pi_old under ratio_mode=one
     reads_alpha = kw.get("policy_loss") is None or kw.get("ratio_mode") != "exact"
     assert (Role.ALPHA_TRAINER in build_policy_loss(split).needs) == reads_alpha
@@ -125,10 +126,10 @@ def test_tis_truncates_the_numerics_ratio_only():
     logp, old, adv, mask = t([[-1.0]]), t([[-1.0]]), t([1.0]), t([[1.0]])
     alpha = t([[-1.0 - ln(3.0)]])
     roll = alpha - ln(1.5)
-    loss, m = loss_of(GRPOConfig(**cfg), logp, adv, mask, alpha_engine=roll, pi_k=old)
+    loss, m = loss_of(grpo_config(**cfg), logp, adv, mask, alpha_engine=roll, pi_k=old)
     close(loss, [[-2.0]])
     close(m["tis_frac_capped"], 1.0)
-    split = GRPOConfig(score_alpha=True, **cfg)
+    split = grpo_config(score_alpha=True, **cfg)
     loss, m = loss_of(split, logp, adv, mask, alpha_engine=roll, alpha_trainer=alpha, pi_k=old)
     close(loss, [[-4.5]])
     close(m["tis_frac_capped"], 0.0)
@@ -136,9 +137,9 @@ def test_tis_truncates_the_numerics_ratio_only():
 
 
 def test_split_tis_needs_no_exact_ratio_and_the_loss_fn_reads_alpha_trainer():
-    with pytest.raises(ConfigError, match="grpo.score_alpha=true"):
-        GRPOConfig(tis="token_mask")
-    cfg = GRPOConfig(score_alpha=True, tis="token_mask", tis_cap=2.0)  # ratio_mode=one
+    with pytest.raises(ConfigError, match="grpo.off_policy.score_alpha=true"):
+        grpo_config(tis="token_mask")
+    cfg = grpo_config(score_alpha=True, tis="token_mask", tis_cap=2.0)  # ratio_mode=one
     fn = agg.make_loss_fn(cfg)
     # One token: pi = alpha_trainer (r = 1), A = 1 -> -1; numerics 3 > 2 -> masked -> loss 0.
     assert fn.needs == {Role.ALPHA_TRAINER, Role.ALPHA_ENGINE}  # pi_k not scored for it
@@ -188,7 +189,7 @@ def test_bench_throughput_reports_alphas_pass():
     r = analyze_run(rows, 2, warmup=1)
     assert r["score_alpha_mean_s"] == pytest.approx(0.1)
     assert _score_alpha_lines([r]) == [
-        "v=2: grpo.score_alpha's log-prob pass 0.100 s per step (10.0% of a step; in train)"
+        "v=2: grpo.off_policy.score_alpha's log-prob pass 0.100 s per step (10.0% of a step; in train)"
     ]
     assert analyze_run([{k: v for k, v in x.items() if k != "time_score_alpha"} for x in rows],
                        2, warmup=1)["score_alpha_mean_s"] is None  # fmt: skip
@@ -245,7 +246,7 @@ def test_bench_reproduce_claim_6_compares_adaptive_by_staleness():
     runs, run_of = plan_runs([5, 6])
     by = {r.name: r for r in runs}
     staleness = by[run_of[(6, "adaptive, staleness")]]
-    assert "grpo.score_alpha=true" in staleness.overrides
+    assert "grpo.off_policy.score_alpha=true" in staleness.overrides
     assert "sync.mode=adaptive" in staleness.overrides
     assert run_of[(6, "adaptive, mixed")] == run_of[(5, "adaptive")]  # run once for both
     assert by[run_of[(6, "fixed, same syncs")]].match == staleness.name

@@ -34,9 +34,9 @@ def test_shared_variants_run_once_and_every_run_differs_only_by_its_keys():
     assert len({(r.v, r.overrides) for r in runs}) == len(runs)
     by = {r.name: r for r in runs}
     wide_is = by[run_of[(3, "clip 0.6/2.0 + IS")]]
-    assert wide_is.v == 4 and {"grpo.policy_loss=rec", "grpo.rec_clip=one_side",
-                               "grpo.clip_eps_low=0.6", "grpo.clip_eps_high=2.0",
-                               "grpo.rec_weight=is"} == set(wide_is.overrides)  # fmt: skip
+    assert wide_is.v == 4 and {"grpo.loss.policy_loss=rec", "grpo.loss.rec_clip=one_side",
+                               "grpo.loss.clip_eps_low=0.6", "grpo.loss.clip_eps_high=2.0",
+                               "grpo.loss.rec_weight=is"} == set(wide_is.overrides)  # fmt: skip
     assert by[run_of[(2, "mask off")]].overrides[-1] == "grpo.zero_variance_mask=false"
     # --seeds 3 at the default steps stays under an hour on the cost model.
     assert estimate_s(3 * len(runs), ReproduceArgs().steps) < 3600

@@ -20,7 +20,7 @@ from tests.helpers.commands import cli, read_dump, run, vllm_reference
 pytestmark = pytest.mark.slow
 
 TRAIN = [
-    "--steps", "2", "grpo.group_size=4", "grpo.prompts_per_step=4", "grpo.micro_batch_size=16",
+    "--steps", "2", "grpo.group_size=4", "grpo.batch.prompts_per_step=4", "grpo.batch.micro_batch_size=16",
     "rollout.max_new_tokens=4", "rollout.cpu_kv_cache_gb=0.25", "model.warm_start_steps=20",
     "logging.progress=false", "logging.tensorboard=false", "logging.plots=false",
 ]  # fmt: skip

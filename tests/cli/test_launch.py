@@ -36,8 +36,8 @@ SCRIPTS = sorted([*REPO.glob("launchers/*.sh"), *REPO.glob("slurm/*"), *FAKE_SLU
 # A tiny, fast run: the embedded default config (tiny preset model built in the run dir).
 TINY = [
     "grpo.group_size=2",
-    "grpo.prompts_per_step=2",
-    "grpo.micro_batch_size=4",
+    "grpo.batch.prompts_per_step=2",
+    "grpo.batch.micro_batch_size=4",
     "rollout.max_new_tokens=4",
     "model.warm_start_steps=0",
     "logging.progress=false",
@@ -327,7 +327,7 @@ def test_torchrun_launcher_dry_run() -> None:
     env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}",
            "PLAN": "1", "NPROC": "2", "PYTHON": sys.executable}  # fmt: skip
     out = subprocess.run(
-        ["launchers/torchrun.sh", "grpo.prompts_per_step=2"], cwd=REPO, env=env,
+        ["launchers/torchrun.sh", "grpo.batch.prompts_per_step=2"], cwd=REPO, env=env,
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

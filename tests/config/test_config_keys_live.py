@@ -18,23 +18,34 @@ from pathlib import Path
 from megatron_grpo.config.schema import Config
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_grpo"
-SECTIONS = {
-    f.name: f.default_factory
-    for f in dataclasses.fields(Config)
-    if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)
-}
+
+
+def _sections(cls: type, prefix: str = "") -> dict[str, type]:
+    """``{dotted section: its class}`` of every section below ``cls``, nested ones too
+    (``grpo.loss``, ``model.kernels``)."""
+    out: dict[str, type] = {}
+    for f in dataclasses.fields(cls):
+        sub = f.default_factory
+        if sub is not dataclasses.MISSING and dataclasses.is_dataclass(sub):
+            out[f"{prefix}{f.name}"] = sub  # type: ignore[assignment]
+            out.update(_sections(sub, f"{prefix}{f.name}."))  # type: ignore[arg-type]
+    return out
+
+
+SECTIONS = _sections(Config)
 SECTION_OF_CLASS = {cls.__name__: name for name, cls in SECTIONS.items()}
 CONFIG = "<config>"  # the alias of the whole tree
 
 
 def config_keys() -> list[str]:
-    """The dotted key of every leaf field of the config tree (sections are one level deep)."""
+    """The dotted key of every leaf field of the config tree, nested sections' included."""
     keys = []
     for f in dataclasses.fields(Config):
-        if f.name in SECTIONS:
-            keys += [f"{f.name}.{g.name}" for g in dataclasses.fields(SECTIONS[f.name])]
-        else:
+        if f.name not in SECTIONS:
             keys.append(f.name)
+    for name, cls in SECTIONS.items():
+        keys += [f"{name}.{g.name}" for g in dataclasses.fields(cls)
+                 if f"{name}.{g.name}" not in SECTIONS]  # fmt: skip
     return keys
 
 
@@ -104,13 +115,17 @@ def _section_of(node: ast.expr, aliases: dict[str, str]) -> str | None:
     """The section (or CONFIG) the expression ``node`` holds, where it is known."""
     if isinstance(node, ast.Attribute) and node.attr in SECTIONS:
         return node.attr  # cfg.sync, self.cfg.sync, args.cfg.sync
+    if isinstance(node, ast.Attribute):  # a nested section: cfg.grpo.loss, g.loss
+        parent = _section_of(node.value, aliases)
+        if parent not in (None, CONFIG) and f"{parent}.{node.attr}" in SECTIONS:
+            return f"{parent}.{node.attr}"
     holder = _holder(node)
     if holder is None:
         return None
     if holder in aliases:
         return aliases[holder]
     name = holder.rsplit(".", 1)[-1]
-    if name.endswith("_cfg") and name[: -len("_cfg")] in SECTIONS:
+    if name.endswith("_cfg") and name[: -len("_cfg")] in SECTIONS and "." not in name:
         return name[: -len("_cfg")]  # the naming convention: sync_cfg, self.optim_cfg
     return CONFIG if name in ("cfg", "config") else None
 
@@ -218,8 +233,17 @@ class T:
         self.s = cfg.sync
     def step(self):
         return self.s.verify
+
+def nested(cfg, c: GRPOConfig):
+    cfg.grpo.loss.entropy_coef
+    k = c.kl
+    k.kl_coef
+    c.off_policy.tis.startswith
 """
     read = keys_read([code])
+    # a nested section's key is read through it: grpo.loss.entropy_coef, not grpo.entropy_coef
+    assert {"grpo.loss.entropy_coef", "grpo.kl.kl_coef", "grpo.off_policy.tis"} <= read
+    assert "grpo.entropy_coef" not in read and "grpo.kl_coef" not in read
     assert "checkpoint.interval" in read and "sync.interval" not in read
     assert {"sync.min_interval", "grpo.clip_low", "seed", "sync.verify"} <= read
     assert "grpo.clip_eps_low" in read and "grpo.clip_eps_high" not in read

@@ -21,15 +21,19 @@ def test_configs_are_shipped():
     } <= names
 
 
+def _only(got, value):
+    """``got`` cut to the keys ``value`` sets, in sections and nested sections alike."""
+    if isinstance(value, dict):
+        return {k: _only(got[k], v) for k, v in value.items()}
+    return got
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_config_validates_and_every_value_it_sets_takes_effect(path, tmp_path):
     cfg = load_config(path)  # raises ConfigError on an unknown key or an invalid value
     loaded = dataclasses.asdict(cfg)
     for key, value in yaml.safe_load(path.read_text()).items():
-        got = loaded[key]
-        if isinstance(value, dict):  # a section: only the keys the file sets
-            got = {k: got[k] for k in value}
-        assert got == value, (path.name, key)
+        assert _only(loaded[key], value) == value, (path.name, key)
     # The copy written into the run directory reloads to the same config.
     assert dataclasses.asdict(load_config(save_config(cfg, tmp_path))) == loaded
 
@@ -45,15 +49,19 @@ def test_tiny_cpu_is_the_embedded_default_on_two_ranks():
 
 def test_paper_configs_carry_the_papers_hyperparameters():
     q = load_config(CONFIGS[0].parent / "qwen2.5-0.5b-gsm8k.yaml")
-    assert (q.grpo.group_size, q.optim.lr, q.grpo.kl_coef, q.rollout.temperature) == (
+    assert (q.grpo.group_size, q.optim.lr, q.grpo.kl.kl_coef, q.rollout.temperature) == (
         16, 5e-6, 0.1, 0.1)  # fmt: skip
     d = load_config(CONFIGS[0].parent / "r1-distill-qwen-1.5b-deepscaler.yaml")
-    assert (d.grpo.group_size, d.optim.lr, d.grpo.kl_coef, d.rollout.max_model_len) == (
+    assert (d.grpo.group_size, d.optim.lr, d.grpo.kl.kl_coef, d.rollout.max_model_len) == (
         16, 1e-6, 0.001, 4096)  # fmt: skip
     for c in (q, d):  # the off-policy GRPO objective: E over all prompts, TRL's sequence mean
-        assert (c.grpo.loss_agg, c.grpo.loss_normalizer) == ("seq_mean_token_mean", "all")
-        assert c.grpo.zero_variance_mask and c.grpo.kl_estimator == "k3"
-        assert (c.grpo.ratio_mode, c.grpo.clip_eps_low, c.grpo.clip_eps_high) == ("one", 0.2, 0.2)
+        assert (c.grpo.loss.loss_agg, c.grpo.loss.loss_normalizer) == ("seq_mean_token_mean", "all")
+        assert c.grpo.zero_variance_mask and c.grpo.kl.kl_estimator == "k3"
+        assert (
+            c.grpo.off_policy.ratio_mode,
+            c.grpo.loss.clip_eps_low,
+            c.grpo.loss.clip_eps_high,
+        ) == ("one", 0.2, 0.2)
     assert d.rollout.temperature == 0.7
     t = load_config(CONFIGS[0].parent / "qwen2.5-7b-throughput.yaml")
     assert (t.rollout.tp, t.rollout.placement, t.sync.interval) == (4, "colocated", 10)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_grpo.config.schema import Config, DataConfig, GRPOConfig, ModelConfig, RolloutConfig
+from megatron_grpo.config.schema import Config, DataConfig, ModelConfig, RolloutConfig
 from megatron_grpo.dry_run.memory import GIB, activation_bytes, estimate_memory
 from megatron_grpo.models.spec import spec_from_hf_config
 from megatron_grpo.models.tiny import hf_config_dict
+from tests.helpers.configs import grpo_config
 
 SPEC = spec_from_hf_config(hf_config_dict("Qwen2.5-0.5B"))
 
@@ -24,7 +25,7 @@ def _cfg(
 ) -> Config:
     return Config(
         model=ModelConfig(local_attention=attention, transformer_impl=impl, logprob_impl=logprob),
-        grpo=GRPOConfig(
+        grpo=grpo_config(
             micro_batch_size=rows, pack_sequences=pack, micro_batch_tokens=budget,
             prompts_per_step=1, group_size=2,
         ),

@@ -1,4 +1,4 @@
-"""The packed micro-batch's token budget (``grpo.micro_batch_tokens``, dry_run/budget.py):
+"""The packed micro-batch's token budget (``grpo.batch.micro_batch_tokens``, dry_run/budget.py):
 ``auto`` sized by the memory model on a GPU, explicit values kept, ``auto`` without a GPU the
 budget of before (CPU runs and their golden numbers unchanged), a budget below one sequence
 refused in one line, and ``plan`` printing the budget it would use and what bounds it."""
@@ -35,7 +35,7 @@ LONG_32K = ["data.max_prompt_tokens=512", "rollout.max_new_tokens=32256",
 
 
 def _cfg(*overrides: str):
-    base = ["grpo.prompts_per_step=8", "grpo.group_size=8", "data.max_prompt_tokens=256",
+    base = ["grpo.batch.prompts_per_step=8", "grpo.group_size=8", "data.max_prompt_tokens=256",
             "rollout.max_new_tokens=768", "rollout.max_model_len=1024"]  # fmt: skip
     return load_config(None, [*base, *overrides])
 
@@ -76,16 +76,16 @@ def test_auto_budget_per_data_parallel_rank_and_pipeline():
 
 
 def test_explicit_and_cpu_budgets_are_as_configured():
-    cfg = _cfg("grpo.micro_batch_tokens=3000")
+    cfg = _cfg("grpo.batch.micro_batch_tokens=3000")
     assert _budget(cfg, 80).tokens == 3000 and _budget(cfg, 80).bound == "config"
-    zero = _cfg("grpo.micro_batch_tokens=0", "grpo.micro_batch_size=4")
+    zero = _cfg("grpo.batch.micro_batch_tokens=0", "grpo.batch.micro_batch_size=4")
     assert _budget(zero, 80).tokens == 4 * 1024
     # auto without a GPU: micro_batch_size full sequences, the budget CPU runs always had
-    auto = _cfg("grpo.micro_batch_size=4")
+    auto = _cfg("grpo.batch.micro_batch_size=4")
     cpu = resolve_token_budget(None, auto, dp=1, colocated=True, capacity_bytes=None)
     assert cpu.tokens == micro_batch_token_budget(auto) == 4 * 1024
     assert "auto without a GPU" in cpu.line()
-    padded = _budget(_cfg("grpo.pack_sequences=false"), 80)
+    padded = _budget(_cfg("grpo.batch.pack_sequences=false"), 80)
     assert padded.tokens is None and "padded" in padded.line()
 
 
@@ -100,22 +100,24 @@ def test_trainer_on_cpu_resolves_auto_as_before():
 @pytest.mark.parametrize(
     "value, message",
     [
-        ("1000", "grpo.micro_batch_tokens=1000 is smaller than the longest sequence, "
+        ("1000", "grpo.batch.micro_batch_tokens=1000 is smaller than the longest sequence, "
                  "data.max_prompt_tokens(256) + rollout.max_new_tokens(768) = 1024, which never "
-                 "splits: set grpo.micro_batch_tokens >= 1024, or auto."),
-        ("-2", "grpo.micro_batch_tokens=-2 must be 'auto'"),
-        ("lots", "grpo.micro_batch_tokens='lots' must be 'auto'"),
+                 "splits: set grpo.batch.micro_batch_tokens >= 1024, or auto."),
+        ("-2", "grpo.batch.micro_batch_tokens=-2 must be 'auto'"),
+        ("lots", "grpo.batch.micro_batch_tokens='lots' must be 'auto'"),
     ],
 )  # fmt: skip
 def test_bad_budgets_are_one_line(value, message):
     with pytest.raises(ConfigError) as e:
-        _cfg(f"grpo.micro_batch_tokens={value}")
+        _cfg(f"grpo.batch.micro_batch_tokens={value}")
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_small_budget_is_not_read_without_packing():
     assert (
-        _cfg("grpo.micro_batch_tokens=1000", "grpo.pack_sequences=false").grpo.pack_sequences
+        _cfg(
+            "grpo.batch.micro_batch_tokens=1000", "grpo.batch.pack_sequences=false"
+        ).grpo.batch.pack_sequences
         is False
     )
 
@@ -130,7 +132,7 @@ def test_plan_prints_the_budget(tmp_path: Path, capsys):
     assert f"{d['micro_batch_tokens']:,} tokens each (auto, bounded by memory" in line, line
     assert "GiB left in the train phase by 90% of the 80 GiB GPU" in line
     assert d["micro_batch_tokens_bound"] == "memory" and d["micro_batch_tokens"] % 256 == 0
-    assert main([*args, "grpo.micro_batch_tokens=8192"]) == 0
+    assert main([*args, "grpo.batch.micro_batch_tokens=8192"]) == 0
     assert json.loads(out.read_text())["micro_batch_tokens"] == 8192
 
 

@@ -83,7 +83,7 @@ def test_trainer_params_per_rank_sums_to_model() -> None:
 
 def test_recompute_lowers_activations() -> None:
     spec, _ = resolve_spec("x", preset="Qwen2.5-7B")
-    cfg = load_config(CFG_7B, ["grpo.micro_batch_tokens=0"])  # the same tokens either way
+    cfg = load_config(CFG_7B, ["grpo.batch.micro_batch_tokens=0"])  # the same tokens either way
     a = build_launch_plan(cfg, spec, nodes=1, gpus_per_node=8)
     b = build_launch_plan(cfg, spec, nodes=1, gpus_per_node=8, recompute=True)
     assert b.memory.peak.components["activations"] < a.memory.peak.components["activations"]

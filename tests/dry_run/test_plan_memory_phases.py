@@ -53,7 +53,7 @@ def test_phases_move_by_what_the_keys_move():
     cfg_path = REPO / "configs" / "qwen2.5-7b-throughput.yaml"
 
     def phases(*overrides):  # at one token budget (auto would resize it with the memory left)
-        cfg = load_config(cfg_path, ["grpo.micro_batch_tokens=0", *overrides])
+        cfg = load_config(cfg_path, ["grpo.batch.micro_batch_tokens=0", *overrides])
         plan = build_launch_plan(cfg, spec, nodes=1, gpus_per_node=8)
         return plan.memory.peak.phases, plan.memory.peak.components
 
@@ -88,7 +88,7 @@ def test_no_sleep_does_not_fit_and_is_refused(config, preset, capsys):
               "--nodes", "1", "--gpus-per-node", "8", "rollout.sleep_between_rollouts=false",
               # the logits path: with the fused scoring the 1.5B plan fits (76.5 of 80 GiB);
               # micro_batch_size full sequences: auto shrinks the budget to one and 7B fits
-              "model.logprob_impl=logits", "grpo.micro_batch_tokens=0"])  # fmt: skip
+              "model.logprob_impl=logits", "grpo.batch.micro_batch_tokens=0"])  # fmt: skip
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "out of GPU memory" in err and "train phase" in err, err

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.slow
 
 TWO_RANKS = [
     "grpo.group_size=4",
-    "grpo.prompts_per_step=4",
-    "grpo.micro_batch_size=16",
+    "grpo.batch.prompts_per_step=4",
+    "grpo.batch.micro_batch_size=16",
     "rollout.max_new_tokens=4",
     "rollout.cpu_kv_cache_gb=0.25",
     "model.warm_start_steps=0",

@@ -42,9 +42,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 COMMON = ["--steps", "4", "--sync-interval", "2", *FAST, "rollout.temperature=0.7",
           "sync.verify=true"]  # fmt: skip
-TP1 = ["grpo.ratio_mode=exact", "grpo.kl_coef=0.05", "grpo.overlong_filter=true"]
+TP1 = ["grpo.off_policy.ratio_mode=exact", "grpo.kl.kl_coef=0.05", "grpo.overlong_filter=true"]
 TP2_CONFIG = ["--config", str(ROOT / "configs" / "tiny_cpu.yaml")]  # parallel.tp=2
-TP2 = ["grpo.ratio_mode=one", "grpo.loss_agg=seq_mean_token_mean", "grpo.loss_normalizer=all",
+TP2 = ["grpo.off_policy.ratio_mode=one", "grpo.loss.loss_agg=seq_mean_token_mean", "grpo.loss.loss_normalizer=all",
        "grpo.overlong_buffer=2"]  # fmt: skip
 
 # (loss, reward_mean, grad_norm) per step, by model.logprob_impl. The fused scoring (issue 31)

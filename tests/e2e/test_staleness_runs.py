@@ -1,4 +1,4 @@
-"""grpo.score_alpha end to end (issue 33): real training and vLLM rollouts on CPU.
+"""grpo.off_policy.score_alpha end to end (issue 33): real training and vLLM rollouts on CPU.
 
 - v = 4 on a 2-rank data-parallel world (each rank scores its half; the parts' sums are
   all-reduced): the staleness part is exactly 0 (bitwise) on every batch sampled from the
@@ -27,7 +27,11 @@ trainer on the same fp32 weights. Measured: at most 1.43e-6 over the 8 steps of 
 (T=1) and over a v=1 run at T=0.7 (2-core CPU); 1e-4 is the bound the lag-0 ratio test of
 tests/e2e/test_golden.py uses."""
 
-SPLIT = ["grpo.score_alpha=true", "grpo.ratio_mode=exact", "grpo.tis=token_truncate"]
+SPLIT = [
+    "grpo.off_policy.score_alpha=true",
+    "grpo.off_policy.ratio_mode=exact",
+    "grpo.off_policy.tis=token_truncate",
+]
 
 
 def assert_numerics_within_noise(r: list[dict]) -> None:
@@ -58,7 +62,7 @@ def test_staleness_is_zero_at_lag_0_and_grows_through_a_v4_window(tmp_path):
         kl = [x["staleness_kl"] for x in window]
         assert kl == sorted(kl) and kl[-1] > kl[1] > 0, kl
     assert_numerics_within_noise(r)
-    assert "ratio pi_k/alpha_vLLM split (grpo.score_alpha): staleness KL mean" in out
+    assert "ratio pi_k/alpha_vLLM split (grpo.off_policy.score_alpha): staleness KL mean" in out
 
 
 @pytest.mark.timeout(600)

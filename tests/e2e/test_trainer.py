@@ -137,12 +137,12 @@ def test_grpo_learns_the_synthetic_task(tmp_path, v):
 @pytest.mark.timeout(600)
 def test_a_users_loss_class_trains_without_touching_the_trainer(tmp_path):
     """docs/algorithms.md's worked example (docs/examples/cispo_loss.py) named by
-    grpo.policy_loss: a real run trains with it, and pi_k's pass runs because it declares
+    grpo.loss.policy_loss: a real run trains with it, and pi_k's pass runs because it declares
     pi_k (ratio_mode=exact), so the drift is measured."""
     example = Path(__file__).resolve().parents[2] / "docs" / "examples" / "cispo_loss.py"
     run = tmp_path / "run"
-    rc, out = train(run, "--steps", "2", f"grpo.policy_loss={example}:Cispo",
-                    "grpo.ratio_mode=exact", "checkpoint.save_at_end=false", *FAST)  # fmt: skip
+    rc, out = train(run, "--steps", "2", f"grpo.loss.policy_loss={example}:Cispo",
+                    "grpo.off_policy.ratio_mode=exact", "checkpoint.save_at_end=false", *FAST)  # fmt: skip
     assert rc == 0, out[-3000:]
     r = rows(run)
     assert [x["step"] for x in r] == [1, 2]

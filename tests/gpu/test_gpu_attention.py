@@ -191,15 +191,16 @@ def test_packed_training_on_cuda(ctx, device, figures):
 
 def test_long_packed_sequence_peak_vs_plan(ctx, device, figures):
     needs_cuda()
-    from megatron_grpo.config.schema import Config, DataConfig, GRPOConfig, RolloutConfig
+    from megatron_grpo.config.schema import Config, DataConfig, RolloutConfig
     from megatron_grpo.dry_run.memory import estimate_memory
     from megatron_grpo.policy import build_policy
+    from tests.helpers.configs import grpo_config
 
     seq, preset = 16384, "Qwen2.5-1.5B"
     spec = preset_spec(preset)
     cfg = Config(
         model=ModelConfig(dtype="bfloat16", transformer_impl="local", recompute="full"),
-        grpo=GRPOConfig(micro_batch_size=1, micro_batch_tokens=seq, prompts_per_step=1,
+        grpo=grpo_config(micro_batch_size=1, micro_batch_tokens=seq, prompts_per_step=1,
                         group_size=2),
         data=DataConfig(max_prompt_tokens=256),
         rollout=RolloutConfig(max_new_tokens=seq - 256, max_model_len=seq),

@@ -27,7 +27,7 @@ from megatron_grpo.distributed.spawn import spawn_ranks
 STEPS, V = 4, 2
 OVERRIDES = [
     f"steps={STEPS}", f"sync.interval={V}", "checkpoint.interval=2",
-    "grpo.group_size=4", "grpo.prompts_per_step=4", "grpo.micro_batch_size=16",
+    "grpo.group_size=4", "grpo.batch.prompts_per_step=4", "grpo.batch.micro_batch_size=16",
     "rollout.max_new_tokens=4", "model.warm_start_steps=20", "logging.progress=false",
     "logging.tensorboard=false", "logging.plots=false",
 ]  # fmt: skip

@@ -11,7 +11,7 @@ import sys
 
 # A very short real run: 4 prompts x 4 samples, 4 new tokens (runs.FAST's first five).
 FAST = [
-    "grpo.group_size=4", "grpo.prompts_per_step=4", "grpo.micro_batch_size=16",
+    "grpo.group_size=4", "grpo.batch.prompts_per_step=4", "grpo.batch.micro_batch_size=16",
     "rollout.max_new_tokens=4", "rollout.cpu_kv_cache_gb=0.25",
 ]  # fmt: skip
 

@@ -21,8 +21,8 @@ from tests.helpers.commands import cli
 # A small, fast run: 4 prompts x 4 samples, 4 new tokens, one micro-batch.
 FAST = [
     "grpo.group_size=4",
-    "grpo.prompts_per_step=4",
-    "grpo.micro_batch_size=16",
+    "grpo.batch.prompts_per_step=4",
+    "grpo.batch.micro_batch_size=16",
     "rollout.max_new_tokens=4",
     "rollout.cpu_kv_cache_gb=0.25",
     "model.warm_start_steps=20",

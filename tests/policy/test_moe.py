@@ -242,7 +242,7 @@ def test_logprobs_and_step_match_hf_at_ep1_and_ep2(tiny_moe_dirs):
     assert results[1][0]["mismatch"] is None
     assert [r["mismatch"] for r in results[2]] == [
         "the 2 expert-parallel ranks split their batches into 1 to 2 micro-batches, and MoE "
-        "layers need the same number on each: set grpo.pack_sequences=false (padded "
+        "layers need the same number on each: set grpo.batch.pack_sequences=false (padded "
         "micro-batches) for parallel.ep > 1."
     ] * 2
     base = results[1][0]["qwen3_moe"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tests.bad_inputs import run_case
 
-FAST = ["grpo.group_size=4", "grpo.prompts_per_step=4", "grpo.micro_batch_size=16"]
+FAST = ["grpo.group_size=4", "grpo.batch.prompts_per_step=4", "grpo.batch.micro_batch_size=16"]
 
 
 def test_world_that_does_not_fit_is_one_clear_line_before_the_warm_start(tmp_path):

@@ -54,21 +54,21 @@ TASK_MAX: tuple[str, ...] = ()
 # A 5-step warm start leaves the model answering right ~3% of the time (about half the
 # groups all-wrong); beta=0.1 is the paper's GSM8K KL weight, and on-policy (v=1) is where
 # the paper reports the unstable run. See docs/reproduction.md, "Claim 2".
-TASK_SPARSE: tuple[str, ...] = ("model.warm_start_steps=5", "grpo.kl_coef=0.1")
-# Claim 3 through existing keys: REC's one-side clip mask reads grpo.clip_eps_low/high (the
+TASK_SPARSE: tuple[str, ...] = ("model.warm_start_steps=5", "grpo.kl.kl_coef=0.1")
+# Claim 3 through existing keys: REC's one-side clip mask reads grpo.loss.clip_eps_low/high (the
 # defaults are PPO's 0.2/0.2); rec_weight none = NoIS, is = the importance weight rho.
-REC = ("grpo.policy_loss=rec", "grpo.rec_clip=one_side")
-WIDE = ("grpo.clip_eps_low=0.6", "grpo.clip_eps_high=2.0")
+REC = ("grpo.loss.policy_loss=rec", "grpo.loss.rec_clip=one_side")
+WIDE = ("grpo.loss.clip_eps_low=0.6", "grpo.loss.clip_eps_high=2.0")
 # Claim 5: ratio_mode=exact gives every variant pi_k's log-probs, so fixed runs log the same
 # drift column as adaptive ones at no extra forward pass (equal cost per step). On the tiny
 # job the per-token drift after 1-3 updates spans ~1e-3..1e-1 (docs/reproduction.md, claim
 # 5); max_drift=0.02 lands between, so the interval follows the drift within 1..8.
-TASK_DRIFT: tuple[str, ...] = ("grpo.ratio_mode=exact",)
+TASK_DRIFT: tuple[str, ...] = ("grpo.off_policy.ratio_mode=exact",)
 ADAPTIVE = ("sync.mode=adaptive", "sync.max_drift=0.02", "sync.min_interval=1",
             "sync.max_interval=8")  # fmt: skip
-# Claim 6: the same adaptive rule read off the staleness part alone (grpo.score_alpha: alpha
-# scored by the trainer, so the drift leaves out vLLM's numerical mismatch with it).
-STALENESS = ("grpo.score_alpha=true",)
+# Claim 6: the same adaptive rule read off the staleness part alone (grpo.off_policy.score_alpha:
+# alpha scored by the trainer, so the drift leaves out vLLM's numerical mismatch with it).
+STALENESS = ("grpo.off_policy.score_alpha=true",)
 
 CLAIMS: dict[int, Claim] = {
     c.id: c
@@ -101,10 +101,10 @@ CLAIMS: dict[int, Claim] = {
             "Yao et al., arXiv 2509.24203 (REC-OneSide, off-policy)",
             TASK_MAX,
             (
-                Variant("clip 0.2/0.2", 4, (*REC, "grpo.rec_weight=none")),
-                Variant("clip 0.6/2.0", 4, (*REC, *WIDE, "grpo.rec_weight=none")),
-                Variant("clip 0.2/0.2 + IS", 4, (*REC, "grpo.rec_weight=is")),
-                Variant("clip 0.6/2.0 + IS", 4, (*REC, *WIDE, "grpo.rec_weight=is")),
+                Variant("clip 0.2/0.2", 4, (*REC, "grpo.loss.rec_weight=none")),
+                Variant("clip 0.6/2.0", 4, (*REC, *WIDE, "grpo.loss.rec_weight=none")),
+                Variant("clip 0.2/0.2 + IS", 4, (*REC, "grpo.loss.rec_weight=is")),
+                Variant("clip 0.6/2.0 + IS", 4, (*REC, *WIDE, "grpo.loss.rec_weight=is")),
             ),
             (
                 Comparison("better", "clip 0.6/2.0", "clip 0.2/0.2", "auc"),

@@ -108,9 +108,10 @@ def throughput_table(res: Mapping[str, Any]) -> str:
 
 
 def _score_alpha_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
-    """grpo.score_alpha: what alpha's log-prob pass costs per step, inside ``train``."""
+    """grpo.off_policy.score_alpha: what alpha's log-prob pass costs per step, inside ``train``."""
     return [
-        f"v={r['v']}: grpo.score_alpha's log-prob pass {r['score_alpha_mean_s']:.3f} s per step "
+        f"v={r['v']}: grpo.off_policy.score_alpha's log-prob pass "
+        f"{r['score_alpha_mean_s']:.3f} s per step "
         f"({100 * r['score_alpha_mean_s'] / r['step_time_mean_s']:.1f}% of a step; in train)"
         for r in runs
         if r.get("score_alpha_mean_s") is not None and r["step_time_mean_s"]

@@ -209,7 +209,7 @@ def analyze_rounds(
         "sync_bytes_mean": (
             sum(_f(r, "sync_bytes") for r in synced) / len(synced) if synced else None
         ),
-        # grpo.score_alpha: alpha's log-prob pass per step (part of "train"; 0 at lag 0)
+        # grpo.off_policy.score_alpha: alpha's log-prob pass per step (part of "train"; 0 at lag 0)
         "score_alpha_mean_s": (
             sum(_f(r, "time_score_alpha") for r in measured) / n
             if any("time_score_alpha" in r for r in rows)

@@ -35,10 +35,11 @@ class BenchTrainArgs:
     """Longest response."""
     micro_batch_size: int = 4
     micro_batch_tokens: int | None = None
-    """The project side's token budget per packed micro-batch (``grpo.micro_batch_tokens``);
+    """The project side's token budget per packed micro-batch (``grpo.batch.micro_batch_tokens``);
     None: ``micro_batch_size * (prompt_len + max_len)``, the trainer's ``micro_batch_tokens=0``
     (and its ``auto`` off the GPU; on a GPU ``auto`` is sized by memory, ``dry_run.budget``);
-    0: padded rows of ``micro_batch_size`` like the HF side (``grpo.pack_sequences=false``)."""
+    0: padded rows of ``micro_batch_size`` like the HF side
+    (``grpo.batch.pack_sequences=false``)."""
     recompute: Literal["none", "full"] = "none"
     """Activation recomputation on both sides: ``full`` is the project's
     ``model.recompute=full`` and HF's ``gradient_checkpointing_enable()``."""

@@ -10,7 +10,7 @@ import torch
 
 from megatron_grpo.algorithms.aggregation import GRPOLoss, compute_global_normalizers, make_loss_fn
 from megatron_grpo.algorithms.step_batch import AdvantagedBatch, LossBatch, Rows, extend
-from megatron_grpo.config.schema import GRPOConfig
+from megatron_grpo.config.schema import GRPOConfig, KLConfig
 
 R = TypeVar("R", bound=Rows)
 
@@ -76,7 +76,7 @@ def add_loss_inputs(batch: AdvantagedBatch, logp: torch.Tensor, seed: int) -> Lo
 def grpo_loss_fn() -> GRPOLoss:
     """The clipped off-policy surrogate with a k3 KL term (beta 0.1, the paper's GSM8K
     setup) and token-mean aggregation, built once as the trainer builds it."""
-    return make_loss_fn(GRPOConfig(kl_coef=0.1))
+    return make_loss_fn(GRPOConfig(kl=KLConfig(kl_coef=0.1)))
 
 
 def micro_batches(batch: R, size: int) -> list[tuple[slice, int, R]]:

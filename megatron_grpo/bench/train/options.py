@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="project side: tokens per packed micro-batch (default micro-batch-size x "
-        "(prompt-len + max-len), the trainer's grpo.micro_batch_tokens=0; 0: padded rows "
+        "(prompt-len + max-len), the trainer's grpo.batch.micro_batch_tokens=0; 0: padded rows "
         "like the HF side)",
     )
     p.add_argument(
