@@ -10,22 +10,23 @@ import torch
 
 from megatron_grpo.algorithms import aggregation as agg
 from megatron_grpo.config.schema import GRPOConfig
+from tests.helpers.batches import loss_batch
 from tests.helpers.configs import grpo_config
 
 B, T = 6, 5
 
 
-def _batch() -> dict[str, torch.Tensor]:
+def _batch() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The current policy's log-probs and the loss's inputs by field."""
     g = torch.Generator().manual_seed(7)
     logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2
     mask = (torch.rand(B, T, generator=g) > 0.3).double()
     mask[4] = 0  # a fully masked sequence on rank 1: must not count as a sequence
-    return {
-        "logp": logp,
+    return logp, {
         "loss_mask": mask,
         "advantages": torch.randn(B, generator=g, dtype=torch.float64),
-        "rollout_logp": logp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64),
-        "ref_logp": logp - 0.3,
+        "alpha_engine_logp": logp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64),
+        "pi_ref_logp": logp - 0.3,
     }
 
 
@@ -41,21 +42,22 @@ def _worker(rank: int, world: int, init_file: str, out) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        full = _batch()
+        logp, full = _batch()
         # Rank 0 holds rows 0..1 (one micro-batch), rank 1 rows 2..5 (two micro-batches).
         mbs = [[(0, 2)], [(2, 3), (3, 6)]][rank]
         norms = agg.compute_global_normalizers(
             [full["loss_mask"][a:c] for a, c in mbs], group=dist.group.WORLD
         )
+        batch = loss_batch(**full, normalizers=norms)
         totals = torch.zeros(len(MODES), dtype=torch.float64)
         for i, mode in enumerate(MODES):
             loss_fn = agg.make_loss_fn(_cfg(mode))
             for a, c in mbs:
-                mb = {k: v[a:c] for k, v in full.items() if k != "logp"} | norms
-                totals[i] += loss_fn(full["logp"][a:c], torch.zeros(c - a, T), mb)[0]
+                mb = batch.select(slice(a, c))
+                totals[i] += loss_fn(logp[a:c], torch.zeros(c - a, T), mb)[0]
         dist.all_reduce(totals)
         if rank == 0:
-            out.put((totals.tolist(), norms["global_num_seqs"].item()))
+            out.put((totals.tolist(), norms.num_seqs.item()))
     finally:
         dist.destroy_process_group()
 
@@ -79,10 +81,9 @@ def test_gloo_dp_sum_equals_full_batch(tmp_path):
             if p.is_alive():
                 p.kill()
                 p.join()
-    full = _batch()
-    mb = {k: v for k, v in full.items() if k != "logp"}
-    mb |= agg.compute_global_normalizers(full["loss_mask"])
-    assert num_seqs == mb["global_num_seqs"].item() == 5
+    logp, full = _batch()
+    mb = loss_batch(**full)  # the whole batch's normalizers, on one rank
+    assert num_seqs == mb.normalizers.num_seqs.item() == 5
     for mode, total in zip(MODES, totals):
-        whole = agg.make_loss_fn(_cfg(mode))(full["logp"], torch.zeros(B, T), mb)[0]
+        whole = agg.make_loss_fn(_cfg(mode))(logp, torch.zeros(B, T), mb)[0]
         assert total == pytest.approx(whole.item(), rel=1e-6), mode

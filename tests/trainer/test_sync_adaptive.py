@@ -240,9 +240,8 @@ def _drift_on_rank(rank: int, world_size: int, dp: int, init_file: str) -> float
     else:
         logp = logp + 1e-6 * rank  # ranks that should agree, but differ in the last digits
     ctx = SimpleNamespace(dp=dp, dp_group=dist.group.WORLD, world_size=world_size)
-    shard = {"rollout_logp": alpha, "response_mask": mask}
     try:
-        return measure_drift(logp, shard, ctx)
+        return measure_drift(logp, alpha, mask, ctx)
     finally:
         dist.destroy_process_group()
 
