@@ -6,7 +6,11 @@
 - ``bridge``: reference executors and shards the bridge is checked against;
 - ``layouts``: small specs (dense and MoE) and arange-filled HF weights;
 - ``steps``: batches and losses for one policy train step;
-- ``numerics``: golden-value comparisons, a peak-memory probe, an attention reference;
+- ``batches``: the step's staged values (``Rows``, ``AdvantagedBatch``, ``LossBatch``) from
+  just the tensors a test cares about;
+- ``configs``: a ``GRPOConfig`` from flat keys, each put in its section;
+- ``numerics``: golden-value comparisons (and which CPU's table, ``cpu_kind``), a
+  peak-memory probe, an attention reference;
 - ``ranks``: spawned gloo ranks with results through a queue (transport tests).
 
 Test files import from here, never from one another.
