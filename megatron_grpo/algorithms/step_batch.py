@@ -169,10 +169,7 @@ def extend(stage: type[S], prior: Rows, **fields: object) -> S:
     return stage(**{**own, **fields})
 
 
-LossFn = Callable[[Tensor, Tensor, LossBatch], tuple[Tensor, Metrics]]
-"""``loss_fn(logp, entropy, mb) -> (loss, metrics)``: one micro-batch's share of the global
-objective (algorithms/aggregation.py ``make_loss_fn``)."""
-
 ScoreFn = Callable[[Tensor, Tensor, S], tuple[Tensor, Metrics]]
 """What the policy's forward hands each micro-batch's ``logp``, ``entropy`` and rows (a value
-of the batch's stage ``S``) to: a ``LossFn`` in a train step, a collector in a log-prob pass."""
+of the batch's stage ``S``) to: the loss (algorithms/aggregation.py ``GRPOLoss``) in a train
+step, a collector in a log-prob pass."""
