@@ -114,6 +114,8 @@ def test_liger_policy_matches_local(ctx, figures):
     assert abs(sa["grad_norm"] - sb["grad_norm"]) <= 0.05 * sa["grad_norm"]
 
 
+@pytest.mark.slow  # torch.compile's inductor starts its compile-worker processes
+@pytest.mark.timeout(600)
 def test_kernel_train_step_times(ctx, figures):
     needs_cuda()
     spec = preset_spec("Qwen2.5-0.5B")

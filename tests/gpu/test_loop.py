@@ -51,7 +51,7 @@ def _run(rank: int, world: int, run_dir: str, steps: int, resume: bool) -> dict:
             "seconds": time.perf_counter() - t0,
             "dtype": dtype,
             "distributed_optimizer": trainer.policy.distributed_optimizer,
-            "memory_active": trainer.colocated_memory.active,
+            "memory_active": trainer.memory.active,
         }
     finally:
         trainer.close()
