@@ -15,6 +15,10 @@ things:
   fewer than 7919 samples;
 - validation adds 104_729 (the 10000th prime) once, with no step: the same prompts with the
   same seed every time, so the validation figure moves only with the weights;
+- a multi-turn episode (``env.name``) is one request per sample: sample ``j`` of request
+  ``i`` takes ``seed + i * n + j`` for its first turn, the seed vLLM gives that sample in
+  one turn, and turn ``t`` adds ``TURN * t`` (the 100_000th prime, 1_299_709: past the
+  samples of 164 steps);
 - each rollout replica (a vLLM engine) offsets its requests by ``1_000_003 * replica``, so
   two engines given the same seed do not sample the same responses.
 
@@ -32,6 +36,8 @@ SAMPLING_STEP = 7919
 """Step stride of vLLM's sampling seed (added to ``rollout.seed``)."""
 VALIDATION = 104_729
 """Offset of the validation sampling seed from ``rollout.seed``."""
+TURN = 1_299_709
+"""Stride of a multi-turn episode's per-turn sampling seed."""
 REPLICA = 1_000_003
 """Stride of the per-replica offset of vLLM's request seeds."""
 
@@ -59,3 +65,9 @@ def validation_seed(rollout_seed: int) -> int:
 def replica_offset(replica_index: int) -> int:
     """What rollout replica ``replica_index`` adds to each request's seed."""
     return replica_index * REPLICA
+
+
+def turn_seed(episode_seed: int, turn: int) -> int:
+    """vLLM's seed of turn ``turn`` (0-based) of the episode whose first turn is seeded
+    ``episode_seed`` (``rollout.agent``)."""
+    return episode_seed + TURN * turn

@@ -120,7 +120,8 @@ class SampledBatch(Rows):
 
     attention_mask: Tensor
     response_mask: Tensor
-    """``[B, L]``: 1 on every response token (``grpo.loss.loss_normalizer=all`` counts these)."""
+    """``[B, L]``: 1 on every response token the model sampled, 0 on a multi-turn episode's
+    environment tokens and off the response (``grpo.loss.loss_normalizer=all`` counts these)."""
     alpha_engine_logp: Tensor
     """``[B, L]``: alpha's log-probs as the engine returned them with the samples; 0 off the
     response."""

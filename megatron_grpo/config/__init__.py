@@ -19,6 +19,7 @@ from megatron_grpo.config.schema import (
     OptimConfig,
     ParallelConfig,
     RewardConfig,
+    EnvConfig,
     RolloutConfig,
     SyncConfig,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "OptimConfig",
     "ParallelConfig",
     "RewardConfig",
+    "EnvConfig",
     "RolloutConfig",
     "SyncConfig",
     "format_config",

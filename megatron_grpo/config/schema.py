@@ -639,6 +639,48 @@ class RewardConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn episodes: the model acts, an environment answers (docs/environments.md)."""
+
+    name: str = ""
+    """``path/to/file.py:ClassName`` or ``package.module:ClassName`` (built-in:
+    ``megatron_grpo.environments.calculator:Calculator``); ``ClassName(row)`` once per episode,
+    ``step(text) -> (reply, reward)`` per model turn. Empty: one response per sample, as
+    before (bit for bit)."""
+    max_turns: int = 4
+    """Model turns per episode at most (the response token budget,
+    ``rollout.max_new_tokens``, covers model and environment tokens together)."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a model turn besides EOS (e.g. ``</calc>``); the turn's text handed to
+    ``step`` includes the one that ended it."""
+    timeout_s: float = 10.0
+    """Time limit of one ``ClassName(row)`` or ``step`` call; past it the episode ends with
+    reward 0 and is counted (``env_timeouts``)."""
+    num_workers: int = 4
+    """Threads that run environment calls side by side (per engine)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list) or not all(
+            isinstance(x, str) and x for x in self.stop
+        ):
+            raise ConfigError(
+                f"env.stop={self.stop!r} must be a list of non-empty strings, e.g. "
+                "env.stop='[\"</calc>\"]'."
+            )
+        if self.max_turns < 1:
+            raise ConfigError(
+                f"env.max_turns={self.max_turns} must be >= 1: the model's turns per episode."
+            )
+        _positive("env", self, "timeout_s", "num_workers")
+
+    @property
+    def multi_turn(self) -> bool:
+        return bool(self.name)
+
+
+@dataclass
 class CheckpointConfig:
     interval: int = 0
     """Save every this many steps (0 = only at the end)."""
@@ -703,6 +745,7 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -33,6 +33,9 @@ class Prompt:
     prompt_ids: list[int]
     answer: str
     meta: dict[str, Any] = field(default_factory=dict)
+    row: dict[str, Any] = field(default_factory=dict)
+    """The data row as read (every key), with ``prompt`` (before the template) and
+    ``answer`` (a string): what a multi-turn environment is built from (``env.name``)."""
 
 
 @dataclass
@@ -102,7 +105,8 @@ class PromptSource:
             draw = self.epoch * len(self._prompts) + self.index
             out.append(
                 Prompt(
-                    p.text, p.prompt_ids, p.answer, {**p.meta, "epoch": self.epoch, "draw": draw}
+                    p.text, p.prompt_ids, p.answer, {**p.meta, "epoch": self.epoch, "draw": draw},
+                    p.row,
                 )
             )
             self.index += 1
@@ -255,14 +259,14 @@ def build_prompt_source(data_cfg, tokenizer=None) -> PromptSource:
         enc = tokenizer([k[0] for k in kept], add_special_tokens=add_special)
         ids = [list(x) for x in enc["input_ids"]]
     prompts = []
-    for (text, answer, row_no), prompt_ids in zip(kept, ids):
+    for (text, answer, row_no, row), prompt_ids in zip(kept, ids):
         if tokenizer is not None and len(prompt_ids) > data_cfg.max_prompt_tokens:
             if data_cfg.strict:
                 _fail(data_cfg, "too_long", row_no, f"{len(prompt_ids)} tokens > "
                       f"data.max_prompt_tokens={data_cfg.max_prompt_tokens}")  # fmt: skip
             report.skip("too_long", row_no)
             continue
-        prompts.append(Prompt(text, prompt_ids, answer, {"row": row_no}))
+        prompts.append(Prompt(text, prompt_ids, answer, {"row": row_no}, row))
     report.kept = len(prompts)
     if report.skipped:
         log.warning("%s", report.summary())
@@ -288,11 +292,11 @@ def _source_rows(data_cfg) -> tuple[Iterable[Any], str, str]:
     return rows, "prompt", "answer"
 
 
-def _rendered_rows(data_cfg, render, report: LoadReport) -> list[tuple[str, str, int]]:
-    """``(rendered prompt, answer, row number)`` of every valid row; an invalid one fails
-    (``data.strict``) or is skipped and counted in ``report``."""
+def _rendered_rows(data_cfg, render, report: LoadReport) -> list[tuple[str, str, int, dict]]:
+    """``(rendered prompt, answer, row number, row)`` of every valid row; an invalid one
+    fails (``data.strict``) or is skipped and counted in ``report``."""
     rows, prompt_key, answer_key = _source_rows(data_cfg)
-    kept: list[tuple[str, str, int]] = []
+    kept: list[tuple[str, str, int, dict]] = []
     for row_no, row in enumerate(rows):
         report.total += 1
         reason, prompt, answer = _row_fields(row, prompt_key, answer_key)
@@ -302,7 +306,7 @@ def _rendered_rows(data_cfg, render, report: LoadReport) -> list[tuple[str, str,
                       f"needs non-empty {prompt_key!r} and {answer_key!r} strings")  # fmt: skip
             report.skip(reason, row_no)
             continue
-        kept.append((render(prompt), answer, row_no))
+        kept.append((render(prompt), answer, row_no, {**row, "prompt": prompt, "answer": answer}))
     return kept
 
 

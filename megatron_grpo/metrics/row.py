@@ -49,10 +49,11 @@ def step_row(
     (``rollout.routing_replay``), if measured."""
 
     mean = partial(_train_mean, train)
-    lengths = [len(s.response_ids) for s in samples]
+    lengths = [s.model_tokens for s in samples]  # an episode's environment tokens excluded
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     task_scores = reward_info["task_scores"]
     extra = _reward_and_train_extras(reward_info, adv, train, times, eval_metrics)
+    extra.update(episode_metrics(samples))
     extra.update(ratio_parts or {})
     if routing_mismatch is not None:
         extra["routing_mismatch"] = routing_mismatch
@@ -76,6 +77,25 @@ def step_row(
         skipped_nan=any(m.get("skipped") for m in train),
         gpu_memory=gpu_memory, extra=extra,
     )  # fmt: skip
+
+
+def episode_metrics(samples: Sequence[Any]) -> dict[str, Any]:
+    """Multi-turn episodes' figures (``env.name``; docs/metrics.md): turns, environment
+    calls and how episodes ended, the share of environment tokens; {} for one-turn samples."""
+    if not samples or samples[0].response_mask is None:
+        return {}
+    n = len(samples)
+    response = sum(len(s.response_ids) for s in samples)
+    ends = [s.env_end for s in samples]
+    return {
+        "turns_mean": sum(s.turns for s in samples) / n,
+        "turns_max": max(s.turns for s in samples),
+        "env_calls": sum(s.env_calls for s in samples),
+        "env_errors": ends.count("error"),
+        "env_timeouts": ends.count("timeout"),
+        "env_truncated": ends.count("truncated"),
+        "env_token_frac": (response - sum(s.model_tokens for s in samples)) / max(response, 1),
+    }
 
 
 def _train_mean(train: Sequence[Mapping[str, Any]], key: str) -> float | None:

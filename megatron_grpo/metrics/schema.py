@@ -60,9 +60,10 @@ class StepMetrics:
     time_step: float | None = None
     """The whole step, phases plus everything between them."""
     response_len_mean: float | None = None
-    """Mean response length in tokens."""
+    """Mean response length in tokens (the model's own: a multi-turn episode's environment
+    tokens are not counted)."""
     response_len_max: int | None = None
-    """Longest response in tokens."""
+    """Longest response in tokens (the model's own)."""
     clip_frac_low: float | None = None
     """Fraction of response tokens clipped at the lower bound (ratio < r' - eps_low, A < 0)."""
     clip_frac_high: float | None = None

@@ -16,7 +16,9 @@ from megatron_grpo.algorithms.shaping import shape_rewards
 class GroupScorer:
     """``scorer(prompts, samples) -> (rewards [P, G], info)``; ``info`` is the reward
     function's (``task_scores`` among it). Responses are decoded without special tokens;
-    with ``grpo.overlong_buffer > 0`` DAPO's overlong penalty is added."""
+    with ``grpo.overlong_buffer > 0`` DAPO's overlong penalty is added. A multi-turn
+    episode's reward is its environment's (``Sample.env_reward``) where it gave one; the
+    reward function scores the whole transcript otherwise."""
 
     def __init__(self, reward_fn: Any, tokenizer: Any, group_size: int, max_new_tokens: int,
                  overlong_buffer: int, overlong_penalty: float) -> None:  # fmt: skip
@@ -40,6 +42,12 @@ class GroupScorer:
             texts,
             [prompts[i // g].answer for i in range(len(samples))],
         )
+        if any(s.env_reward is not None for s in samples):  # episodes the environment scored
+            rewards = [r if s.env_reward is None else s.env_reward for s, r in zip(samples, rewards)]
+            info = {**info, "task_scores": [t if s.env_reward is None else s.env_reward
+                                            for s, t in zip(samples, info["task_scores"])]}  # fmt: skip
+            info["reward_mean"] = sum(rewards) / len(rewards)
+            info["task_mean"] = sum(info["task_scores"]) / len(rewards)
         lengths = torch.tensor([len(s.response_ids) for s in samples])
         rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(prompts), g)
         shaped = shape_rewards(

@@ -73,8 +73,8 @@ class _Buffered:
     """``score(prompts, samples)`` of them, computed as soon as they arrive."""
 
 
-Launch = Callable[[list[tuple[list, int]]], list[Callable[[], list | None]]]
-"""``launch([(prompt_ids, seed) per step])`` starts the steps' generation and returns one
+Launch = Callable[[list[Any]], list[Callable[[], list | None]]]
+"""``launch([(prompt_ids, seed[, rows]) per step])`` starts the steps' generation and returns one
 thunk per step that yields its samples (``Rollout.launch``): local, no collective, so a
 background thread may call it; None on a rank that does not receive them."""
 
@@ -104,8 +104,11 @@ class WindowBuffer:
                  total_steps: int, rollout_seed: int, launch: Launch,
                  score: Callable[[list, list], Any] | None = None,
                  share: Callable[[Callable[[], Any]], Any] = _call,
-                 window_end: Callable[[int], int] | None = None) -> None:  # fmt: skip
+                 window_end: Callable[[int], int] | None = None,
+                 with_rows: bool = False) -> None:  # fmt: skip
         self.prompts, self.launch, self.score, self.share = prompts, launch, score, share
+        self.with_rows = with_rows
+        """Multi-turn episodes (``env.name``): each step's data rows go with its prompts."""
         self.window_end = window_end
         self.prompts_per_step, self.ahead = prompts_per_step, ahead
         self.sync_interval, self.total_steps = sync_interval, total_steps
@@ -159,12 +162,7 @@ class WindowBuffer:
         for s in steps:  # data stream in step order, as the serial loop draws it
             before = self.prompts.state_dict()
             drawn.append((s, self.prompts.next_batch(self.prompts_per_step), before))
-        thunks = self.launch(
-            [
-                ([p.prompt_ids for p in ps], sampling_seed(self.rollout_seed, s))
-                for s, ps, _ in drawn
-            ]
-        )
+        thunks = self.launch([self._step_prompts(s, ps) for s, ps, _ in drawn])
         window = [_Buffered(s, ps, before) for s, ps, before in drawn]
         self._buffer.extend(window)
         if self._arrivals is None:
@@ -178,6 +176,11 @@ class WindowBuffer:
                 daemon=True,
             ).start()
         self._arrivals.put((window, thunks))
+
+    def _step_prompts(self, step: int, prompts: list) -> tuple:
+        """What ``launch`` takes of one step: ``(prompt_ids, seed[, rows])``."""
+        ids, seed = [p.prompt_ids for p in prompts], sampling_seed(self.rollout_seed, step)
+        return (ids, seed, [p.row for p in prompts]) if self.with_rows else (ids, seed)
 
     def _arrivals_thread(self, arrivals: queue.SimpleQueue) -> None:
         while True:

@@ -15,6 +15,7 @@ from megatron_grpo.bridge.transfer_group import PlanInputs, init_transfer_group
 from megatron_grpo.bridge.weight_sync import remote_sender
 from megatron_grpo.config import Config
 from megatron_grpo.rollout import messages
+from megatron_grpo.rollout.agent import StepPrompts
 from megatron_grpo.rollout.control import engine_peer, node_address
 from megatron_grpo.rollout.server import DisaggregatedWorld
 
@@ -97,28 +98,34 @@ class RolloutClient:
 
         return self.share(ready)
 
-    def generate(self, prompt_ids: list, seed: int, **sampling: Any) -> list:
+    def generate(self, prompt_ids: list, seed: int, rows: list | None = None,
+                 **sampling: Any) -> list:  # fmt: skip
         """All prompts' samples, prompt-major, on every trainer rank: engine e samples
         prompts ``[e*P//E, (e+1)*P//E)``, as colocated engines do (``rollout.colocated``).
         One step's ``launch``, posted and received on rank 0 inside ``share`` (an error
         there reaches every trainer rank)."""
-        return self.share(lambda: self.launch([(prompt_ids, seed)], **sampling)[0]())
+        step: StepPrompts = (prompt_ids, seed) if rows is None else (prompt_ids, seed, rows)
+        return self.share(lambda: self.launch([step], **sampling)[0]())
 
-    def _submit(self, prompt_ids: list, **sampling: Any) -> int | None:
+    def _submit(self, prompt_ids: list, rows: list | None, **sampling: Any) -> int | None:
         """Queue a ``generate`` without waiting (rollout.ahead): the engines run queued
         commands back to back, in order; ``_receive(ticket)`` waits for the samples. The
         ticket is meaningful on trainer rank 0 only (other ranks get theirs from rank 0)."""
         if self.ctx.rank != 0:
             return None
+        extra = {} if rows is None else {"rows": list(rows)}
         return self._post("generate", prompts=[list(p) for p in prompt_ids],
-                          engines=self.engines, sampling=sampling)  # fmt: skip
+                          engines=self.engines, sampling=sampling, **extra)  # fmt: skip
 
-    def launch(self, steps: list[tuple[list, int]], **sampling: Any) -> list:
-        """Queue one generate per step (``[(prompt_ids, seed)]``) on the engines, which run
+    def launch(self, steps: list[StepPrompts], **sampling: Any) -> list:
+        """Queue one generate per step (``[(prompt_ids, seed[, rows])]``) on the engines, which run
         them back to back while the trainer trains; returns one thunk per step that collects
         its samples (rollout.ahead). Each step is its own vLLM call with its own seed, so
         the samples are the serial schedule's, bit for bit."""
-        tickets = [self._submit(ids, seed=seed, **sampling) for ids, seed in steps]
+        tickets = [
+            self._submit(ids, rows[0] if rows else None, seed=seed, **sampling)
+            for ids, seed, *rows in steps
+        ]
         return [(lambda t=t: self._receive(t)) for t in tickets]
 
     def _receive(self, ticket: int | None) -> list | None:

@@ -145,6 +145,8 @@ class RolloutEngine:
         seed: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
         seeds: Sequence[int] | None = None,
+        stop: Sequence[str] | None = None,
+        max_tokens_each: Sequence[int] | None = None,
     ) -> list[Sample]:
         """``n`` samples per prompt, prompt-major (samples of prompt i at ``[i*n, (i+1)*n)``).
 
@@ -153,12 +155,14 @@ class RolloutEngine:
         seed and prompts give the same samples and no two samples share a seed. ``seeds``
         (one per prompt) replaces ``seed + i*n``: one call can then carry several steps'
         prompts, each request with the seed its own step's call would give it
-        (rollout/ahead.py).
+        (rollout/ahead.py). ``stop`` and ``max_tokens_each``: a multi-turn episode's turn
+        (``rollout.agent``; ``rollout.samples.sampling_requests``).
         """
         requests, params = sampling_requests(
             prompt_token_ids, seeds, self.seed if seed is None else seed, self.replica_index,
             n=n, temperature=temperature, top_p=top_p, top_k=top_k,
-            max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+            max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, stop=stop,
+            max_tokens_each=max_tokens_each,
         )  # fmt: skip
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         routed = None

@@ -24,6 +24,7 @@ from megatron_grpo.config import Config
 from megatron_grpo.config.schema import RolloutConfig
 from megatron_grpo.distributed import ParallelContext
 from megatron_grpo.policy import Policy
+from megatron_grpo.rollout.agent import StepPrompts
 from megatron_grpo.rollout.client import connect_rollout
 from megatron_grpo.rollout.colocated import build_colocated
 from megatron_grpo.rollout.server import DisaggregatedWorld
@@ -31,9 +32,10 @@ from megatron_grpo.rollout.server import DisaggregatedWorld
 
 class Rollout(Protocol):
     def launch(
-        self, steps: list[tuple[list, int]], **sampling: Any
+        self, steps: list[StepPrompts], **sampling: Any
     ) -> list[Callable[[], list | None]]:
-        """Start generating ``[(prompt_ids, seed)]`` per step; one thunk per step returns
+        """Start generating ``[(prompt_ids, seed)]`` per step (``(prompt_ids, seed, rows)``
+        with the data rows of multi-turn episodes, ``env.name``); one thunk per step returns
         that step's samples, blocking until they are there, on the ranks where they arrive
         (None elsewhere). Thunks run no collective: a background thread may call them."""
 
@@ -41,8 +43,11 @@ class Rollout(Protocol):
         """``fn()`` evaluated where ``launch``'s samples arrive, its result (or its error) on
         every trainer rank (collective)."""
 
-    def generate(self, prompt_ids: list, seed: int, **sampling: Any) -> list:
-        """One batch's samples, prompt-major, on every trainer rank."""
+    def generate(
+        self, prompt_ids: list, seed: int, rows: list | None = None, **sampling: Any
+    ) -> list:
+        """One batch's samples, prompt-major, on every trainer rank (episodes of ``rows``
+        with ``env.name``)."""
 
     def shutdown(self) -> None:
         """Stop the engines (idempotent)."""

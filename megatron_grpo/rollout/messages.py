@@ -66,11 +66,18 @@ _SAMPLING = {
         seed=int,
         stop_token_ids=[int],
         seeds=[int],
+        stop=[str],
     ).items()
 }
 """``RolloutEngine.generate``'s keywords (``rollout.interface.sampling_args`` and a seed)."""
 COMMANDS = {
-    "generate": {"op": str, "prompts": [[int]], "engines": int, "sampling": _SAMPLING},
+    "generate": {
+        "op": str,
+        "prompts": [[int]],
+        "engines": int,
+        "sampling": _SAMPLING,
+        "rows": Opt([dict]),  # multi-turn episodes' data rows (env.name), one per prompt
+    },
     "init_transfer": {
         "op": str,
         "info": {
@@ -100,10 +107,15 @@ SCHEMAS: dict[str, Any] = {
         "finish_reason": [str],
         "weight_version": [Opt(str)],
         "routed_shape": Opt([int]),
+        "episode": Opt(
+            {"turns": [int], "env_reward": [Opt(float)], "env_end": [str], "env_calls": [int]}
+        ),
     },
 }
 _SAMPLE_ARRAYS = (("prompt_ids", "int64"), ("response_ids", "int64"), ("logprobs", "float64"))
 _ROUTED_DTYPES = ("uint8", "int16")
+_OPTIONAL_ARRAYS = (("routed_experts", _ROUTED_DTYPES), ("response_mask", ("uint8",)))
+"""Arrays after the three of every sample, in this order when present."""
 """``Sample.routed_experts`` (rollout.routing_replay): every sample's [prompt + response - 1,
 layers, top-k] rows end to end, ``routed_shape`` = [layers, top-k] in the body."""
 
@@ -194,6 +206,14 @@ def samples(batch: list[Sample]) -> bytes:
         body["routed_shape"] = list(rows[0].shape[1:])
         dtype = "uint8" if all(r.dtype.name == "uint8" for r in rows) else "int16"
         arrays.append(("routed_experts", dtype, [int(x) for r in rows for x in r.reshape(-1)]))
+    if batch and batch[0].response_mask is not None:  # multi-turn episodes
+        body["episode"] = {
+            "turns": [s.turns for s in batch],
+            "env_reward": [s.env_reward for s in batch],
+            "env_end": [s.env_end for s in batch],
+            "env_calls": [s.env_calls for s in batch],
+        }
+        arrays.append(("response_mask", "uint8", [m for s in batch for m in s.response_mask or []]))
     return _frame("samples", body, arrays)
 
 
@@ -267,12 +287,10 @@ def _no_constant(name: str) -> None:
 def _arrays(specs: list, blob: bytes, kind: str) -> dict[str, list]:
     """The raw arrays after the header, by name: exactly those ``kind`` carries."""
     want = list(_SAMPLE_ARRAYS) if kind == "samples" else []
-    if (
-        kind == "samples"
-        and len(specs) == 4
-        and list(specs[3][:2]) in (["routed_experts", d] for d in _ROUTED_DTYPES)
-    ):
-        want.append(tuple(specs[3][:2]))
+    for name, dtypes in _OPTIONAL_ARRAYS if kind == "samples" else ():
+        at = len(want)  # each optional array in its order, when present
+        if len(specs) > at and len(specs[at]) >= 2 and specs[at][0] == name and specs[at][1] in dtypes:
+            want.append(tuple(specs[at][:2]))
     if [tuple(s[:2]) for s in specs] != want or any(len(s) != 3 for s in specs):
         raise BadMessage(f"arrays {[s[:2] for s in specs]}, expected {[list(w) for w in want]}")
     out, pos = {}, 0
@@ -295,13 +313,21 @@ def _arrays(specs: list, blob: bytes, kind: str) -> dict[str, list]:
 def _samples(body: dict, arrays: dict[str, list]) -> list[Sample]:
     n = len(body["prompt_len"])
     routed = _routed(body, arrays)
-    if any(len(body[k]) != n for k in body if k != "routed_shape"):
+    episode = body.get("episode")
+    if any(len(body[k]) != n for k in body if k not in ("routed_shape", "episode")) or (
+        episode is not None and any(len(v) != n for v in episode.values())
+    ):
         raise BadMessage(f"samples: lengths differ { ({k: len(v) for k, v in body.items()}) }")
     for k, total in (("prompt_len", "prompt_ids"), ("response_len", "response_ids")):
         if any(x < 0 for x in body[k]) or sum(body[k]) != len(arrays[total]):
             raise BadMessage(
                 f"samples: {k} sums to {sum(body[k])}, {total} holds {len(arrays[total])}"
             )
+    if (episode is None) != ("response_mask" not in arrays) or len(
+        arrays.get("response_mask", arrays["response_ids"])
+    ) != len(arrays["response_ids"]):
+        raise BadMessage("samples: an episode's response_mask and its turns come together, "
+                         "one mask entry per response token")  # fmt: skip
     if len(arrays["logprobs"]) != len(arrays["response_ids"]):
         raise BadMessage(
             f"samples: {len(arrays['logprobs'])} logprobs for "
@@ -317,6 +343,10 @@ def _samples(body: dict, arrays: dict[str, list]) -> list[Sample]:
                           weight_version=body["weight_version"][i]))  # fmt: skip
         if routed is not None:
             out[-1].routed_experts, routed = routed[: pl + rl - 1], routed[pl + rl - 1 :]
+        if episode is not None:
+            out[-1].response_mask = arrays["response_mask"][r : r + rl]
+            out[-1].turns, out[-1].env_reward = episode["turns"][i], episode["env_reward"][i]
+            out[-1].env_end, out[-1].env_calls = episode["env_end"][i], episode["env_calls"][i]
         p, r = p + pl, r + rl
     return out
 

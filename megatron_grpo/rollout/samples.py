@@ -28,6 +28,26 @@ class Sample:
     """With ``routing_capture``: the experts vLLM routed each forwarded token to, a numpy
     array [prompt + response - 1, MoE layers, top-k] (row t: token t; the last response
     token is never forwarded; rollout/routing_capture.py). None otherwise."""
+    response_mask: list[int] | None = None
+    """Multi-turn episodes (``env.name``): per response token, 1 where the model sampled it,
+    0 where the environment's reply put it (its ``logprobs`` entry is 0.0 and means
+    nothing). None: every response token is the model's (one turn)."""
+    turns: int = 1
+    """Model turns of the episode."""
+    env_reward: float | None = None
+    """The episode's reward from the environment (its last non-None ``step`` reward; 0.0
+    when an environment call failed); None: ``reward.name`` scores the transcript."""
+    env_end: str = ""
+    """How the episode ended: ``done`` (the environment ended it), ``max_turns``,
+    ``truncated`` (the response token budget ran out), ``error``, ``timeout``; empty for
+    one-turn samples."""
+    env_calls: int = 0
+    """Environment calls the episode made (its construction included)."""
+
+    @property
+    def model_tokens(self) -> int:
+        """Response tokens the model sampled."""
+        return len(self.response_ids) if self.response_mask is None else sum(self.response_mask)
 
 
 def sampling_requests(
@@ -42,10 +62,14 @@ def sampling_requests(
     top_k: int,
     max_new_tokens: int,
     stop_token_ids: Sequence[int] | None,
+    stop: Sequence[str] | None = None,
+    max_tokens_each: Sequence[int] | None = None,
 ) -> tuple[list[dict[str, Any]], list[Any]]:
     """vLLM's requests (one per prompt) and their ``SamplingParams``: request i is seeded
     ``seeds[i]``, or ``base_seed + i*n`` without ``seeds``, plus the replica's offset
-    (``RolloutEngine.generate``)."""
+    (``RolloutEngine.generate``). ``stop``: strings that end a completion besides the stop
+    tokens (kept in its tokens); ``max_tokens_each``: request i's own token limit instead
+    of ``max_new_tokens`` (a multi-turn episode's remaining budget)."""
     from vllm import SamplingParams
 
     replica = replica_offset(replica_index)
@@ -65,10 +89,11 @@ def sampling_requests(
                 temperature=temperature,
                 top_p=top_p,
                 top_k=top_k if top_k and top_k > 0 else 0,
-                max_tokens=max_new_tokens,
+                max_tokens=max_new_tokens if max_tokens_each is None else max_tokens_each[i],
                 seed=seeds[i] + replica,
                 logprobs=0,  # the sampled token's logprob only
                 stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
+                **({"stop": list(stop), "include_stop_str_in_output": True} if stop else {}),
             )
         )
     return requests, params

@@ -43,6 +43,7 @@ from megatron_grpo.config import Config
 from megatron_grpo.distributed.placement import RankPlacement, place_ranks
 from megatron_grpo.rollout import messages
 from megatron_grpo.rollout.colocated import engine_slice
+from megatron_grpo.rollout.agent import agent_loop
 from megatron_grpo.rollout.control import TRAINER, Channel, engine_peer, node_address, rank_peer
 from megatron_grpo.rollout.engine import RolloutEngine
 
@@ -172,12 +173,13 @@ def serve(cfg: Config, world: DisaggregatedWorld) -> dict[str, Any]:
         signal.signal(sig, lambda s, f: log.warning("rollout rank: signal %d, serving on", s))
     ch = world.channel
     assert ch is not None  # join_world opens it on every rollout rank
-    engine = None
+    engine = agent = None
     try:
         if driver:
             hf_dir = prepare_model_dir(cfg, world.rank, cfg.parallel.timeout_s)
             engine = _start_engine(cfg, hf_dir, e, ch)
-        return _serve_loop(cfg, ch, engine, e, world.rank)
+            agent = agent_loop(cfg, hf_dir)  # None without env.name
+        return _serve_loop(cfg, ch, engine, e, world.rank, agent)
     finally:
         ch.close()
         if engine is not None:
@@ -235,7 +237,9 @@ def _start_engine(cfg: Config, hf_dir: Any, e: int, ch: Channel) -> Any:
     return engine
 
 
-def _serve_loop(cfg: Config, ch: Channel, engine: Any, e: int, rank: int) -> dict[str, Any]:
+def _serve_loop(
+    cfg: Config, ch: Channel, engine: Any, e: int, rank: int, agent: Any = None
+) -> dict[str, Any]:
     seq = 0
     while True:
         key = f"cmd/{seq}"
@@ -250,22 +254,26 @@ def _serve_loop(cfg: Config, ch: Channel, engine: Any, e: int, rank: int) -> dic
             return {"preempted": False, "step": None, "role": "rollout", "rank": rank}
         if engine is not None:
             try:
-                ch.post(TRAINER, f"res/{seq}/{e}", _run(engine, cmd, e))
+                ch.post(TRAINER, f"res/{seq}/{e}", _run(engine, cmd, e, agent))
             except Exception as exc:  # reported to the trainer, which decides
                 log.exception("rollout engine %d: %s failed", e, op)
                 ch.post(TRAINER, f"res/{seq}/{e}", messages.error(f"{type(exc).__name__}: {exc}"))
         seq += 1
 
 
-def _run(engine: Any, cmd: dict[str, Any], e: int) -> bytes:
+def _run(engine: Any, cmd: dict[str, Any], e: int, agent: Any = None) -> bytes:
     """Run one command (checked against ``messages.COMMANDS``); its encoded answer."""
     op = cmd["op"]
     if op == "generate":  # this engine's share, split as the colocated engines split
-        prompts = cmd["prompts"]
+        prompts, sampling = cmd["prompts"], dict(cmd["sampling"])
+        share = engine_slice(len(prompts), cmd["engines"], e)
+        if agent is None or cmd.get("rows") is None:
+            return messages.samples(engine.generate(prompts[share], **sampling))
+        mine, n = prompts[share], sampling["n"]
+        seed = sampling.pop("seed", engine.seed)
+        seeds = sampling.pop("seeds", None) or [seed + i * n for i in range(len(mine))]
         return messages.samples(
-            engine.generate(
-                prompts[engine_slice(len(prompts), cmd["engines"], e)], **cmd["sampling"]
-            )
+            agent.generate(engine, mine, cmd["rows"][share], seeds=seeds, **sampling)
         )
     if op == "init_transfer":
         info = dict(cmd["info"], rank_offset=cmd["rank_offsets"][e])

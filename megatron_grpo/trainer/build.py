@@ -195,7 +195,7 @@ def window_buffer(cfg: Config, prompts: PromptSource, rollout: Rollout, memory: 
     r = cfg.rollout
     sampling = sampling_args(r, cfg.grpo.group_size, eos_token_id)
 
-    def launch(steps: list[tuple[list[Any], int]]) -> list[Any]:
+    def launch(steps: list[Any]) -> list[Any]:
         memory.before_generate()
         try:
             return rollout.launch(steps, **sampling)
@@ -204,7 +204,8 @@ def window_buffer(cfg: Config, prompts: PromptSource, rollout: Rollout, memory: 
 
     return WindowBuffer(prompts, cfg.grpo.batch.prompts_per_step, r.ahead, cfg.sync.interval,
                         cfg.steps, r.seed, launch, score, rollout.share,
-                        schedule.window_end if schedule is not None else None)  # fmt: skip
+                        schedule.window_end if schedule is not None else None,
+                        with_rows=cfg.env.multi_turn)  # fmt: skip
 
 
 def train(cfg: Config, resume: bool = False) -> dict[str, Any]:

@@ -20,7 +20,8 @@ from megatron_grpo.rollout.samples import Sample
 
 
 def collate(samples: Sequence[Sample], pad_id: int) -> SampledBatch:
-    """Stack samples into ``input_ids``, ``attention_mask``, ``response_mask``,
+    """Stack samples into ``input_ids``, ``attention_mask``, ``response_mask`` (the tokens the
+    model sampled: a multi-turn episode's environment tokens are 0),
     ``alpha_engine_logp`` ([N, L], L the longest prompt + response) and ``truncated`` ([N];
     True where the response hit max_new_tokens, ``finish_reason == "length"``), and when the
     samples carry vLLM's routed experts, ``routed_experts``."""
@@ -37,7 +38,10 @@ def collate(samples: Sequence[Sample], pad_id: int) -> SampledBatch:
             ids[i, p : p + r] = torch.tensor(s.response_ids, dtype=torch.long)
             alpha_logp[i, p : p + r] = torch.tensor(s.logprobs, dtype=torch.float32)
         attn[i, : p + r] = 1
-        response_mask[i, p : p + r] = 1
+        if s.response_mask is None:
+            response_mask[i, p : p + r] = 1
+        elif r:  # a multi-turn episode: the environment's tokens are context, not actions
+            response_mask[i, p : p + r] = torch.tensor(s.response_mask, dtype=torch.float32)
     routed = bool(samples) and samples[0].routed_experts is not None
     return SampledBatch(
         input_ids=ids,

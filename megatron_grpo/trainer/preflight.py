@@ -3,7 +3,7 @@
 Called by each rank first thing (``trainer.build.build_trainer``), and by ``megatron-grpo train`` run as one
 process before it starts the ranks: layout against the world size, the loss and the reward
 (a user's loss class or reward function is imported), and the data (read and validated without a tokenizer; the prompt
-length check, which needs the tokenizer, comes later). Each failure is one ConfigError line.
+length check, which needs the tokenizer, comes later), a multi-turn environment's class (imported). Each failure is one ConfigError line.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from megatron_grpo.data import build_prompt_source
 from megatron_grpo.distributed.placement import validate_world
 from megatron_grpo.distributed.setup import rank_device
 from megatron_grpo.distributed.validate import check_experts
+from megatron_grpo.environments.contract import load_environment
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.models.prepare import check_model_path
 from megatron_grpo.models.shapes import resolve_spec
@@ -44,6 +45,8 @@ def check_run(cfg: Config, world_size: int) -> int:
     try:
         make_loss_fn(cfg.grpo, cfg.rollout.max_new_tokens)  # a user's loss class is imported
         check_reward(cfg.reward, cfg.data)
+        if cfg.env.multi_turn:  # a user's environment class is imported
+            load_environment(cfg.env.name)
         quiet = logging.getLogger("megatron_grpo.data")  # the rows-skipped note comes later
         level, quiet.level = quiet.level, logging.ERROR
         try:

@@ -42,9 +42,11 @@ class Validator:
 
     def run(self, generate: Callable[..., list[Any]], policy_version: int) -> dict[str, Any]:
         e, r, k = self.cfg.eval, self.cfg.rollout, self.cfg.eval.samples
+        rows = [p.row for p in self.prompts] if self.cfg.env.multi_turn else None
         samples = generate(
             [p.prompt_ids for p in self.prompts],
             seed=validation_seed(r.seed),
+            rows=rows,
             **sampling_args(r, k, self.tokenizer.eos_token_id, temperature=e.temperature),
         )
         texts = self.tokenizer.batch_decode(
@@ -55,6 +57,8 @@ class Validator:
             texts,
             [self.prompts[i // k].answer for i in range(len(samples))],
         )
-        correct = [t >= 1.0 for t in info["task_scores"]]
+        scores = [s.env_reward if s.env_reward is not None else t
+                  for s, t in zip(samples, info["task_scores"])]  # fmt: skip
+        correct = [t >= 1.0 for t in scores]
         correct_PK = [correct[i * k : (i + 1) * k] for i in range(len(self.prompts))]
         return {"eval_pass@1": mean_pass_at_k(correct_PK, 1), "eval_policy_version": policy_version}
