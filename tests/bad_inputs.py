@@ -42,6 +42,9 @@ FILES = {
     "used/metrics.jsonl": '{"step": 1}\n',
     "my_reward.py": "def score(prompt, response, answer):\n    return 1.0\n",
     "broken_reward.py": "def score(:\n",
+    "my_env.py": "class Env:\n    def __init__(self, row):\n        pass\n\n    def step(self, text):\n"
+                 "        return None, 1.0\n\n\nclass NoStep:\n    pass\n\n\ndef not_a_class(row):\n"
+                 "    return None\n",
 }
 
 T = ["train", "--verbose", "--run-dir", "$TMP/run"]
@@ -92,6 +95,14 @@ HAND: list[tuple[str, list[str]]] = [
     ("reward function missing in file", [*T, "reward.name=$TMP/my_reward.py:other"]),
     ("format weight with a user reward", [*T, "reward.name=$TMP/my_reward.py:score", "reward.format_weight=0.5"]),
     ("GSM8K reward on synthetic data", [*T, "reward.name=gsm8k"]),
+    ("environment module missing", [*T, "env.name=no_such_pkg.envs:Env"]),
+    ("environment file missing", [*T, "env.name=$TMP/nope.py:Env"]),
+    ("environment class missing in file", [*T, "env.name=$TMP/my_env.py:Other"]),
+    ("environment is a function", [*T, "env.name=$TMP/my_env.py:not_a_class"]),
+    ("environment without step", [*T, "env.name=$TMP/my_env.py:NoStep"]),
+    ("environment name without a class", [*T, "env.name=$TMP/my_env.py"]),
+    ("env.max_turns below 1", [*T, "env.name=$TMP/my_env.py:Env", "env.max_turns=0"]),
+    ("env.stop not a list of strings", [*T, "env.name=$TMP/my_env.py:Env", "env.stop=[1, '']"]),
     ("unknown synthetic task", [*T, "data.source=synthetic:nope"]),
     ("data file missing", [*T, "data.source=$TMP/nope.jsonl", "reward.name=gsm8k"]),
     ("data file with a malformed line", [*T, "data.source=$TMP/bad.jsonl", "reward.name=gsm8k", "data.strict=true"]),

@@ -148,22 +148,10 @@ class BaselineSync:
                 st.bytes_received += nbytes
             yield name, t
 
-    # vLLM side: the receiver's non-presharded session runs vLLM's own narrowing loaders
-    # (bridge/receiver.py ``load_hf_checkpoint``), fed from memory instead of safetensors.
+    # vLLM side: the engine runs vLLM's own narrowing loaders on full HF tensors
+    # (``RolloutEngine.begin_hf_update``), fed from memory instead of safetensors.
     def _load_into_vllm(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        from vllm.config import set_current_vllm_config
-
-        worker = self.engine._in_process_worker()
-        rx = worker.weight_transfer_engine.receiver
-        self._ctx = set_current_vllm_config(worker.vllm_config)
-        self._ctx.__enter__()
-        rx.start(presharded=False)
-        rx.model.load_weights(tensors)
+        self.engine.begin_hf_update(tensors)
 
     def _finish(self) -> None:
-        worker = self.engine._in_process_worker()
-        try:
-            worker.weight_transfer_engine.receiver.finish()
-        finally:
-            self._ctx.__exit__(None, None, None)
-        self.engine._after_update()
+        self.engine.finish_hf_update()

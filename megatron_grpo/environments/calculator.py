@@ -79,6 +79,13 @@ def format_value(v: Fraction) -> str:
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+def final_answer(answer: str) -> str:
+    """The number an answer ends with: GSM8K's ``... #### 1,234`` gives ``1234``; a plain
+    answer is itself, stripped."""
+    tail = answer.rsplit("####", 1)[-1].strip()
+    return tail.replace(",", "")
+
+
 class Calculator:
     """The calculator environment: tool calls in ``OPEN ... CLOSE``, results in
     ``RESULT_OPEN ... RESULT_CLOSE``; a turn without a call is the answer (see the module
@@ -88,7 +95,7 @@ class Calculator:
     RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
 
     def __init__(self, row: dict[str, Any]) -> None:
-        self.answer = str(row["answer"]).strip()
+        self.answer = final_answer(str(row["answer"]))
 
     def step(self, text: str) -> tuple[str | None, float | None]:
         call = self._call(text)
@@ -111,5 +118,14 @@ class Calculator:
 
     def score(self, text: str) -> float:
         """1.0 when the turn's last number is the answer."""
-        numbers = _NUMBER.findall(text)
+        numbers = _NUMBER.findall(text.replace(",", ""))
         return float(bool(numbers) and numbers[-1] == self.answer)
+
+
+class TinyCalculator(Calculator):
+    """The calculator with one-character markers, which a 2-layer character-level model
+    picks up in a short warm start: ``<123+456>`` calls the tool, ``=579;`` is its answer
+    (``configs/tiny_tools_cpu.yaml``, the ``synthetic:sum`` task)."""
+
+    OPEN, CLOSE = "<", ">"
+    RESULT_OPEN, RESULT_CLOSE = "=", ";"

@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron_grpo.config import Config, ConfigError, load_config, parse_overrides
 from megatron_grpo.data import build_prompt_source
+from megatron_grpo.environments.contract import load_environment
 from megatron_grpo.distributed import destroy_distributed, init_distributed, spawn
 from megatron_grpo.evaluation.source import ModelSource, load_megatron_weights, resolve_model
 from megatron_grpo.layouts.io import load_hf_into_megatron
@@ -42,6 +43,8 @@ class EvalSettings:
     """torch threads per spawned rank (0: leave torch's default)."""
     policy_logprobs: bool = False
     """Also score every response with the Megatron policy (the dump's ``policy_logprobs``)."""
+    rows: list[dict[str, Any]] | None = None
+    """Each prompt's data row, for multi-turn episodes (``env.name``); None otherwise."""
 
 
 @dataclass
@@ -119,10 +122,17 @@ def prepare(
             "ranks (or a multiple), or run without torchrun to let eval spawn them."
         )
     tok = AutoTokenizer.from_pretrained(source.hf_dir)
+    ordered = _prompts_in_file_order(cfg, tok, limit)
+    if cfg.env.multi_turn:
+        try:
+            load_environment(cfg.env.name)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return EvalSettings(
-        cfg=cfg, source=source, prompt_ids=_prompts_in_file_order(cfg, tok, limit),
+        cfg=cfg, source=source, prompt_ids=[list(p.prompt_ids) for p in ordered],
         samples=samples, greedy=greedy, eos_token_id=tok.eos_token_id,
         policy_logprobs=policy_logprobs,
+        rows=[p.row for p in ordered] if cfg.env.multi_turn else None,
     )  # fmt: skip
 
 
@@ -145,7 +155,7 @@ def _check_flags(data: str, config: str | None, overrides: list[str], *, greedy:
         )
 
 
-def _prompts_in_file_order(cfg, tok, limit: int) -> list[list[int]]:
+def _prompts_in_file_order(cfg, tok, limit: int) -> list[Any]:
     """Every prompt once, in the file's order (the source shuffles; rows identify them),
     the first ``limit`` when set."""
     try:
@@ -155,7 +165,7 @@ def _prompts_in_file_order(cfg, tok, limit: int) -> list[list[int]]:
     ordered = sorted(prompts.next_batch(len(prompts)), key=lambda p: p.meta["row"])
     if limit:
         ordered = ordered[:limit]
-    return [list(p.prompt_ids) for p in ordered]
+    return ordered
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -192,6 +202,7 @@ def eval_rank(rank: int, world: int, s: EvalSettings) -> dict[str, Any] | None:
         samples = rollout.generate(
             s.prompt_ids,
             seed=r.seed,
+            rows=s.rows,
             **sampling_args(r, s.samples, s.eos_token_id, 0.0 if s.greedy else None),
         )
         layout = {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, "world": ctx.world_size}
@@ -251,14 +262,19 @@ def score(s: EvalSettings, out: dict[str, Any]) -> EvalResult:
             [prompts[i // k].answer for i in range(len(samples))])  # fmt: skip
     with build_reward(cfg.reward, cfg.data) as reward_fn:
         rewards, info = reward_fn(*args)
-    correct = [t >= 1.0 for t in info["task_scores"]]  # the format bonus does not count
+    task = info["task_scores"]
+    if s.rows is not None:  # an episode's environment scores it where it gave a reward
+        rewards = [r if x.env_reward is None else x.env_reward for x, r in zip(samples, rewards)]
+        task = [t if x.env_reward is None else x.env_reward for x, t in zip(samples, task)]
+    correct = [t >= 1.0 for t in task]  # the format bonus does not count
     correct_PK = [correct[i * k : (i + 1) * k] for i in range(len(prompts))]
     rows = [
         {"prompt_index": i // k, "sample_index": i % k, "prompt": args[0][i],
          "answer": args[2][i], "response": texts[i], "prompt_token_ids": x.prompt_ids,
          "response_token_ids": x.response_ids, "logprobs": x.logprobs,
-         **({"policy_logprobs": policy_lp[i]} if policy_lp is not None else {}),
-         "reward": rewards[i], "correct": correct[i], "finish_reason": x.finish_reason}
+         **({"policy_logprobs": _model_only(policy_lp[i], x)} if policy_lp is not None else {}),
+         "reward": rewards[i], "correct": correct[i], "finish_reason": x.finish_reason,
+         **_episode_fields(x)}
         for i, x in enumerate(samples)
     ]  # fmt: skip
     return EvalResult(
@@ -266,6 +282,23 @@ def score(s: EvalSettings, out: dict[str, Any]) -> EvalResult:
         mean_reward=sum(rewards) / len(rewards), num_prompts=len(prompts), samples=k,
         rows=rows, sync=out["sync"],
     )  # fmt: skip
+
+
+def _episode_fields(x: Any) -> dict[str, Any]:
+    """A multi-turn episode's dump fields: ``response_mask`` (1 model / 0 environment, per
+    response token), ``turns``, how it ended, and its ``logprobs`` null on the environment's
+    tokens; {} for one-turn samples."""
+    if x.response_mask is None:
+        return {}
+    return {"response_mask": x.response_mask, "turns": x.turns, "env_end": x.env_end,
+            "logprobs": _model_only(x.logprobs, x)}  # fmt: skip
+
+
+def _model_only(logprobs: list[float], x: Any) -> list[float | None]:
+    """``logprobs`` with None on a multi-turn episode's environment tokens."""
+    if x.response_mask is None:
+        return logprobs
+    return [lp if m else None for lp, m in zip(logprobs, x.response_mask)]
 
 
 def write_dump(path: str | Path, rows: list[dict[str, Any]]) -> None:

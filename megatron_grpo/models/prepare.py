@@ -21,6 +21,7 @@ from pathlib import Path
 from megatron_grpo.config.schema import Config
 from megatron_grpo.data import build_prompt_source
 from megatron_grpo.models.tiny import PRESETS, build_hf_model
+from megatron_grpo.rewards.synthetic import warm_start_target
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,9 @@ def warm_start(model_dir: Path, cfg: Config) -> dict:
         batch = source.next_batch(cfg.model.warm_start_batch_size)
         seqs, starts = [], []
         for p in batch:
-            answer = tok(p.answer, add_special_tokens=False).input_ids + [tok.eos_token_id]
+            target = warm_start_target(cfg.data.source, p.row.get("prompt", p.text), p.answer,
+                                       p.meta.get("draw", 0))  # fmt: skip
+            answer = tok(target, add_special_tokens=False).input_ids + [tok.eos_token_id]
             seqs.append(list(p.prompt_ids) + answer)
             starts.append(len(p.prompt_ids))
         length = max(map(len, seqs))

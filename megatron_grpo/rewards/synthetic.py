@@ -9,6 +9,11 @@ Every character is in the tiny model's vocabulary (``models/tiny.py`` CHARSET). 
 - ``copy``: ``"copy 3814="`` -> ``"3814"`` (``d + 2`` digits).
 - ``reverse``: ``"rev 3814="`` -> ``"4183"`` (``d + 2`` digits).
 - ``max``: ``"max 3 8 1="`` -> ``"8"`` (``d + 1`` digits).
+- ``sum``: ``"sum 12 45="`` -> ``"57"`` (two numbers of ``d + 1`` digits): too
+  long for a tiny model to add in its head, and learnable with the calculator tool
+  (``configs/tiny_tools_cpu.yaml``, docs/environments.md). Its warm-start demonstrations
+  (:func:`warm_start_target`) call the tool in every other example and answer directly in
+  the others, so GRPO starts from a model that sometimes uses the tool.
 
 Reward (:func:`synthetic_reward`), designed so a 2-layer 128-wide model gets signal from its
 first GRPO steps: per-character credit ``#{i : resp[i] == ans[i]} / max(len(resp), len(ans))``
@@ -53,11 +58,28 @@ def _max(rng: random.Random, d: int) -> tuple[str, str]:
     return "max " + " ".join(xs) + "=", max(xs)
 
 
+def _sum(rng: random.Random, d: int) -> tuple[str, str]:
+    xs = [rng.randrange(10**d, 10 ** (d + 1)) for _ in range(2)]
+    return "sum " + " ".join(map(str, xs)) + "=", str(sum(xs))
+
+
+def _sum_demo(prompt: str, answer: str, index: int) -> str:
+    """Every other example calls the calculator (``environments.calculator.TinyCalculator``'s
+    markers: ``<12+45>``, its answer ``=57;``), the others answer directly."""
+    if index % 2:
+        return answer
+    expression = "+".join(prompt.removeprefix("sum ").removesuffix("=").split())
+    return f"<{expression}>={answer};{answer}"
+
+
 @dataclass(frozen=True)
 class SyntheticTask:
     name: str
     make: Callable[[random.Random, int], tuple[str, str]]
     """``make(rng, difficulty) -> (prompt, answer)``."""
+    demo: Callable[[str, str, int], str] | None = None
+    """``demo(prompt, answer, index)``: the warm start's target for an example, where it
+    is not the answer itself (``warm_start_target``)."""
 
 
 TASKS: dict[str, SyntheticTask] = {
@@ -67,6 +89,7 @@ TASKS: dict[str, SyntheticTask] = {
         SyntheticTask("copy", _copy),
         SyntheticTask("reverse", _reverse),
         SyntheticTask("max", _max),
+        SyntheticTask("sum", _sum, demo=_sum_demo),
     )
 }
 
@@ -87,6 +110,15 @@ def synthetic_example(
     """Example ``index`` of a task: ``(prompt, answer)``, the same on every run."""
     rng = random.Random(f"{task}|{difficulty}|{split}|{index}")
     return get_task(task).make(rng, difficulty)
+
+
+def warm_start_target(source: str, prompt: str, answer: str, index: int) -> str:
+    """What the supervised warm start (``model.warm_start_steps``) teaches for an example of
+    ``data.source``: the answer, or the task's demonstration (``SyntheticTask.demo``)."""
+    if not source.startswith("synthetic:"):
+        return answer
+    demo = get_task(source.split(":", 1)[1]).demo
+    return answer if demo is None else demo(prompt, answer, index)
 
 
 def char_match_score(response: str, answer: str) -> float:

@@ -262,6 +262,28 @@ class RolloutEngine:
         self._after_update()
         return time.perf_counter() - t0
 
+    def begin_hf_update(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Colocated: load full (unsharded) HF-named tensors through vLLM's own narrowing
+        loaders (the receiver's non-presharded session, bridge/receiver.py), fed from memory;
+        ``finish_hf_update`` closes it. The baseline sync's vLLM side (bridge/baseline.py)."""
+        from vllm.config import set_current_vllm_config
+
+        worker = self._in_process_worker()
+        rx = worker.weight_transfer_engine.receiver
+        self._update_ctx = set_current_vllm_config(worker.vllm_config)
+        self._update_ctx.__enter__()
+        rx.start(presharded=False)
+        rx.model.load_weights(tensors)
+
+    def finish_hf_update(self) -> None:
+        """Close what ``begin_hf_update`` opened (vLLM's post-load processing runs)."""
+        worker = self._in_process_worker()
+        try:
+            worker.weight_transfer_engine.receiver.finish()
+        finally:
+            self._update_ctx.__exit__(None, None, None)
+        self._after_update()
+
     def _run_update(self, worker: Any, body: Any) -> None:
         from vllm.config import set_current_vllm_config
 

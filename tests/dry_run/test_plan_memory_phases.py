@@ -26,6 +26,9 @@ def _r1_distill_1p5b():
 
 SHAPES = {
     "qwen2.5-0.5b-gsm8k.yaml": lambda: spec_from_hf_config(hf_config_dict("Qwen2.5-0.5B")),
+    "qwen2.5-0.5b-gsm8k-calculator.yaml": lambda: spec_from_hf_config(
+        hf_config_dict("Qwen2.5-0.5B")
+    ),
     "r1-distill-qwen-1.5b-deepscaler.yaml": _r1_distill_1p5b,
     "qwen2.5-7b-throughput.yaml": lambda: spec_from_hf_config(hf_config_dict("Qwen2.5-7B")),
 }
@@ -35,6 +38,7 @@ def test_every_shipped_gpu_config_is_covered():
     shipped = {p.name for p in (REPO / "configs").glob("*.yaml")} - {
         "tiny_cpu.yaml",
         "tiny_moe_cpu.yaml",
+        "tiny_tools_cpu.yaml",
     }
     assert shipped == set(SHAPES), "add the new config's model shape to SHAPES"
 

@@ -12,9 +12,10 @@ stands where ``rollout.engine.RolloutEngine`` stands in a colocated run:
   back into Hugging Face tensors with the project's one slice algebra
   (``layouts.vllm.shard`` -> ``layouts.pieces.scatter``) and loads them into the model, so a
   wrong slice anywhere in the bridge changes what the rollouts sample;
-- it samples (``generate``) with the same contract as ``RolloutEngine.generate``: ``n``
+- it samples (``generate``) with the contract of ``rollout.engine_protocol.Engine``: ``n``
   samples per prompt, prompt-major, one seed per request, the sampled token's log-prob
-  under ``softmax(logits / T)`` (vLLM's ``processed_logprobs``);
+  under ``softmax(logits / T)`` (vLLM's ``processed_logprobs``), stop strings and
+  per-request token limits (a multi-turn episode's turn, ``rollout.agent``);
 - it sleeps and wakes like vLLM's sleep mode (weights to the host and back), so
   ``trainer.colocated_memory.ColocatedMemory`` runs its whole dance around it on a GPU.
 
@@ -54,6 +55,8 @@ class HFEngine:
         from transformers import AutoModelForCausalLM
 
         self.spec = load_spec(hf_dir)
+        self.hf_dir, self.tokenizer = str(hf_dir), None
+        self.tp, self.seed, self.replica_index = 1, 0, 0
         self.device, self.dtype = device, dtype
         self.model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).to(device)
         self.model.eval()
@@ -112,34 +115,46 @@ class HFEngine:
         max_new_tokens: int = 16,
         stop_token_ids: list[int] | None = None,
         seeds: list[int] | None = None,
-        **_: Any,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        max_tokens_each: list[int] | None = None,
     ) -> list[Sample]:
         if self.asleep:
             raise RuntimeError("generate() on a sleeping engine: wake_up() first")
         if top_p != 1.0 or (top_k and top_k > 0):
             raise ValueError("HFEngine samples the full distribution only (top_p=1, top_k=-1)")
-        stop = set(stop_token_ids or ())
+        stop_ids = set(stop_token_ids or ())
         out: list[Sample] = []
         for i, prompt in enumerate(prompt_token_ids):
-            seed = seeds[i] if seeds is not None else i * n
+            first = seeds[i] if seeds is not None else (seed or 0) + i * n
+            limit = max_tokens_each[i] if max_tokens_each is not None else max_new_tokens
             for j in range(n):
-                gen = torch.Generator(device=self.device).manual_seed(seed + j)
+                gen = torch.Generator(device=self.device).manual_seed(first + j)
                 ids = torch.tensor([list(prompt)], device=self.device)
                 resp: list[int] = []
                 logps: list[float] = []
                 finish = "length"
-                for _ in range(max_new_tokens):
+                for _ in range(limit):
                     logits = self.model(ids).logits[0, -1, : self.spec.vocab_size].float()
                     logp = torch.log_softmax(logits / temperature, -1)
                     tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
                     resp.append(tok)
                     logps.append(float(logp[tok]))
                     ids = torch.cat([ids, torch.tensor([[tok]], device=self.device)], 1)
-                    if tok in stop:
+                    if tok in stop_ids or (stop and self._ends_turn(resp, stop)):
                         finish = "stop"
                         break
                 out.append(Sample(list(prompt), resp, logps, finish, str(self.updates)))
         return out
+
+    def _ends_turn(self, resp: list[int], stop: list[str]) -> bool:
+        """A stop string completed by the last token (kept in the tokens, as vLLM keeps it)."""
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
+        text = self.tokenizer.decode(resp, skip_special_tokens=True)
+        return any(s in text for s in stop)
 
     def shutdown(self) -> None:
         self.model = None
