@@ -28,7 +28,7 @@ LIGER_PIN = "liger-kernel==0.8.5"
 """The gpu extra's Liger-Kernel (setup.py ``GPU_EXTRA``); ``liger_kernel.megatron`` and the
 fused gate-up SwiGLU op are in it."""
 
-LAYER_FNS = ("megatron", "torch", "compile", "liger")
+LAYER_FNS = ("megatron", "torch", "lean", "compile", "liger")
 
 
 def te_available() -> bool:
@@ -63,8 +63,11 @@ def resolve_transformer_impl(model_cfg: ModelConfig, device: torch.device) -> st
 class Kernels:
     """The resolved choice. ``layer_fns``, who computes the local spec's RMSNorm and SwiGLU:
     ``megatron`` (its own modules, untouched), ``liger`` or ``compile`` (swapped in by
-    ``apply_kernels``), or ``torch`` (the same swap with torch's eager functions: megatron's
-    math bit for bit, the parity reference of the other two; no config value selects it)."""
+    ``apply_kernels``), ``torch`` (the same swap with torch's eager functions: megatron's
+    math bit for bit, the parity reference of the others; no config value selects it), or
+    ``lean`` (torch's functions, the SwiGLU recomputed in the backward pass from its input:
+    megatron's math bit for bit, with less kept for the backward pass; what the local spec
+    runs where neither Liger nor compile does)."""
 
     impl: str
     packed_rope: bool
@@ -109,7 +112,9 @@ def resolve_kernels(model_cfg: ModelConfig, device: torch.device) -> Kernels:
                 "set model.kernels.compile=off or model.transformer_impl=local."
             )
         return Kernels(impl, packed_rope, "compile")
-    return Kernels(impl, packed_rope, "liger" if use_liger(k.liger, impl, device) else "megatron")
+    if use_liger(k.liger, impl, device):
+        return Kernels(impl, packed_rope, "liger")
+    return Kernels(impl, packed_rope, "lean" if local else "megatron")
 
 
 def use_liger(
@@ -173,11 +178,54 @@ def liger_swiglu(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], -1)
 
 
+class _RecomputedInBackward(torch.autograd.Function):
+    """``fn(x, *rest)`` keeping only its inputs for the backward pass, which runs ``fn`` again
+    under autograd and differentiates that: the same ops on the same inputs, so the same
+    values and gradients, bit for bit. For elementwise layers whose autograd keeps more than
+    their input: megatron's SwiGLU keeps its fc1 output, SiLU's output and a copy of ``up``
+    (``x + 0.0``, transformer/mlp.py ``glu``), twice the fc1 output's bytes
+    (docs/benchmarks.md §7, saved bytes per token per layer)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, fn: Callable[..., torch.Tensor], x: torch.Tensor, *rest: Any
+    ) -> torch.Tensor:
+        tensors = [a for a in rest if isinstance(a, torch.Tensor)]
+        ctx.fn, ctx.rest = fn, [None if isinstance(a, torch.Tensor) else a for a in rest]
+        ctx.save_for_backward(x, *tensors)
+        return fn(x, *rest)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *tensors = ctx.saved_tensors
+        leaves = [t.detach().requires_grad_(need) for t, need in
+                  zip((x, *tensors), ctx.needs_input_grad[1:])]  # fmt: skip
+        it = iter(leaves[1:])
+        args = [next(it) if a is None else a for a in ctx.rest]
+        with torch.enable_grad():
+            out = ctx.fn(leaves[0], *args)
+        wanted = [t for t in leaves if t.requires_grad]
+        got = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        return (
+            None,
+            *(next(got) if t.requires_grad else None for t in leaves),
+            *(None for a in ctx.rest if a is not None),
+        )
+
+
+def lean_swiglu(x: torch.Tensor) -> torch.Tensor:
+    """``torch_swiglu`` keeping only the fc1 output for the backward pass."""
+    out: torch.Tensor = _RecomputedInBackward.apply(torch_swiglu, x)  # type: ignore[no-untyped-call]
+    return out
+
+
 @functools.cache
 def layer_fns(name: str) -> tuple[RMSNormFn, SwiGLUFn]:
     """(RMSNorm fn(x, weight, eps), SwiGLU fn(x)) of ``Kernels.layer_fns`` ``name``."""
     if name == "torch":
         return torch_rms_norm, torch_swiglu
+    if name == "lean":
+        return torch_rms_norm, lean_swiglu
     if name == "compile":
         # dynamic: micro-batches change length every step; fullgraph: one region or an error
         def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
