@@ -192,3 +192,16 @@ def test_bench_ops_command(tmp_path):
                          text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and "--packs=9 > --rows=4" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"sides": "hf-packed"}, r"^--sides='hf-packed': a comma list of .* starting with project"),
+        ({"sides": "project,hf,hf"}, r"^--sides='project,hf,hf'"),
+        ({"recompute": "none,some"}, r"^--recompute='none,some': a comma list of none and full\.$"),
+    ],
+)
+def test_bad_sides_and_recompute_are_one_line(kw, match):
+    with pytest.raises(ValueError, match=match):
+        BenchOpsArgs(**kw)
