@@ -178,44 +178,31 @@ def liger_swiglu(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], -1)
 
 
-class _RecomputedInBackward(torch.autograd.Function):
-    """``fn(x, *rest)`` keeping only its inputs for the backward pass, which runs ``fn`` again
-    under autograd and differentiates that: the same ops on the same inputs, so the same
-    values and gradients, bit for bit. For elementwise layers whose autograd keeps more than
-    their input: megatron's SwiGLU keeps its fc1 output, SiLU's output and a copy of ``up``
-    (``x + 0.0``, transformer/mlp.py ``glu``), twice the fc1 output's bytes
-    (docs/benchmarks.md §7, saved bytes per token per layer)."""
+class _SwiGLURecomputed(torch.autograd.Function):
+    """``torch_swiglu`` keeping only its input (the fc1 output) for the backward pass, which
+    runs it again under autograd and differentiates that: the same ops on the same input, so
+    the same values and gradients, bit for bit. megatron's SwiGLU keeps the fc1 output, SiLU's
+    output and a copy of ``up`` (``x + 0.0``, transformer/mlp.py ``glu``), twice the fc1
+    output's bytes (docs/benchmarks.md §7, saved bytes per token per layer)."""
 
     @staticmethod
-    def forward(
-        ctx: Any, fn: Callable[..., torch.Tensor], x: torch.Tensor, *rest: Any
-    ) -> torch.Tensor:
-        tensors = [a for a in rest if isinstance(a, torch.Tensor)]
-        ctx.fn, ctx.rest = fn, [None if isinstance(a, torch.Tensor) else a for a in rest]
-        ctx.save_for_backward(x, *tensors)
-        return fn(x, *rest)
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return torch_swiglu(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, *tensors = ctx.saved_tensors
-        leaves = [t.detach().requires_grad_(need) for t, need in
-                  zip((x, *tensors), ctx.needs_input_grad[1:])]  # fmt: skip
-        it = iter(leaves[1:])
-        args = [next(it) if a is None else a for a in ctx.rest]
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
         with torch.enable_grad():
-            out = ctx.fn(leaves[0], *args)
-        wanted = [t for t in leaves if t.requires_grad]
-        got = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-        return (
-            None,
-            *(next(got) if t.requires_grad else None for t in leaves),
-            *(None for a in ctx.rest if a is not None),
-        )
+            out = torch_swiglu(x)
+        dx: torch.Tensor = torch.autograd.grad(out, x, grad)[0]
+        return dx
 
 
 def lean_swiglu(x: torch.Tensor) -> torch.Tensor:
     """``torch_swiglu`` keeping only the fc1 output for the backward pass."""
-    out: torch.Tensor = _RecomputedInBackward.apply(torch_swiglu, x)  # type: ignore[no-untyped-call]
+    out: torch.Tensor = _SwiGLURecomputed.apply(x)  # type: ignore[no-untyped-call]
     return out
 
 
