@@ -8,7 +8,7 @@ megatron-grpo bench project [--moe] [--json OUT.json] [--plot OUT.png]
 megatron-grpo bench train [--preset P] [--rows R] [--max-len N] [--micro-batch-size M]
     [--steps S] [--device auto|cuda|cpu] --json OUT.json
 megatron-grpo bench ops [--preset P] [--rows R] [--packs K] [--dtype bfloat16|float32]
-    [--fused-adam auto|on|off] --json OUT.json
+    [--fused-adam auto|on|off] [--sides project,hf,hf-packed] [--recompute none,full] --json OUT.json
 megatron-grpo bench reproduce [--claims 1,2,3,4] [--seeds N] [--steps S] [--out-dir DIR]
     [key=value ...]
 megatron-grpo bench control [--channels store,zmq] [--repeats N] [--samples S] [--tokens T]
@@ -120,8 +120,11 @@ def run_ops(args: argparse.Namespace) -> int:
     Counts what the project's policy asks of the device for one GRPO batch cut into --packs
     packed micro-batches: the ATen ops dispatched (in total, per layer per micro-batch, the
     top ops and source sites), the calls that make the host wait for the device, by site,
-    and on CUDA the profiler's kernel launches and synchronizations. Counts are
-    deterministic: the suite holds the tiny figures to tests/op_budget.json. Prints a table,
+    and on CUDA the profiler's kernel launches and synchronizations; FLOPs per useful token
+    and bytes saved for the backward pass per token per layer. --sides adds bench train's
+    HF anchors on the same batch and weights, --recompute none,full both settings, with the
+    project/anchor ratios. Counts are deterministic: the suite holds the tiny figures to
+    tests/op_budget.json and to the anchor's. Prints a table,
     writes JSON (docs/benchmarks.md, "bench ops")."""
     from megatron_grpo.bench.ops.run import BenchOpsArgs, ops_table, run_bench_ops
 

@@ -170,6 +170,12 @@ def packed_attention(
     rotated here first (``policy.rope``: the model then applied none)."""
     t = query.shape[0]
     bounds = _document_bounds(packed_seq_params, t)
+    if not value.is_contiguous():
+        # megatron's value is a view of the layer's whole fused QKV output: saved for the
+        # backward pass as it is, it would keep all of that buffer (q and k are rotated
+        # into copies) alive; its own copy keeps nkv/(nq + 2 nkv) of it (bench ops, saved
+        # bytes per token per layer)
+        value = value.contiguous()
     rope = getattr(packed_seq_params, "rope", None)
     if rope is not None:
         cos, sin = (x if x.dtype == query.dtype else x.to(query.dtype) for x in rope)

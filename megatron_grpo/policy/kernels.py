@@ -28,7 +28,7 @@ LIGER_PIN = "liger-kernel==0.8.5"
 """The gpu extra's Liger-Kernel (setup.py ``GPU_EXTRA``); ``liger_kernel.megatron`` and the
 fused gate-up SwiGLU op are in it."""
 
-LAYER_FNS = ("megatron", "torch", "compile", "liger")
+LAYER_FNS = ("megatron", "torch", "lean", "compile", "liger")
 
 
 def te_available() -> bool:
@@ -63,8 +63,11 @@ def resolve_transformer_impl(model_cfg: ModelConfig, device: torch.device) -> st
 class Kernels:
     """The resolved choice. ``layer_fns``, who computes the local spec's RMSNorm and SwiGLU:
     ``megatron`` (its own modules, untouched), ``liger`` or ``compile`` (swapped in by
-    ``apply_kernels``), or ``torch`` (the same swap with torch's eager functions: megatron's
-    math bit for bit, the parity reference of the other two; no config value selects it)."""
+    ``apply_kernels``), ``torch`` (the same swap with torch's eager functions: megatron's
+    math bit for bit, the parity reference of the others; no config value selects it), or
+    ``lean`` (torch's functions, the SwiGLU recomputed in the backward pass from its input:
+    megatron's math bit for bit, with less kept for the backward pass; what the local spec
+    runs where neither Liger nor compile does)."""
 
     impl: str
     packed_rope: bool
@@ -109,7 +112,9 @@ def resolve_kernels(model_cfg: ModelConfig, device: torch.device) -> Kernels:
                 "set model.kernels.compile=off or model.transformer_impl=local."
             )
         return Kernels(impl, packed_rope, "compile")
-    return Kernels(impl, packed_rope, "liger" if use_liger(k.liger, impl, device) else "megatron")
+    if use_liger(k.liger, impl, device):
+        return Kernels(impl, packed_rope, "liger")
+    return Kernels(impl, packed_rope, "lean" if local else "megatron")
 
 
 def use_liger(
@@ -173,11 +178,41 @@ def liger_swiglu(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], -1)
 
 
+class _SwiGLURecomputed(torch.autograd.Function):
+    """``torch_swiglu`` keeping only its input (the fc1 output) for the backward pass, which
+    runs it again under autograd and differentiates that: the same ops on the same input, so
+    the same values and gradients, bit for bit. megatron's SwiGLU keeps the fc1 output, SiLU's
+    output and a copy of ``up`` (``x + 0.0``, transformer/mlp.py ``glu``), twice the fc1
+    output's bytes (docs/benchmarks.md §7, saved bytes per token per layer)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return torch_swiglu(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            out = torch_swiglu(x)
+        dx: torch.Tensor = torch.autograd.grad(out, x, grad)[0]
+        return dx
+
+
+def lean_swiglu(x: torch.Tensor) -> torch.Tensor:
+    """``torch_swiglu`` keeping only the fc1 output for the backward pass."""
+    out: torch.Tensor = _SwiGLURecomputed.apply(x)  # type: ignore[no-untyped-call]
+    return out
+
+
 @functools.cache
 def layer_fns(name: str) -> tuple[RMSNormFn, SwiGLUFn]:
     """(RMSNorm fn(x, weight, eps), SwiGLU fn(x)) of ``Kernels.layer_fns`` ``name``."""
     if name == "torch":
         return torch_rms_norm, torch_swiglu
+    if name == "lean":
+        return torch_rms_norm, lean_swiglu
     if name == "compile":
         # dynamic: micro-batches change length every step; fullgraph: one region or an error
         def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -17,7 +17,6 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatron_grpo.config import ConfigError, load_config
 from megatron_grpo.config.schema import KernelsConfig, ModelConfig, OptimConfig, ParallelConfig
@@ -51,7 +50,7 @@ def _model(liger="auto", compile="off", packed_rope=True, **kw) -> ModelConfig:
 
 
 def test_each_choice_resolves_where_it_can_run(monkeypatch):
-    assert resolve_kernels(_model(), CPU) == Kernels("local", True, "megatron")
+    assert resolve_kernels(_model(), CPU) == Kernels("local", True, "lean")
     assert resolve_kernels(_model(packed_rope=False), CPU).packed_rope is False
     assert resolve_kernels(_model(local_attention="unfused"), CPU).packed_rope is False
     assert resolve_kernels(_model(compile="on"), CPU).layer_fns == "compile"
@@ -59,7 +58,7 @@ def test_each_choice_resolves_where_it_can_run(monkeypatch):
         resolve_kernels(_model(liger="on"), CPU)
     # a CUDA device without liger-kernel: auto is off, on names the install
     monkeypatch.setattr(K, "liger_importable", lambda: False)
-    assert resolve_kernels(_model(), CUDA).layer_fns == "megatron"
+    assert resolve_kernels(_model(), CUDA).layer_fns == "lean"
     with pytest.raises(ConfigError, match=r"not installed: pip install 'liger-kernel==0.8.5'"):
         resolve_kernels(_model(liger="on"), CUDA)
     monkeypatch.setattr(K, "liger_importable", lambda: True)
@@ -108,31 +107,37 @@ def _forward_backward(model, length: int):
     return out.detach(), grads
 
 
-def test_defaults_leave_megatrons_modules(ctx):
+def test_defaults_swap_in_the_lean_swiglu(ctx):
     from megatron.core.transformer.mlp import MLP
 
     model = _build(ctx)
-    assert model.config.use_te_activation_func is False
-    assert not any(isinstance(m, SwappedRMSNorm) for m in model.modules())
-    assert sum(type(m) is torch.nn.RMSNorm for m in model.modules()) == 2 * 2 + 1
-    assert all(m.activation_func is F.silu for m in model.modules() if isinstance(m, MLP))
+    assert model.config.use_te_activation_func is True
+    norms = [m for m in model.modules() if isinstance(m, SwappedRMSNorm)]
+    assert len(norms) == 2 * 2 + 1 and {m.fn for m in norms} == {K.torch_rms_norm}
+    assert all(m.activation_func is K.lean_swiglu for m in model.modules() if isinstance(m, MLP))
+    megatrons = _build(ctx, Kernels("local", True, "megatron"))
+    assert megatrons.config.use_te_activation_func is False
+    assert sum(type(m) is torch.nn.RMSNorm for m in megatrons.modules()) == 2 * 2 + 1
     assert model.rotary_pos_emb.packed_by_core_attention  # packed RoPE on
     off = _build(ctx, model_cfg=_model(packed_rope=False))
     assert not getattr(off.rotary_pos_emb, "packed_by_core_attention", False)
 
 
+@pytest.mark.parametrize("fns", ["torch", "lean"])
 @pytest.mark.parametrize("spec, norms", [("tiny", 5), ("tiny-qk-norm", 9), ("tiny-moe", 9)])
-def test_the_swap_with_torchs_functions_is_megatron_bit_for_bit(ctx, spec, norms):
+def test_the_swap_with_torchs_functions_is_megatron_bit_for_bit(ctx, spec, norms, fns):
+    """``torch`` (torch's functions) and ``lean`` (its SwiGLU re-run in the backward pass)."""
     from megatron.core.transformer.mlp import MLP
 
-    ref = _build(ctx, spec=spec)
-    swapped = _build(ctx, Kernels("local", True, "torch"), spec=spec)
+    ref = _build(ctx, Kernels("local", True, "megatron"), spec=spec)
+    swapped = _build(ctx, Kernels("local", True, fns), spec=spec)
     assert list(swapped.state_dict()) == list(ref.state_dict())  # names, checkpoints, layouts
     swapped.load_state_dict(ref.state_dict())
     found = [m for m in swapped.modules() if isinstance(m, SwappedRMSNorm)]
     assert len(found) == norms and not any(type(m) is torch.nn.RMSNorm for m in swapped.modules())
     mlps = [m for m in swapped.modules() if isinstance(m, MLP)]
-    assert mlps and all(m.activation_func is K.torch_swiglu for m in mlps)
+    act = {"torch": K.torch_swiglu, "lean": K.lean_swiglu}[fns]
+    assert mlps and all(m.activation_func is act for m in mlps)
     out_a, grads_a = _forward_backward(ref, 13)
     out_b, grads_b = _forward_backward(swapped, 13)
     assert torch.equal(out_a, out_b)

@@ -12,6 +12,9 @@ three times the kernels (docs/benchmarks.md, "bench ops").
   site: ``tolist``, ``item``, ``bool``/``int``/``float`` of a tensor, ``cpu``/``numpy``,
   ``torch.equal``, ``nonzero``, a blocking ``to(device)`` and ``torch.tensor`` of tensors.
   On a CPU nothing waits; the count is of the calls that would.
+- ``count_flops``: the FLOPs of a call (``torch.utils.flop_counter.FlopCounterMode``, with
+  formulas for the project's varlen attention ops).
+- ``SavedBytes``: the bytes autograd keeps for the backward pass (saved-tensors hooks).
 """
 
 from __future__ import annotations
@@ -103,14 +106,19 @@ class OpCounter(TorchDispatchMode):
 
 
 def _blocking_to(args, kwargs) -> bool:
-    """Whether ``Tensor.to(...)`` names a device and may block (not ``non_blocking=True``)."""
+    """Whether ``Tensor.to(...)`` names a device and may block (not ``non_blocking=True``).
+    A CUDA tensor sent to its own device is no copy (``to`` returns it): not counted. A CPU
+    tensor sent to the CPU is counted: on a GPU the same line copies to the device."""
     if kwargs.get("non_blocking"):
         return False
-    if "device" in kwargs:
-        return True
-    return any(isinstance(a, (torch.device, str)) for a in args[1:]) and not (
-        len(args) > 2 and args[2] is True  # to(device, dtype, non_blocking)
-    )
+    target = kwargs.get("device")
+    if target is None:
+        target = next((a for a in args[1:] if isinstance(a, (torch.device, str))), None)
+        if target is None or (len(args) > 2 and args[2] is True):  # to(device, dtype, nb)
+            return False
+    src, dst = args[0], torch.device(target)
+    same_cuda = src.is_cuda and dst.type == "cuda" and dst.index in (None, src.device.index)
+    return not same_cuda
 
 
 _SYNC_METHODS = {
@@ -169,3 +177,77 @@ def _tensors_in(data) -> int:
     if isinstance(data, torch.Tensor):
         return 1
     return sum(_tensors_in(x) for x in data) if isinstance(data, (list, tuple)) else 0
+
+
+def _varlen_flops(q_shape, bounds: list[int], factor: int) -> int:
+    """``factor`` matrix products of causal attention over each document of ``bounds``,
+    half of each ``n x n`` square (the convention of ``bench.train.measure``)."""
+    _, heads, dim = q_shape
+    return sum(factor * heads * dim * (b - a) ** 2 for a, b in zip(bounds, bounds[1:]))
+
+
+_FLOP_FORMULAS: dict = {}
+
+
+def _flop_formulas() -> dict:
+    """FlopCounterMode's formulas for the project's varlen attention custom ops (one op per
+    layer, opaque to the counter): forward 2 products (scores, weighted sum), backward 5
+    (scores recomputed, then 4), as torch counts SDPA's."""
+    if not _FLOP_FORMULAS:
+        import megatron_grpo.policy.attention  # noqa: F401  (registers the ops)
+
+        def forward(q, k, v, bounds, scale, *, out_shape=None, **_) -> int:
+            return _varlen_flops(q, bounds, 2)
+
+        def backward(grad, q, k, v, out, lse, bounds, scale, *, out_shape=None, **_) -> int:
+            return _varlen_flops(q, bounds, 5)
+
+        from torch.utils.flop_counter import register_flop_formula
+
+        ops = torch.ops.megatron_grpo
+        for op, f in ((ops.varlen_attention, forward), (ops.varlen_attention_backward, backward)):
+            _FLOP_FORMULAS[op] = register_flop_formula(op)(f)
+    return _FLOP_FORMULAS
+
+
+def count_flops(fn) -> int:
+    """The FLOPs of one call of ``fn`` (matrix products and attention, as FlopCounterMode
+    counts them; elementwise work is not counted)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    _flop_formulas()
+    with FlopCounterMode(display=False) as mode:
+        fn()
+    return int(mode.get_total_flops())
+
+
+class SavedBytes:
+    """The bytes of the tensors autograd saves for the backward pass inside the block
+    (``bytes``), through ``torch.autograd.graph.saved_tensors_hooks``: each storage once (a
+    view keeps its whole storage alive), the parameters' storages (``params``) not at all,
+    only what the forward saves (not what a recomputing backward saves and frees again).
+    The saved tensors are held until the block ends, so that a storage freed by one
+    micro-batch's backward and reused by the next is counted again."""
+
+    def __init__(self, params) -> None:
+        self.exclude = {p.untyped_storage().data_ptr() for p in params}
+        self.bytes = 0
+        self._held: dict[int, torch.Tensor] = {}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if torch._C._current_autograd_node() is None and t.device.type != "meta":
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self.exclude and ptr not in self._held:
+                self._held[ptr] = t
+                self.bytes += storage.nbytes()
+        return t
+
+    def __enter__(self) -> SavedBytes:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        self._held.clear()

@@ -23,3 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the batch and the weights")
     p.add_argument("--top", type=int, default=12, help="rows of the top ops / sites tables")
     p.add_argument("--json", dest="json_out", help="write the results here")
+    p.add_argument("--sides", default="project",
+                   help="sides counted, project first: hf (padded, SDPA) and hf-packed (padding "
+                   "removed, varlen attention): bench train's anchors, on the same batch and weights")  # fmt: skip
+    p.add_argument("--recompute", default="none",
+                   help="model.recompute settings counted, a comma list: none, full (the anchors: "
+                   "gradient checkpointing)")  # fmt: skip

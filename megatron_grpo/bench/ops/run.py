@@ -9,12 +9,21 @@ the top ops and source sites; the host-sync-prone calls by site (``SyncCounter``
 CUDA the kernel launches and stream/device synchronizations of ``torch.profiler``. Each
 phase is counted on its second call (the first builds the optimizer's state).
 
-tests/bench/test_op_budget.py holds the tiny figures to ``tests/op_budget.json``.
+Each phase also gets its FLOPs per useful token against the model's 2N / 6N (+ attention)
+(``count_flops``) and the train step its bytes saved for the backward pass per useful token,
+in all and per layer (``SavedBytes``). ``--sides project,hf-packed`` (and ``hf``) counts
+``bench train``'s Hugging Face anchors the same way on the same batch and weights
+(``anchor.py``), ``--recompute none,full`` each with activation recompute off and on, and
+adds the project/anchor ratio of each figure.
+
+tests/bench/test_op_budget.py holds the tiny figures to ``tests/op_budget.json`` and to the
+anchor's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -23,11 +32,14 @@ import torch
 
 from megatron_grpo.algorithms.step_batch import AdvantagedBatch
 from megatron_grpo.bench.common import format_table, package_versions
-from megatron_grpo.bench.ops.count import OpCounter, SyncCounter
+from megatron_grpo.bench.ops.anchor import SIDES, AnchorRun, padded_rows_per_micro_batch, ratios
+from megatron_grpo.bench.ops.count import OpCounter, SavedBytes, SyncCounter, count_flops
 from megatron_grpo.bench.train.args import bench_spec, resolve_device
 from megatron_grpo.bench.train.batch import add_loss_inputs, grpo_loss_fn, make_batch
+from megatron_grpo.bench.train.measure import attention_flops_forward, flop_params
 from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
 from megatron_grpo.distributed import destroy_distributed, init_distributed
+from megatron_grpo.layouts.io import gather_hf_state_dict
 from megatron_grpo.models.shapes import preset_spec
 from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.policy.micro_batches import packed_micro_batches
@@ -54,6 +66,12 @@ class BenchOpsArgs:
     seed: int = 0
     top: int = 12
     """Rows of the top-ops and top-sites tables."""
+    sides: str = "project"
+    """The sides counted, project first: ``hf`` (padded rows, SDPA) and ``hf-packed``
+    (padding removed, the project's varlen attention), ``bench train``'s anchors."""
+    recompute: str = "none"
+    """``model.recompute`` settings counted, a comma list of none and full (the anchors:
+    gradient checkpointing off and on)."""
 
     def __post_init__(self) -> None:
         for k in ("rows", "packs", "prompt_len", "min_len", "max_len", "top"):
@@ -70,6 +88,15 @@ class BenchOpsArgs:
             raise ValueError(f"--dtype={self.dtype!r}: choose bfloat16 or float32.")
         if self.fused_adam not in ("auto", "on", "off"):
             raise ValueError(f"--fused-adam={self.fused_adam!r}: choose auto, on or off.")
+        sides = self.sides.split(",")
+        if sides[0] != "project" or not set(sides) <= set(SIDES) or len(set(sides)) != len(sides):
+            raise ValueError(
+                f"--sides={self.sides!r}: a comma list of {list(SIDES)} starting with project "
+                "(the anchors load the project's weights)."
+            )
+        modes = self.recompute.split(",")
+        if not set(modes) <= {"none", "full"} or len(set(modes)) != len(modes):
+            raise ValueError(f"--recompute={self.recompute!r}: a comma list of none and full.")
         preset_spec(self.preset)  # ConfigError naming the presets
         resolve_device(self.device)
 
@@ -127,9 +154,15 @@ class _Run:
     """A policy of ``spec`` and the batch's two calls (log-prob pass, train step)."""
 
     def __init__(
-        self, spec: ModelSpec, ctx, args: BenchOpsArgs, batch: AdvantagedBatch, budget: int
+        self,
+        spec: ModelSpec,
+        ctx,
+        args: BenchOpsArgs,
+        batch: AdvantagedBatch,
+        budget: int,
+        recompute: str = "none",
     ):
-        model_cfg = ModelConfig(dtype=args.dtype)
+        model_cfg = ModelConfig(dtype=args.dtype, recompute=recompute)  # type: ignore[arg-type]
         optim_cfg = OptimConfig(lr=1e-6, fused_adam=args.fused_adam)
         self.policy = build_policy(spec, ctx, model_cfg, optim_cfg, temperature=1.0)
         self.budget = budget
@@ -143,12 +176,53 @@ class _Run:
     def train_step(self):
         return self.policy.train_step(self.batch, self.loss_fn, 1, token_budget=self.budget)
 
-    def count(self, top: int, device: torch.device) -> dict[str, dict]:
-        out = {}
-        for phase, fn in (("logprob", self.logprobs), ("train", self.train_step)):
-            fn()  # the first call builds lazy state (the optimizer's moments)
-            out[phase] = count_call(fn, top, device)
-        return out
+    def params(self) -> list[torch.Tensor]:
+        return [p for _, p in self.policy.named_shards()]
+
+    def close(self) -> None:
+        del self.policy
+
+
+def count_side(run, top: int, device: torch.device) -> dict[str, dict]:
+    """A side's two phases (``run.logprobs``, ``run.train_step``), each counted on calls
+    after its first (which builds lazy state, the optimizer's moments): ops and host syncs,
+    FLOPs, and for the train step the bytes saved for the backward pass."""
+    out = {}
+    for phase, fn in (("logprob", run.logprobs), ("train", run.train_step)):
+        fn()
+        out[phase] = count_call(fn, top, device)
+        out[phase]["flops"] = {"total": count_flops(fn)}
+        if phase == "train":
+            with SavedBytes(run.params()) as saved:
+                fn()
+            out[phase]["saved_bytes"] = {"total": saved.bytes}
+    return out
+
+
+def _per_token(
+    full: dict, one: dict, two: dict, spec: ModelSpec, lengths: list[int], num_mb: int
+) -> dict:
+    """``full`` (the side's counts at the preset's layers) with the per-layer and per-token
+    figures: ops per layer per micro-batch, FLOPs per useful token against the model's
+    (2N or 6N, + attention), saved bytes per useful token in all and per layer (the
+    2-layer model's less the 1-layer one's)."""
+    tokens = sum(lengths)
+    attention = attention_flops_forward(spec, lengths) / tokens
+    model = {
+        "logprob": 2 * flop_params(spec) + attention,
+        "train": 6 * flop_params(spec) + 3 * attention,
+    }
+    for phase, c in full.items():
+        marginal = two[phase]["ops"]["total"] - one[phase]["ops"]["total"]
+        c["ops"]["per_layer_per_micro_batch"] = marginal / num_mb
+        c["flops"]["per_token"] = c["flops"]["total"] / tokens
+        c["flops"]["model_per_token"] = model[phase]
+        c["flops"]["over_model"] = c["flops"]["per_token"] / model[phase]
+        if "saved_bytes" in c:
+            layer = two[phase]["saved_bytes"]["total"] - one[phase]["saved_bytes"]["total"]
+            c["saved_bytes"]["per_token"] = c["saved_bytes"]["total"] / tokens
+            c["saved_bytes"]["per_token_per_layer"] = layer / tokens
+    return full
 
 
 def run_bench_ops(args: BenchOpsArgs, ctx=None) -> dict:
@@ -162,20 +236,47 @@ def run_bench_ops(args: BenchOpsArgs, ctx=None) -> dict:
     lengths = [int(n) for n in batch.attention_mask.sum(1).tolist()]
     budget = budget_for_packs(lengths, args.packs)
     num_mb = len(packed_micro_batches(batch, budget))
+    sides, modes = args.sides.split(","), args.recompute.split(",")
+    padded_rows = padded_rows_per_micro_batch(args.rows, num_mb)
+    micro_batches = {
+        "project": num_mb,
+        "hf-packed": num_mb,
+        "hf": math.ceil(args.rows / padded_rows),
+    }
     own = ctx is None
     ctx = init_distributed(ParallelConfig(), spec, seed=args.seed) if own else ctx
+    counts: dict[tuple[str, str, int], dict] = {}
     try:
-        counts = {}
-        for layers in (spec.num_layers, 1, 2):
-            shape = dataclasses.replace(spec, num_layers=layers)
-            counts[layers] = _Run(shape, ctx, args, batch, budget).count(args.top, device)
+        for mode in modes:
+            for layers in (spec.num_layers, 1, 2):
+                shape = dataclasses.replace(spec, num_layers=layers)
+                run = _Run(shape, ctx, args, batch, budget, mode)
+                state = gather_hf_state_dict(run.policy.models, shape, ctx) if sides[1:] else {}
+                counts["project", mode, layers] = count_side(run, args.top, device)
+                run.close()
+                for side in sides[1:]:
+                    anchor = AnchorRun(side, shape, state, device, run.batch, budget, padded_rows,
+                                       args.dtype, mode, fused_adam=_FUSED[args.fused_adam])  # fmt: skip
+                    counts[side, mode, layers] = count_side(anchor, args.top, device)
+                    anchor.close()
     finally:
         if own:
             destroy_distributed()
-    full = counts[spec.num_layers]
-    for phase in full:
-        marginal = counts[2][phase]["ops"]["total"] - counts[1][phase]["ops"]["total"]
-        full[phase]["ops"]["per_layer_per_micro_batch"] = marginal / num_mb
+    by_side = {
+        side: {
+            mode: _per_token(
+                counts[side, mode, spec.num_layers],
+                counts[side, mode, 1],
+                counts[side, mode, 2],
+                spec,
+                lengths,
+                micro_batches[side],
+            )  # fmt: skip
+            for mode in modes
+        }
+        for side in sides
+    }
+    full = by_side["project"][modes[0]]
     return {
         "bench": "ops",
         "preset": args.preset,
@@ -189,10 +290,22 @@ def run_bench_ops(args: BenchOpsArgs, ctx=None) -> dict:
             "token_budget": budget,
             "tokens": sum(lengths),
             "layers": spec.num_layers,
+            "hf_rows_per_micro_batch": padded_rows,
         },
         "phases": full,
+        "sides": by_side,
+        "ratios": {
+            side: {
+                mode: ratios(full_p, by_side[side][mode])
+                for mode, full_p in by_side["project"].items()
+            }
+            for side in sides[1:]
+        },
     }
 
+
+_FUSED = {"on": True, "off": False, "auto": None}
+"""``--fused-adam`` as the anchors' AdamW takes it (None: fused on CUDA, as ``auto``)."""
 
 OPS_WIDTHS = (-9, 9, 13, 11)
 CUDA_WIDTHS = (14, 0)
@@ -221,7 +334,46 @@ def ops_table(res: dict) -> str:
         if cuda:
             cells += (c["cuda"]["kernel_launches"], f"/ {c['cuda']['host_syncs']}")
         rows.append(cells)
-    return format_table(titles, rows, widths, " ", head=head, foot=_top_lines(res))
+    return format_table(
+        titles, rows, widths, " ", head=head, foot=_sides_lines(res) + _top_lines(res)
+    )
+
+
+SIDE_TITLES = ("side", "recompute", "phase", "ops/layer/mb", "host syncs", "FLOP/token",
+               "x model", "saved B/token", "/layer")  # fmt: skip
+SIDE_WIDTHS = (-10, -10, -8, 13, 11, 13, 8, 14, 10)
+
+
+def _sides_lines(res: dict) -> list[str]:
+    """Each side's per-layer and per-token figures, then the project/anchor ratios."""
+    rows: list[Any] = []
+    for side, modes in res["sides"].items():
+        for mode, phases in modes.items():
+            for phase, c in phases.items():
+                saved = c.get("saved_bytes", {})
+                rows.append((side, mode, phase, f"{c['ops']['per_layer_per_micro_batch']:.1f}",
+                             c["syncs"]["total"], f"{c['flops']['per_token']:.4g}",
+                             f"{c['flops']['over_model']:.3f}",
+                             f"{saved['per_token']:.0f}" if saved else "",
+                             f"{saved['per_token_per_layer']:.0f}" if saved else ""))  # fmt: skip
+    keys = ("ops_per_layer_per_micro_batch", "host_syncs", "flops_per_token", None,
+            "saved_bytes_per_token", "saved_bytes_per_token_per_layer")  # fmt: skip
+    for side, modes in res["ratios"].items():
+        for mode, phases in modes.items():
+            for phase, r in phases.items():
+                cells = [_ratio(r, k) for k in keys]
+                rows.append((f"/ {side}", mode, phase, *cells))
+    head = ["", "per useful token (x model: over 2N / 6N + attention); per layer: the 2-layer "
+            "model less the 1-layer one; '/ side': project over that anchor"]  # fmt: skip
+    return [format_table(SIDE_TITLES, rows, SIDE_WIDTHS, " ", head=head)]
+
+
+def _ratio(ratios: dict, key: str | None) -> str:
+    """A ratio cell: blank where the phase has no such figure, n/a where the anchor's is 0."""
+    if key not in ratios:
+        return ""
+    x = ratios[key]
+    return "n/a" if x is None else f"{x:.3f}x"
 
 
 def _top_lines(res: dict) -> list[str]:

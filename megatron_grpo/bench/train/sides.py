@@ -182,7 +182,9 @@ class HFSide:
         dtype: torch.dtype,
         args: BenchTrainArgs,
         packed_budget: int | None = None,
+        fused_adam: bool | None = None,
     ) -> None:
+        """``fused_adam``: torch's fused AdamW (None: on CUDA only, as ``bench train``)."""
         self.spec, self.args, self.device = spec, args, device
         self.packed_budget = packed_budget
         self.name = "hf" if packed_budget is None else "hf-packed"
@@ -203,7 +205,7 @@ class HFSide:
             betas=(opt.adam_beta1, opt.adam_beta2),
             eps=opt.adam_eps,
             weight_decay=opt.weight_decay,
-            fused=device.type == "cuda",
+            fused=device.type == "cuda" if fused_adam is None else fused_adam,
         )
 
     def num_parameters(self) -> int:
