@@ -99,6 +99,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--tokens", type=int, default=256, help="response tokens per sample")
     c.add_argument("--timeout-s", type=float, default=300.0, help="time limit per channel")
     c.add_argument("--json", dest="json_out", help="also write the results here")
+    e = add_command(bsub, "episodes", run_episodes)
+    e.add_argument("--prompts", type=int, default=16, help="prompts per generate")
+    e.add_argument("--samples", type=int, default=4, help="episodes per prompt")
+    e.add_argument("--turns", type=int, default=4, help="model turns per episode")
+    e.add_argument("--turn-tokens", type=int, default=16, help="model tokens per turn")
+    e.add_argument("--repeats", type=int, default=3, help="timed generates per side (median)")
+    e.add_argument("--preset", default="tiny", help="model shape (built with random weights)")
+    e.add_argument("--cache-dir", default="runs/bench", help="where the model is built")
+    e.add_argument("--timeout-s", type=float, default=600.0, help="time limit of the engine's rank")
+    e.add_argument("--json", dest="json_out", help="also write the results here")
 
 
 def run_control(args: argparse.Namespace) -> int:
@@ -112,6 +122,23 @@ def run_control(args: argparse.Namespace) -> int:
     from megatron_grpo.bench.control.run import BenchControlArgs, format_table, run_bench_control
 
     return _measure(args, BenchControlArgs, run_bench_control, format_table)
+
+
+def run_episodes(args: argparse.Namespace) -> int:
+    """multi-turn episodes against one-turn generation of as many model tokens
+
+    One vLLM engine (a spawned rank, colocated as in training) generates --turns x
+    --turn-tokens model tokens per sample in one turn, then as episodes of --turns turns of
+    --turn-tokens tokens with a short environment reply between turns, through the agent
+    loop (rollout/agent.py): model tokens per second of each and their ratio. Prints a
+    table, writes JSON (docs/benchmarks.md, "bench episodes")."""
+    from megatron_grpo.bench.episodes.run import (
+        BenchEpisodesArgs,
+        episodes_table,
+        run_bench_episodes,
+    )
+
+    return _measure(args, BenchEpisodesArgs, run_bench_episodes, episodes_table)
 
 
 def run_ops(args: argparse.Namespace) -> int:

@@ -653,6 +653,9 @@ class EnvConfig:
     stop: list[str] = field(default_factory=list)
     """Strings that end a model turn besides EOS (e.g. ``</calc>``); the turn's text handed to
     ``step`` includes the one that ended it."""
+    max_turn_tokens: int = 0
+    """Tokens of one model turn at most (0: only the response budget bounds it); a turn cut
+    there goes to ``step`` like any other."""
     timeout_s: float = 10.0
     """Time limit of one ``ClassName(row)`` or ``step`` call; past it the episode ends with
     reward 0 and is counted (``env_timeouts``)."""
@@ -674,6 +677,7 @@ class EnvConfig:
                 f"env.max_turns={self.max_turns} must be >= 1: the model's turns per episode."
             )
         _positive("env", self, "timeout_s", "num_workers")
+        _non_negative("env", self, "max_turn_tokens")
 
     @property
     def multi_turn(self) -> bool:

@@ -135,10 +135,11 @@ class AgentLoop:
 
     def _turn(self, engine: Any, active: list[_Episode], turn: int, budget: int,
               sampling: dict[str, Any]) -> None:  # fmt: skip
+        cap = self.cfg.max_turn_tokens or budget
         out = engine.generate(
             [ep.prompt_ids + ep.response for ep in active], n=1,
-            seeds=[turn_seed(ep.seed, turn) for ep in active],
-            max_new_tokens=budget, max_tokens_each=[budget - len(ep.response) for ep in active],
+            seeds=[turn_seed(ep.seed, turn) for ep in active], max_new_tokens=budget,
+            max_tokens_each=[min(cap, budget - len(ep.response)) for ep in active],
             stop=self.cfg.stop or None, **sampling,
         )  # fmt: skip
         texts, stepping = [], []
@@ -148,7 +149,7 @@ class AgentLoop:
             ep.mask += [1] * len(s.response_ids)
             ep.turns += 1
             ep.version, ep.routed = s.weight_version, s.routed_experts
-            if s.finish_reason == "length" or len(ep.response) >= budget:
+            if len(ep.response) >= budget:  # the response budget is spent mid-turn
                 ep.end, ep.finish = "truncated", "length"
                 continue
             texts.append(self.tokenizer.decode(s.response_ids, skip_special_tokens=True))

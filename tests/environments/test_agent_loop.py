@@ -195,3 +195,16 @@ def test_episodes_cross_the_control_channel_intact(tok):
     assert [vars(s) for s in messages.decode(messages.samples(one_turn), "k", "p", ("samples",)).body] == [
         vars(s) for s in one_turn
     ]
+
+
+def test_max_turn_tokens_caps_each_turn_and_the_cut_turn_goes_to_the_environment(tok):
+    engine = ScriptedEngine(tok, ["<calc>12+34</calc>", "46<eos>"])
+    loop = AgentLoop(EnvConfig(name=f"{__file__}:Calculator", stop=["</calc>"], max_turns=2,
+                               max_turn_tokens=5), tok, chat=False)  # fmt: skip
+    out = loop.generate(engine, _prompts(tok, ["a="]), [{"answer": "46"}], seeds=[0], n=1,
+                        max_new_tokens=64)  # fmt: skip
+    assert engine.calls[0]["budgets"] == [5]
+    s = out[0]
+    # turn 1 cut at 5 tokens ("<calc"), not a call: the environment scores it as the answer
+    assert s.response_ids == tok.encode("<calc", add_special_tokens=False)
+    assert (s.turns, s.env_end, s.env_reward, s.finish_reason) == (1, "done", 0.0, "stop")
