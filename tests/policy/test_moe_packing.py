@@ -6,7 +6,8 @@
 - EP=2 on two spawned gloo ranks (the tiny MoE, fp32): the ranks' batches pack into 1 and 3
   micro-batches under the token budget (2 each padded), so rank 0 runs 2 empty ones; the
   packed log-probs, entropies, loss and gradients equal the padded ones (<= 1e-5), with the
-  router's own choice and with routing replay of given experts.
+  router's own choice and with routing replay of given experts; and at PP=2 x EP=2 (4 ranks),
+  where each stage's EP group agrees on the count the pipeline schedule runs.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def pg_loss(logp, entropy, mb, *, n_tokens: float):
     return loss, {"tokens": mask.sum()}
 
 
-def _ep2_packing_worker(rank, world_size, hf_dir):
+def _ep2_packing_worker(rank, world_size, hf_dir, pp=1):
     from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
     from megatron_grpo.distributed import distributed_context
     from megatron_grpo.layouts import load_hf_into_megatron
@@ -79,13 +80,13 @@ def _ep2_packing_worker(rank, world_size, hf_dir):
     from megatron_grpo.policy import build_policy
 
     spec = load_spec(hf_dir)
-    with distributed_context(ParallelConfig(ep=2), spec, seed=1) as ctx:
+    with distributed_context(ParallelConfig(ep=2, pp=pp), spec, seed=1) as ctx:
         batch = _rank_batch(spec.vocab_size, spec.num_layers, ctx.dp_rank)
         # the loss's normalizer: both ranks' tokens (sum of LENGTHS' response tokens)
         n_tokens = float(sum(n - 2 for lengths in LENGTHS.values() for n in lengths))
         loss_fn = partial(pg_loss, n_tokens=n_tokens)
         out = {}
-        for replay in (False, True):
+        for replay in (False, True) if pp == 1 else (False,):  # replay: at pp=1 only
             for budget in (None, BUDGET):
                 policy = build_policy(
                     spec, ctx, ModelConfig(),
@@ -113,15 +114,19 @@ def moe_dir(tmp_path_factory) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_packed_ep2_equals_padded_with_different_micro_batch_counts(moe_dir):
+@pytest.mark.parametrize("pp", [1, 2])
+def test_packed_ep2_equals_padded_with_different_micro_batch_counts(moe_dir, pp):
+    """pp=2: 4 ranks, each stage's EP group agrees on the count, and so both stages run the
+    pipeline schedule's same number of micro-batches."""
     torch.set_num_threads(1)
-    ranks = run_distributed(_ep2_packing_worker, 2, moe_dir, timeout=380)
+    ranks = run_distributed(_ep2_packing_worker, 2 * pp, moe_dir, pp, timeout=380)
     report = []
-    # the ranks pack into different counts (rank 0 runs two empty micro-batches)
-    assert [r[False, BUDGET]["count"] for r in ranks] == [1, 3]
-    assert [r[False, None]["count"] for r in ranks] == [2, 2]
+    # the ranks pack into different counts (DP rank 0 runs two empty micro-batches)
+    dp_rank = [rank % 2 for rank in range(2 * pp)]  # rank order tp-cp-ep-dp-pp
+    assert [r[False, BUDGET]["count"] for r in ranks] == [[1, 3][d] for d in dp_rank]
+    assert [r[False, None]["count"] for r in ranks] == [2] * len(ranks)
     for rank, r in enumerate(ranks):
-        for replay in (False, True):
+        for replay in (False, True) if pp == 1 else (False,):
             ref, packed = r[replay, None], r[replay, BUDGET]
             assert ref["logp"].abs().max() > 0.1
             d_logp = (packed["logp"] - ref["logp"]).abs().max().item()
@@ -136,9 +141,9 @@ def test_packed_ep2_equals_padded_with_different_micro_batch_counts(moe_dir):
             tokens = [sum(n - 2 for n in LENGTHS[k]) / count for k, count in ((0, 1), (1, 3))]
             assert packed["tokens"] == pytest.approx(sum(tokens) / 2)
             assert scale > 1e-3 and d_g <= TOL * scale, report[-1]
-            # every local expert of rank 0 got a gradient
+            # every local expert of this rank got a gradient
             experts = [g for n, g in ref["grads"].items() if ".experts." in n]
             assert experts and all(g.abs().max() > 0 for g in experts), rank
         # replaying other experts than the router's changes the forward
-        assert (r[True, None]["logp"] - r[False, None]["logp"]).abs().max() > 1e-3
+        assert pp > 1 or (r[True, None]["logp"] - r[False, None]["logp"]).abs().max() > 1e-3
     print("\n".join(report))
