@@ -77,7 +77,7 @@ class MicroBatchForward:
         # expert-parallel ranks run one count: the most any of them has, the others adding
         # empty micro-batches (policy.micro_batches.agreed_count); the pipeline stages of a
         # replica split the same batch, so they agree with it
-        num_mb = agreed_count(len(mbs), self.ctx.ep_group, self.ctx.ep, self.ctx.device)
+        num_mb = agreed_count(len(mbs), self.ctx.ep_group, self.ctx.ep)
         if self.ctx.vpp and num_mb % self.ctx.pp:
             raise ValueError(
                 f"{num_mb} micro-batches with parallel.vpp={self.ctx.vpp}: megatron's "

@@ -260,9 +260,10 @@ def split_batch(
     return packed_micro_batches(batch, token_budget, multiple)
 
 
-def agreed_count(num_micro_batches: int, group: Any, size: int, device: Any = None) -> int:
+def agreed_count(num_micro_batches: int, group: Any, size: int) -> int:
     """The most micro-batches any rank of ``group`` (``size`` ranks) has: one all-reduce of
-    one integer, skipped when ``size`` is 1. Expert-parallel ranks run this many, the ones
+    one CPU integer (gloo, also on a GPU run: every group is ``cpu:gloo,cuda:nccl``,
+    distributed/setup.py ``process_group_backend``; no device sync), skipped when ``size`` is 1. Expert-parallel ranks run this many, the ones
     with fewer adding empty micro-batches (``empty_micro_batch``): every MoE layer's forward
     and backward is an alltoall over the EP group, so a rank with one micro-batch less would
     leave its peers waiting. Packed micro-batches (a token budget) of per-rank batches
@@ -271,7 +272,7 @@ def agreed_count(num_micro_batches: int, group: Any, size: int, device: Any = No
         return num_micro_batches
     import torch.distributed as dist
 
-    count = torch.tensor([num_micro_batches], device=device)
+    count = torch.tensor([num_micro_batches])
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     return int(count.item())
 
