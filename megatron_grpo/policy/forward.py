@@ -19,7 +19,8 @@ from megatron_grpo.policy.kernels import resolve_transformer_impl
 from megatron_grpo.policy.micro_batches import (
     MicroBatches,
     PackedRows,
-    check_expert_ranks_agree,
+    agreed_count,
+    empty_micro_batch,
     split_batch,
 )
 from megatron_grpo.policy.rope import PackedRope
@@ -73,18 +74,24 @@ class MicroBatchForward:
         """megatron's schedule over ``chunks`` (DDP-wrapped or bare) and the micro-batches
         ``mbs`` of ``split``; each micro-batch's output is scored at ``temperature`` and
         reduced by ``score`` (``_step``). Returns the last stage's reduced values."""
-        num_mb = len(mbs)
-        check_expert_ranks_agree(num_mb, self.ctx.ep_group, self.ctx.ep)
+        # expert-parallel ranks run one count: the most any of them has, the others adding
+        # empty micro-batches (policy.micro_batches.agreed_count); the pipeline stages of a
+        # replica split the same batch, so they agree with it
+        num_mb = agreed_count(len(mbs), self.ctx.ep_group, self.ctx.ep)
         if self.ctx.vpp and num_mb % self.ctx.pp:
             raise ValueError(
                 f"{num_mb} micro-batches with parallel.vpp={self.ctx.vpp}: megatron's "
                 f"interleaved schedule needs a multiple of pp({self.ctx.pp}); change "
                 "micro_batch_size or the batch size."
             )
-        shapes = [
-            (mb.input_ids if pack is None else pack.input_ids).shape for _, _, mb, pack in mbs
+        items: list[tuple[Rows, PackedRows | None, bool]] = [
+            (mb, pack, True) for _, _, mb, pack in mbs
         ]
-        iters: list[Iterator[Any]] = [iter([(mb, pack) for _, _, mb, pack in mbs]) for _ in chunks]
+        if num_mb > len(mbs):
+            empty, empty_pack = empty_micro_batch(mbs[0][2], mbs[0][3], self._length_multiple)
+            items += [(empty, empty_pack, False)] * (num_mb - len(mbs))
+        shapes = [(mb.input_ids if pack is None else pack.input_ids).shape for mb, pack, _ in items]
+        iters: list[Iterator[Any]] = [iter(items) for _ in chunks]
         results: list[Any] = self._forward_backward(
             forward_step_func=self._step(score, temperature),
             data_iterator=iters if len(iters) > 1 else iters[0],
@@ -94,7 +101,8 @@ class MicroBatchForward:
             micro_batch_size=max(shape[0] for shape in shapes),
             forward_only=forward_only,
         )
-        return results
+        # the empty micro-batches come last and reduce to nothing the callers read
+        return results[: len(mbs)]
 
     def _step(self, score: ScoreFn[R], temperature: float) -> Callable[..., Any]:
         """megatron's ``forward_step_func`` for one micro-batch: its tensors moved to the
@@ -104,19 +112,26 @@ class MicroBatchForward:
         reduced)``."""
 
         def step(
-            data_iterator: Iterator[tuple[R, PackedRows | None]], model: Any
+            data_iterator: Iterator[tuple[Any, PackedRows | None, bool]], model: Any
         ) -> tuple[torch.Tensor, Any]:
-            mb, pack = self._to_device(*next(data_iterator))
+            mb, pack, real = next(data_iterator)
+            mb, pack = self._to_device(mb, pack)
             if self.routing is not None:  # this micro-batch's vLLM experts, on every stage
                 routed = mb.routed_experts if pack is None else pack.routed_experts
                 self.routing.set_targets(routed, packed=pack is not None)
             out = self._model_forward(model, mb, pack)
 
             def reduce(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
+                one = torch.ones((), dtype=torch.int, device=self.ctx.device)
+                if not real:  # an empty micro-batch: a zero loss whose backward still runs
+                    # the MoE layers' alltoalls (and scoring's TP collectives) as a real one's
+                    ids = mb.input_ids if pack is None else pack.input_ids
+                    logp, _ = self.scoring.token_logprobs(out, ids, temperature)
+                    return logp.sum() * 0.0, one, {}
                 logp, ent = self._row_logp_entropy(out, mb, pack, temperature)
                 loss, reduced = score(logp, ent, mb)
                 # num_tokens is unused (calculate_per_token_loss, docs/architecture-policy.md)
-                return loss, torch.ones((), dtype=torch.int, device=self.ctx.device), reduced
+                return loss, one, reduced
 
             return out, reduce
 

@@ -260,20 +260,38 @@ def split_batch(
     return packed_micro_batches(batch, token_budget, multiple)
 
 
-def check_expert_ranks_agree(num_micro_batches: int, ep_group: Any, ep: int) -> None:
-    """ValueError (one line) when the expert-parallel ranks would run different numbers of
-    micro-batches: every MoE layer's forward is an alltoall over the EP group, so a rank
-    with one micro-batch more would wait for peers that never come. Padded micro-batches of
-    equal per-rank batches always agree; packed ones (a token budget) need not."""
-    if ep == 1:
-        return
+def agreed_count(num_micro_batches: int, group: Any, size: int) -> int:
+    """The most micro-batches any rank of ``group`` (``size`` ranks) has: one all-reduce of
+    one CPU integer (gloo, also on a GPU run: every group is ``cpu:gloo,cuda:nccl``,
+    distributed/setup.py ``process_group_backend``; no device sync), skipped when ``size`` is 1. Expert-parallel ranks run this many, the ones
+    with fewer adding empty micro-batches (``empty_micro_batch``): every MoE layer's forward
+    and backward is an alltoall over the EP group, so a rank with one micro-batch less would
+    leave its peers waiting. Packed micro-batches (a token budget) of per-rank batches
+    rarely count alike; megatron-LM pads the count the same way."""
+    if size == 1:
+        return num_micro_batches
     import torch.distributed as dist
 
-    counts = torch.tensor([num_micro_batches, -num_micro_batches])
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=ep_group)
-    if counts[0] != -counts[1]:
-        raise ValueError(
-            f"the {ep} expert-parallel ranks split their batches into {-int(counts[1])} to "
-            f"{int(counts[0])} micro-batches, and MoE layers need the same number on each: "
-            "set grpo.batch.pack_sequences=false (padded micro-batches) for parallel.ep > 1."
-        )
+    count = torch.tensor([num_micro_batches])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    return int(count.item())
+
+
+def empty_micro_batch(
+    like: Rows, pack: PackedRows | None, multiple: int = 1
+) -> tuple[Rows, PackedRows | None]:
+    """A micro-batch that carries no row, for a rank that runs more micro-batches than it
+    has (``agreed_count``): a pack of only the filler document (a ``multiple`` of at least 2
+    tokens of token 0) when ``pack`` is given, else one row of them; every token's routed
+    experts -1 (the router's own choice, no mismatch counted) where ``like`` carries them.
+    The forward step gives it a zero loss (``policy.forward``): it moves the MoE layers'
+    alltoalls, not the gradient, nor the metrics."""
+    size = -(-2 // multiple) * multiple
+    ids = like.input_ids.new_zeros(0 if pack is not None else 1, size)
+    routed = like.routed_experts
+    if routed is not None:
+        routed = routed.new_full((ids.shape[0], size, *routed.shape[2:]), -1)
+    rows = Rows(input_ids=ids, attention_mask=None, routed_experts=routed)
+    if pack is None:
+        return rows, None
+    return rows, PackedRows.build(ids, [], multiple, routed)

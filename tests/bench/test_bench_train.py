@@ -218,3 +218,50 @@ def test_bench_train_rejects_bad_arguments(argv, message, capsys) -> None:
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_hf_sides_fuse_the_experts_as_transformers_holds_them() -> None:
+    from megatron_grpo.bench.train.sides import _fuse_experts
+    from megatron_grpo.models.prepare import unfuse_experts
+
+    fused = {
+        "model.layers.0.mlp.experts.gate_up_proj": torch.arange(3 * 8 * 5.0).view(3, 8, 5),
+        "model.layers.0.mlp.experts.down_proj": torch.arange(3 * 5 * 4.0).view(3, 5, 4),
+        "model.layers.0.mlp.gate.weight": torch.ones(3, 5),
+    }
+    back = _fuse_experts(unfuse_experts(fused))
+    assert back.keys() == fused.keys()
+    assert all(torch.equal(back[k], t) for k, t in fused.items())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_train_moe_packed_beside_padded(tmp_path: Path) -> None:
+    """The tiny MoE preset: the project packed and padded (``project-padded``) and the HF
+    model side by side, all from the same initial weights: the same first step and log-probs."""
+    out = tmp_path / "moe.json"
+    argv = ["bench", "train", "--preset", "tiny-moe", "--device", "cpu", "--steps", "1",
+            "--warmup", "0", "--search", "off", "--sides", "project,project-padded,hf",
+            "--json", str(out)]  # fmt: skip
+    for k, v in ARGS.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "megatron_grpo.cli.main", *argv],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=170)  # fmt: skip
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "project/project-padded" in proc.stdout
+    res = json.loads(out.read_text())
+    sides = res["sides"]
+    assert list(sides) == ["project", "project-padded", "hf"]
+    assert res["batch"]["project_micro_batch_tokens"] is not None  # the project side packs
+    for phase in ("train", "logprob"):
+        rate = {n: s[phase]["useful_tokens_per_s"] for n, s in sides.items()}
+        assert res["ratio"]["project-padded"][phase] == pytest.approx(
+            rate["project"] / rate["project-padded"]
+        )
+    first = {n: s["first_step"] for n, s in sides.items()}
+    for other in ("project-padded", "hf"):
+        assert first[other]["loss"] == pytest.approx(first["project"]["loss"], rel=1e-5, abs=1e-7)
+        assert first[other]["grad_norm"] == pytest.approx(first["project"]["grad_norm"], rel=1e-5)
+    assert res["logprob_parity"]["max_abs_diff"] <= 1e-5  # project vs the HF Qwen3-MoE

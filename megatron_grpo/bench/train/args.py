@@ -14,7 +14,7 @@ from megatron_grpo.models.shapes import preset_spec
 from megatron_grpo.models.spec import ModelSpec
 from megatron_grpo.policy.model_builder import resolve_dtype
 
-SIDES = ("project", "hf", "hf-packed")
+SIDES = ("project", "project-padded", "hf", "hf-packed")
 """``bench train``'s sides (bench/train/sides.py)."""
 
 SEARCH_START = 1024

@@ -44,8 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="find the longest sequence that trains, per side (auto: on GPU only)")  # fmt: skip
     p.add_argument("--search-cap", type=int, default=32768, help="longest length tried")
     p.add_argument("--sides", default="project,hf,hf-packed",
-                   help="sides measured, project first: hf (padded, SDPA) and hf-packed "
-                   "(padding removed, varlen attention, the project's token budget)")  # fmt: skip
+                   help="sides measured, project first: project-padded (the project on "
+                   "padded rows), hf (padded, SDPA) and hf-packed (padding removed, varlen "
+                   "attention, the project's token budget)")  # fmt: skip
     p.add_argument("--liger", choices=("auto", "on", "off"), default="auto",
                    help="Liger-Kernel on the project side and hf-packed (auto: installed + CUDA)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the batch and the weights")

@@ -107,6 +107,7 @@ def measure_sides(
     with distributed_context(ParallelConfig(), spec, seed=args.seed) as ctx:
         project = ProjectSide(spec, ctx, args)
         state = project.hf_state_dict()
+        shards = project.shards() if "project-padded" in args.sides.split(",") else None
         sides["project"] = measure_side(project, batch, loss_fn, args, device, figures, search)
         batch = sides["project"].pop("loss_batch", batch)  # every side trains on the same
         sides["project"]["liger"] = project.kernels.layer_fns == "liger"
@@ -115,6 +116,15 @@ def measure_sides(
         free_memory(device)
         leftover = torch.cuda.memory_allocated(device) / GIB if device.type == "cuda" else None
         for name in args.sides.split(",")[1:]:
+            if name == "project-padded":  # the project's initial weights, padded rows
+                padded = ProjectSide(spec, ctx, args, padded=True, shards=shards)
+                sides[name] = measure_side(padded, batch, loss_fn, args, device, figures, search)
+                batch = sides[name].pop("loss_batch", batch)
+                sides[name]["liger"] = padded.kernels.layer_fns == "liger"
+                padded.close()
+                del padded
+                free_memory(device)
+                continue
             budget = hf_packed_budget(args) if name == "hf-packed" else None
             hf = HFSide(spec, state, device, dtype, args, packed_budget=budget)
             sides[name] = measure_side(hf, batch, loss_fn, args, device, figures, search)

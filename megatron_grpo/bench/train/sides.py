@@ -4,6 +4,7 @@ and the plain Hugging Face baseline, behind the same four calls (``num_parameter
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -28,17 +29,33 @@ R = TypeVar("R", bound=Rows)
 
 
 class ProjectSide:
-    """The project's ``Policy`` at world size 1."""
+    """The project's ``Policy`` at world size 1 (``project``); with ``padded`` the same
+    policy on padded rows of ``micro_batch_size`` (``project-padded``, the trainer's
+    ``grpo.batch.pack_sequences=false``)."""
 
-    name = "project"
-
-    def __init__(self, spec: ModelSpec, ctx, args: BenchTrainArgs) -> None:
+    def __init__(
+        self, spec: ModelSpec, ctx, args: BenchTrainArgs, padded: bool = False,
+        shards: dict[str, torch.Tensor] | None = None,
+    ) -> None:  # fmt: skip
+        """``shards``: another side's ``shards()`` to start from (the same initial weights)."""
+        self.name = "project-padded" if padded else "project"
+        if padded:
+            args = dataclasses.replace(args, micro_batch_tokens=0)
         self.spec, self.args = spec, args
         kernels = KernelsConfig(liger=args.liger)  # --liger: both sides, or neither
         model_cfg = ModelConfig(dtype=args.dtype, recompute=args.recompute, kernels=kernels)
         self.kernels = resolve_kernels(model_cfg, ctx.device)
         self.policy = build_policy(spec, ctx, model_cfg, OptimConfig(lr=args.lr), temperature=1.0)
         self.ctx = ctx
+        if shards is not None:
+            with torch.no_grad():
+                for name, p in self.policy.named_shards():
+                    p.copy_(shards[name])
+            self.policy.optimizer.reload_model_params()  # as Policy.copy_weights_from
+
+    def shards(self) -> dict[str, torch.Tensor]:
+        """This rank's parameter shards, copied to the CPU."""
+        return {n: p.detach().cpu().clone() for n, p in self.policy.named_shards()}
 
     def sizes(self) -> dict[str, Any]:
         """How the policy splits a batch: packed micro-batches of at most
@@ -126,6 +143,41 @@ def apply_liger(model, device: torch.device, choice: str) -> bool:
     return True
 
 
+def _moe_keys(spec: ModelSpec) -> dict[str, Any]:
+    """The HF ``config.json`` keys of an MoE spec's experts (none for a dense one)."""
+    if not spec.is_moe:
+        return {}
+    keys: dict[str, Any] = {
+        "num_experts": spec.num_experts, "num_experts_per_tok": spec.moe_topk,
+        "moe_intermediate_size": spec.moe_ffn_hidden_size, "norm_topk_prob": spec.norm_topk_prob,
+    }  # fmt: skip
+    if spec.shared_expert_ffn_hidden_size:
+        keys["shared_expert_intermediate_size"] = spec.shared_expert_ffn_hidden_size
+    return keys
+
+
+def _fuse_experts(state: dict) -> dict:
+    """Checkpoint names -> transformers' (v5) fused experts in memory: the inverse of
+    ``models.prepare.unfuse_experts`` (``mlp.experts.gate_up_proj`` (E, 2I, h), gate rows
+    first, and ``mlp.experts.down_proj`` (E, h, I))."""
+    out: dict = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in state.items():
+        pre, dot, rest = name.partition(".mlp.experts.")
+        if dot and rest.split(".")[0].isdigit():
+            e, proj = rest.split(".")[:2]
+            experts.setdefault(pre, {}).setdefault(int(e), {})[proj] = t
+        else:
+            out[name] = t
+    for pre, by_e in experts.items():
+        order = [by_e[e] for e in sorted(by_e)]
+        out[f"{pre}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([x["gate_proj"], x["up_proj"]]) for x in order]
+        )
+        out[f"{pre}.mlp.experts.down_proj"] = torch.stack([x["down_proj"] for x in order])
+    return out
+
+
 def _hf_model(
     spec: ModelSpec, state: dict, device: torch.device, dtype: torch.dtype, attention: str
 ):
@@ -146,6 +198,7 @@ def _hf_model(
             "rope_theta": spec.rope_theta,
             "rms_norm_eps": spec.rms_norm_eps,
             "max_position_embeddings": spec.max_position_embeddings,
+            **_moe_keys(spec),
         },
         vocab_size=spec.vocab_size,
     )
@@ -158,6 +211,8 @@ def _hf_model(
         model = transformers.AutoModelForCausalLM.from_config(
             config, attn_implementation=attention, dtype=dtype
         )
+    if any(k.endswith(".mlp.experts.gate_up_proj") for k in model.state_dict()):
+        state = _fuse_experts(state)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied_head = [hf_names.LM_HEAD] if spec.tie_word_embeddings else []
     if unexpected or [k for k in missing if k not in tied_head]:
