@@ -43,8 +43,8 @@ FILES = {
     "my_reward.py": "def score(prompt, response, answer):\n    return 1.0\n",
     "broken_reward.py": "def score(:\n",
     "my_env.py": "class Env:\n    def __init__(self, row):\n        pass\n\n    def step(self, text):\n"
-                 "        return None, 1.0\n\n\nclass NoStep:\n    pass\n\n\ndef not_a_class(row):\n"
-                 "    return None\n",
+    "        return None, 1.0\n\n\nclass NoStep:\n    pass\n\n\ndef not_a_class(row):\n"
+    "    return None\n",
 }
 
 T = ["train", "--verbose", "--run-dir", "$TMP/run"]
@@ -103,6 +103,7 @@ HAND: list[tuple[str, list[str]]] = [
     ("environment name without a class", [*T, "env.name=$TMP/my_env.py"]),
     ("env.max_turns below 1", [*T, "env.name=$TMP/my_env.py:Env", "env.max_turns=0"]),
     ("env.stop not a list of strings", [*T, "env.name=$TMP/my_env.py:Env", "env.stop=[1, '']"]),
+    ("environment with a colocated rollout.tp=2", [*T, "env.name=$TMP/my_env.py:Env", "rollout.tp=2"]),
     ("unknown synthetic task", [*T, "data.source=synthetic:nope"]),
     ("data file missing", [*T, "data.source=$TMP/nope.jsonl", "reward.name=gsm8k"]),
     ("data file with a malformed line", [*T, "data.source=$TMP/bad.jsonl", "reward.name=gsm8k", "data.strict=true"]),

@@ -8,6 +8,7 @@ from megatron_grpo.config.schema import (
     Config,
     ConfigError,
     DataConfig,
+    EnvConfig,
     EvalConfig,
     GRPOConfig,
     KernelsConfig,
@@ -19,7 +20,6 @@ from megatron_grpo.config.schema import (
     OptimConfig,
     ParallelConfig,
     RewardConfig,
-    EnvConfig,
     RolloutConfig,
     SyncConfig,
 )

@@ -665,9 +665,7 @@ class EnvConfig:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.stop, list) or not all(
-            isinstance(x, str) and x for x in self.stop
-        ):
+        if not isinstance(self.stop, list) or not all(isinstance(x, str) and x for x in self.stop):
             raise ConfigError(
                 f"env.stop={self.stop!r} must be a list of non-empty strings, e.g. "
                 "env.stop='[\"</calc>\"]'."
@@ -801,6 +799,13 @@ class Config:
                 f"rollout.sleep_level=2 discards vLLM's weights at every sleep, so every step "
                 f"needs a weight sync, but {every}: set rollout.sleep_level=1 (weights wait in "
                 "CPU memory) or sync.mode=fixed sync.interval=1."
+            )
+        if self.env.multi_turn and r.placement == "colocated" and r.tp > 1:
+            raise ConfigError(
+                f"env.name with rollout.placement=colocated needs rollout.tp=1, not {r.tp}: each "
+                "TP rank of a colocated engine would run its own environments, and one timing "
+                "out where another did not would split the engine's ranks; set rollout.tp=1 or "
+                "rollout.placement=disaggregated (one driver runs the episodes)."
             )
         if self.rollout.max_new_tokens + self.data.max_prompt_tokens > self.rollout.max_model_len:
             raise ConfigError(

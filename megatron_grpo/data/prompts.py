@@ -105,7 +105,10 @@ class PromptSource:
             draw = self.epoch * len(self._prompts) + self.index
             out.append(
                 Prompt(
-                    p.text, p.prompt_ids, p.answer, {**p.meta, "epoch": self.epoch, "draw": draw},
+                    p.text,
+                    p.prompt_ids,
+                    p.answer,
+                    {**p.meta, "epoch": self.epoch, "draw": draw},
                     p.row,
                 )
             )

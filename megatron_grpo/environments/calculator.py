@@ -46,7 +46,9 @@ def evaluate(expression: str) -> Fraction:
 
 
 def _value(node: ast.AST) -> Fraction:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        if isinstance(node.value, bool):
+            raise CalculatorError("True / False are not numbers here")
         return _bounded(Fraction(node.value))
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
         v = _value(node.operand)

@@ -10,6 +10,7 @@ its own (docs/environments.md)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -61,15 +62,16 @@ class EnvRunner:
 
     def build(self, rows: Sequence[dict]) -> list[Outcome]:
         """``cls(row)`` for every row."""
-        return self._run([(lambda r=r: self.cls(r)) for r in rows], "ClassName(row)", rows)
+        calls = [functools.partial(self.cls, r) for r in rows]
+        return self._run(calls, "ClassName(row)", rows)
 
     def step(self, envs: Sequence[Any], texts: Sequence[str]) -> list[Outcome]:
         """``env.step(text)`` of every pair; ``value`` is the checked ``(reply, reward)``."""
-        calls = [(lambda e=e, t=t: check_step_result(e.step(t))) for e, t in zip(envs, texts)]
+        calls = [functools.partial(_checked_step, e, t) for e, t in zip(envs, texts)]
         return self._run(calls, "step(text)", texts)
 
     def _run(
-        self, calls: list[Callable[[], Any]], what: str, inputs: Sequence[Any]
+        self, calls: Sequence[Callable[[], Any]], what: str, inputs: Sequence[Any]
     ) -> list[Outcome]:
         out: list[Outcome | None] = [None] * len(calls)
         done: queue.SimpleQueue = queue.SimpleQueue()
@@ -118,6 +120,10 @@ class EnvRunner:
                 shown, status,
             )  # fmt: skip
         return Outcome(status, None, detail)
+
+
+def _checked_step(env: Any, text: str) -> tuple[str | None, float | None]:
+    return check_step_result(env.step(text))
 
 
 def _call(fn: Callable[[], Any], i: int, done: queue.SimpleQueue) -> None:

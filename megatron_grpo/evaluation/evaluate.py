@@ -14,8 +14,8 @@ from typing import Any
 
 from megatron_grpo.config import Config, ConfigError, load_config, parse_overrides
 from megatron_grpo.data import build_prompt_source
-from megatron_grpo.environments.contract import load_environment
 from megatron_grpo.distributed import destroy_distributed, init_distributed, spawn
+from megatron_grpo.environments.contract import load_environment
 from megatron_grpo.evaluation.source import ModelSource, load_megatron_weights, resolve_model
 from megatron_grpo.layouts.io import load_hf_into_megatron
 from megatron_grpo.metrics.pass_at_k import mean_pass_at_k
@@ -297,7 +297,7 @@ def _episode_fields(x: Any) -> dict[str, Any]:
 def _model_only(logprobs: list[float], x: Any) -> list[float | None]:
     """``logprobs`` with None on a multi-turn episode's environment tokens."""
     if x.response_mask is None:
-        return logprobs
+        return list(logprobs)
     return [lp if m else None for lp, m in zip(logprobs, x.response_mask)]
 
 

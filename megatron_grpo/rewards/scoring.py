@@ -43,7 +43,9 @@ class GroupScorer:
             [prompts[i // g].answer for i in range(len(samples))],
         )
         if any(s.env_reward is not None for s in samples):  # episodes the environment scored
-            rewards = [r if s.env_reward is None else s.env_reward for s, r in zip(samples, rewards)]
+            rewards = [
+                r if s.env_reward is None else s.env_reward for s, r in zip(samples, rewards)
+            ]
             info = {**info, "task_scores": [t if s.env_reward is None else s.env_reward
                                             for s, t in zip(samples, info["task_scores"])]}  # fmt: skip
             info["reward_mean"] = sum(rewards) / len(rewards)

@@ -34,9 +34,7 @@ class ColocatedRollout:
         self.agent = agent
         """``rollout.agent.AgentLoop`` with ``env.name``: episodes instead of one turn."""
 
-    def launch(
-        self, steps: list[StepPrompts], **sampling: Any
-    ) -> list[Callable[[], list | None]]:
+    def launch(self, steps: list[StepPrompts], **sampling: Any) -> list[Callable[[], list | None]]:
         """One ``generate`` call for all ``steps`` (``[(prompt_ids, seed[, rows])]``) on every
         engine: engine ``e`` samples its share of each step's prompts, each request seeded
         as the step's own call would seed it (``seed + i*n`` for its i-th prompt); the shares

@@ -31,9 +31,7 @@ from megatron_grpo.rollout.server import DisaggregatedWorld
 
 
 class Rollout(Protocol):
-    def launch(
-        self, steps: list[StepPrompts], **sampling: Any
-    ) -> list[Callable[[], list | None]]:
+    def launch(self, steps: list[StepPrompts], **sampling: Any) -> list[Callable[[], list | None]]:
         """Start generating ``[(prompt_ids, seed)]`` per step (``(prompt_ids, seed, rows)``
         with the data rows of multi-turn episodes, ``env.name``); one thunk per step returns
         that step's samples, blocking until they are there, on the ranks where they arrive

@@ -289,7 +289,12 @@ def _arrays(specs: list, blob: bytes, kind: str) -> dict[str, list]:
     want = list(_SAMPLE_ARRAYS) if kind == "samples" else []
     for name, dtypes in _OPTIONAL_ARRAYS if kind == "samples" else ():
         at = len(want)  # each optional array in its order, when present
-        if len(specs) > at and len(specs[at]) >= 2 and specs[at][0] == name and specs[at][1] in dtypes:
+        if (
+            len(specs) > at
+            and len(specs[at]) >= 2
+            and specs[at][0] == name
+            and specs[at][1] in dtypes
+        ):
             want.append(tuple(specs[at][:2]))
     if [tuple(s[:2]) for s in specs] != want or any(len(s) != 3 for s in specs):
         raise BadMessage(f"arrays {[s[:2] for s in specs]}, expected {[list(w) for w in want]}")

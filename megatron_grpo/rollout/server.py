@@ -42,8 +42,8 @@ import torch.distributed as dist
 from megatron_grpo.config import Config
 from megatron_grpo.distributed.placement import RankPlacement, place_ranks
 from megatron_grpo.rollout import messages
-from megatron_grpo.rollout.colocated import engine_slice
 from megatron_grpo.rollout.agent import agent_loop
+from megatron_grpo.rollout.colocated import engine_slice
 from megatron_grpo.rollout.control import TRAINER, Channel, engine_peer, node_address, rank_peer
 from megatron_grpo.rollout.engine import RolloutEngine
 

@@ -6,8 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.runs import FAST, RESUME_KEYS, assert_same_rows, rows, stopped_copy, train
-from tests.helpers.runs import torchrun_train
+from tests.helpers.runs import (
+    FAST,
+    RESUME_KEYS,
+    assert_same_rows,
+    rows,
+    stopped_copy,
+    torchrun_train,
+    train,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -70,3 +77,22 @@ def test_disaggregated_episodes_cross_the_control_channel(tmp_path):
     assert rc == 0, out[-4000:]
     assert not left, f"processes of the run still alive after it ended: {left}"
     _check_episodes(rows(run))
+
+
+@pytest.mark.timeout(400)
+def test_eval_dump_of_episodes_marks_the_environments_tokens(four_steps, tmp_path):
+    from tests.helpers.commands import cli, read_dump
+
+    model = four_steps / "hf_model" / "tiny"
+    dump = tmp_path / "dump.jsonl"
+    rc, out = cli("eval", "--model", str(model), "--data", "synthetic:max", "--limit", "3",
+                  "--samples", "2", "--max-new-tokens", "12", "--dump", str(dump),
+                  "rollout.cpu_kv_cache_gb=0.25", *ENV[:1], "env.max_turns=3")  # fmt: skip
+    assert rc == 0, out[-4000:]
+    got = read_dump(dump)
+    assert len(got) == 6 and any(r["turns"] == 2 for r in got)
+    for r in got:
+        mask, lps = r["response_mask"], r["logprobs"]
+        assert len(mask) == len(lps) == len(r["response_token_ids"])
+        assert all((lp is None) == (m == 0) for lp, m in zip(lps, mask))
+        assert r["turns"] >= 1 and r["env_end"] in ("done", "max_turns", "truncated")

@@ -142,10 +142,17 @@ class FailsToBuild:
 
 
 @pytest.mark.parametrize(
-    "cls, end", [("Raises", "error"), ("BadType", "error"), ("Hangs", "timeout"),
-                 ("FailsToBuild", "error")],  # fmt: skip
+    "cls, end",
+    [
+        ("Raises", "error"),
+        ("BadType", "error"),
+        ("Hangs", "timeout"),
+        ("FailsToBuild", "error"),
+    ],  # fmt: skip
 )
-def test_failing_environment_ends_the_episode_with_reward_zero_and_is_counted(tok, cls, end, caplog):
+def test_failing_environment_ends_the_episode_with_reward_zero_and_is_counted(
+    tok, cls, end, caplog
+):
     engine = ScriptedEngine(tok, ["1<eos>"])
     loop = _loop(tok, name=f"{__file__}:{cls}", timeout_s=0.5)
     t0 = time.monotonic()
@@ -192,9 +199,9 @@ def test_episodes_cross_the_control_channel_intact(tok):
     back = messages.decode(messages.samples(out), "res/0/0", "engine 0", ("samples",)).body
     assert [vars(s) for s in back] == [vars(s) for s in out]
     one_turn = [Sample([1], [2, 3], [-0.5, -0.25], "stop")]
-    assert [vars(s) for s in messages.decode(messages.samples(one_turn), "k", "p", ("samples",)).body] == [
-        vars(s) for s in one_turn
-    ]
+    assert [
+        vars(s) for s in messages.decode(messages.samples(one_turn), "k", "p", ("samples",)).body
+    ] == [vars(s) for s in one_turn]
 
 
 def test_max_turn_tokens_caps_each_turn_and_the_cut_turn_goes_to_the_environment(tok):
@@ -208,3 +215,55 @@ def test_max_turn_tokens_caps_each_turn_and_the_cut_turn_goes_to_the_environment
     # turn 1 cut at 5 tokens ("<calc"), not a call: the environment scores it as the answer
     assert s.response_ids == tok.encode("<calc", add_special_tokens=False)
     assert (s.turns, s.env_end, s.env_reward, s.finish_reason) == (1, "done", 0.0, "stop")
+
+
+QWEN_LIKE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_chat_reply_is_the_templates_tool_turn_closing_the_models_turn(tok):
+    from megatron_grpo.rollout.agent import ReplyEncoder
+
+    plain = ReplyEncoder(tok, chat=True)  # the tiny template: "role: content\n"
+    assert (plain.prefix, plain.suffix) == ("\ntool: ", "\nassistant: ")
+    assert tok.decode(plain.encode("=5;", [7])) == "\ntool: =5;\nassistant: "
+    tok.chat_template, old = QWEN_LIKE, tok.chat_template
+    try:
+        enc = ReplyEncoder(tok, chat=True)
+        enc.eos_text = "<|im_end|>"  # as a Qwen tokenizer's EOS token reads
+        assert enc.prefix == "<|im_end|>\n<|im_start|>tool\n"
+        assert enc.suffix == "<|im_end|>\n<|im_start|>assistant\n"
+        # a turn cut by a stop string is closed first; one that ended with EOS is not again
+        assert enc.encode("=5;", [7]) == tok.encode(
+            "<|im_end|>\n<|im_start|>tool\n=5;<|im_end|>\n<|im_start|>assistant\n",
+            add_special_tokens=False,
+        )
+        assert enc.encode("=5;", [tok.eos_token_id]) == tok.encode(
+            "\n<|im_start|>tool\n=5;<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+        )
+    finally:
+        tok.chat_template = old
+
+
+class RoutedEngine(ScriptedEngine):
+    """Also returns routed experts: one row per forwarded token, its value the row index."""
+
+    def generate(self, prompts, **kw):
+        import numpy as np
+
+        out = super().generate(prompts, **kw)
+        for s in out:
+            rows = len(s.prompt_ids) + len(s.response_ids) - 1
+            s.routed_experts = np.arange(rows, dtype=np.int16).reshape(rows, 1, 1)
+        return out
+
+
+def test_routed_experts_of_an_episode_cover_its_whole_transcript(tok):
+    engine = RoutedEngine(tok, ["<calc>1+2</calc>", "3<eos>"])
+    out = _loop(tok).generate(engine, _prompts(tok, ["q="]), [{"answer": "3"}], seeds=[1], n=1,
+                              max_new_tokens=64)  # fmt: skip
+    s = out[0]
+    assert s.turns == 2
+    assert s.routed_experts.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, 1, 1)

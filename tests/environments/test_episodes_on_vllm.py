@@ -17,12 +17,12 @@ pytestmark = pytest.mark.slow
 
 def _episodes(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
+    from transformers import AutoTokenizer
 
     from megatron_grpo.config.schema import EnvConfig
     from megatron_grpo.models.tiny import build_hf_model
     from megatron_grpo.rollout import RolloutEngine
     from megatron_grpo.rollout.agent import AgentLoop
-    from transformers import AutoTokenizer
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = Path(root) / "tiny"

@@ -81,7 +81,7 @@ def _rank(rank: int, world: int, model_dir: str, args: dict) -> dict[str, Any]:
                         enforce_eager=True)  # fmt: skip
     prompts = [tok.encode(f"max {i % 10} {(3 * i) % 10}=", add_special_tokens=False)
                for i in range(a.prompts)]  # fmt: skip
-    sampling = dict(temperature=1.0, top_p=1.0, top_k=-1, stop_token_ids=None)
+    sampling: dict[str, Any] = dict(temperature=1.0, top_p=1.0, top_k=-1, stop_token_ids=None)
     env = EnvConfig(name=f"{__name__}:FixedReply", max_turns=a.turns,
                     max_turn_tokens=a.turn_tokens)  # fmt: skip
     loop = AgentLoop(env, tok, chat=False)
@@ -94,7 +94,7 @@ def _rank(rank: int, world: int, model_dir: str, args: dict) -> dict[str, Any]:
         return loop.generate(eng, prompts, [{}] * a.prompts, seeds=seeds, n=a.samples,
                              max_new_tokens=budget, **sampling)  # fmt: skip
 
-    out = {}
+    out: dict[str, Any] = {}
     for side, fn in (("one_turn", one_turn), ("multi_turn", episodes)):
         fn()
         times, tokens, turns = [], 0, 0.0
@@ -119,10 +119,19 @@ def episodes_table(res: dict[str, Any]) -> str:
     head = (f"bench episodes: {a['preset']}, {a['prompts']} prompts x {a['samples']} samples, "
             f"{a['turns']} turns x {a['turn_tokens']} tokens vs one turn of "
             f"{a['turns'] * a['turn_tokens']}; median of {a['repeats']}")  # fmt: skip
-    rows = [(side, f"{r['seconds']:.3f}", f"{r['model_tokens']:,}", f"{r['tokens_per_s']:,.0f}",
-             f"{r['turns_mean']:.2f}")  # fmt: skip
-            for side, r in (("one turn", res["one_turn"]), ("multi-turn", res["multi_turn"]))]
-    foot = [f"multi-turn / one-turn: {res['ratio_tokens_per_s']:.2f}x tokens/s "
-            f"({res['slowdown']:.2f}x the time per model token)"]
+    rows = [
+        (
+            side,
+            f"{r['seconds']:.3f}",
+            f"{r['model_tokens']:,}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['turns_mean']:.2f}",
+        )  # fmt: skip
+        for side, r in (("one turn", res["one_turn"]), ("multi-turn", res["multi_turn"]))
+    ]
+    foot = [
+        f"multi-turn / one-turn: {res['ratio_tokens_per_s']:.2f}x tokens/s "
+        f"({res['slowdown']:.2f}x the time per model token)"
+    ]
     return format_table(["side", "s", "model tokens", "tokens/s", "turns"], rows,
                         [-12, 9, 14, 12, 7], head=[head], foot=foot)  # fmt: skip
