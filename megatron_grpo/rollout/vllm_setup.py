@@ -75,6 +75,12 @@ def llm_arguments(
     )
     if routing_capture:  # a cached prompt block is not forwarded, so not captured
         kwargs["enable_prefix_caching"] = False
+    if not on_gpu:
+        # vLLM 0.32's runner rewinds a seeded request's generator after a partial (chunked)
+        # prefill with ``Generator.set_offset``, which a CPU generator refuses ("CPU
+        # Generator does not use offset", gpu_model_runner._bookkeeping_sync): a step whose
+        # prefills overflow the token budget would crash the engine. Whole prefills only.
+        kwargs["enable_chunked_prefill"] = False
     kwargs.update(memory_kwargs(on_gpu, placement, gpu_memory_utilization, cpu_kv_cache_gb))
     if placement == "colocated":
         kwargs["distributed_executor_backend"] = "external_launcher"

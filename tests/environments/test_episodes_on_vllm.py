@@ -28,7 +28,7 @@ def _episodes(rank: int, world: int, root: str) -> dict:
     model = Path(root) / "tiny"
     build_hf_model(model, seed=3)
     tok = AutoTokenizer.from_pretrained(model)
-    eng = RolloutEngine(model, tp=1, max_model_len=128, cpu_kv_cache_gb=0.1, enforce_eager=True)
+    eng = RolloutEngine(model, tp=1, max_model_len=128, cpu_kv_cache_gb=0.25, enforce_eager=True)
     turns: list[list[Sample]] = []
     real = eng.generate
 
@@ -46,14 +46,21 @@ def _episodes(rank: int, world: int, root: str) -> dict:
                              stop_token_ids=[tok.eos_token_id])  # fmt: skip
     rescored = eng.prompt_logprobs([e.prompt_ids + e.response_ids for e in episodes])
     reply = tok.encode(" again=", add_special_tokens=False)
+    # Seeded requests whose prefills overflow a step's token budget (4,096 on CPU): with
+    # chunked prefill vLLM 0.32's CPU runner crashed here (rollout/vllm_setup.py).
+    eng.generate = real
+    long = eng.generate([[5 + i % 50] * 100 for i in range(64)], n=1, max_new_tokens=2,
+                        seeds=list(range(64)), temperature=1.0)  # fmt: skip
     eng.shutdown()
     dist.destroy_process_group()
-    return {"turns": turns, "episodes": episodes, "rescored": rescored, "reply": reply}
+    return {"turns": turns, "episodes": episodes, "rescored": rescored, "reply": reply,
+            "long": len(long)}  # fmt: skip
 
 
 def test_every_turn_keeps_the_engines_tokens_and_logprobs(tmp_path):
     out = run_distributed(_episodes, 1, str(tmp_path), timeout=300.0, result_types=(Sample,))[0]
     turns, episodes, reply = out["turns"], out["episodes"], out["reply"]
+    assert out["long"] == 64
     assert len(turns) >= 2 and any(e.turns == 2 for e in episodes)
     for k, ep in enumerate(episodes):
         at, active = 0, k  # ep's index among the turn's active episodes
