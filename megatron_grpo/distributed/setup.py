@@ -131,6 +131,17 @@ def _init_process_group(
         dist.init_process_group(
             backend=pg_backend, timeout=timeout, rank=rank, world_size=world_size, store=store
         )
+    elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        # A worker torchrun restarted (--max-restarts): its agent's store still holds the
+        # failed attempt's keys (torch/distributed/rendezvous.py reuses the store without a
+        # prefix), so gloo's mesh would read the dead ranks' addresses and be refused. Each
+        # attempt gets keys of its own.
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        dist.init_process_group(
+            backend=pg_backend, timeout=timeout, rank=rank, world_size=world_size,
+            store=dist.PrefixStore(f"megatron_grpo/attempt_{attempt}/", store),
+        )  # fmt: skip
     elif "WORLD_SIZE" in os.environ:
         dist.init_process_group(
             backend=pg_backend, timeout=timeout, rank=rank, world_size=world_size

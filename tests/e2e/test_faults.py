@@ -18,6 +18,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
+
+from tests.helpers.runs import assert_same_rows, rows
 
 pytestmark = pytest.mark.slow
 
@@ -86,10 +89,12 @@ def assert_no_leftovers(marker: str, grace_s: float = 20.0) -> None:
 
 
 def torchrun(script: Path, args: list[str], marker: str, timeout: int, **env) -> tuple[int, str]:
+    """``torchrun --nproc-per-node 2 script args`` (env MAX_RESTARTS: its --max-restarts)."""
+    restarts = env.pop("MAX_RESTARTS", "0")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "MGRPO_FAULT_MARKER": marker, **env}  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(script), *args]  # fmt: skip
+           "2", f"--max-restarts={restarts}", str(script), *args]  # fmt: skip
     # Output to a file, not a pipe: an orphan holding the pipe open would block the reader.
     log = script.with_name(f"torchrun_{uuid.uuid4().hex[:6]}.log")
     with open(log, "w") as fh:
@@ -142,5 +147,71 @@ def test_kill_after_checkpoint_loses_no_row_leaves_no_orphan_and_resume_skips_da
         assert "falling back to the newest intact checkpoint, step_000001" in out
         assert "Traceback" not in out
         assert steps(run) == [1, 2, 3]
+    finally:
+        assert_no_leftovers(marker)
+
+
+# One rank dies (SIGKILL) after step KILL_AT on torchrun's first attempt only, once the
+# step's collective is through (rank 0 has logged its row: it logs before after_step).
+KILL_ON_FIRST_ATTEMPT = """
+import os, signal, sys
+
+if __name__ == "__main__":
+    from megatron_grpo.trainer.checkpointer import Checkpointer
+
+    real = Checkpointer.after_step
+
+    def after_step(self, step, state):
+        out = real(self, step, state)
+        if (step == int(os.environ["KILL_AT"]) and self.ctx.rank == int(os.environ["KILL_RANK"])
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    Checkpointer.after_step = after_step
+    from megatron_grpo.cli.main import main
+
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+def final_weights(run: Path, step: int) -> dict:
+    """The policy's tensors (weights and optimizer state) in the checkpoint of ``step``."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = run.parent / f"{run.name}_weights.pt"
+    dcp_to_torch_save(run / "checkpoints" / f"step_{step:06d}" / "policy", out)
+    return {k: v for k, v in torch.load(out, weights_only=False).items() if torch.is_tensor(v)}
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_trainer_rank_restarts_in_place_and_ends_as_an_uninterrupted_run(tmp_path):
+    """kill -9 of rank 1 after step 3 under torchrun --max-restarts 1 ... --resume auto: the
+    job finishes by itself, resumed from step 2's checkpoint, every step's row once, with the
+    rewards, losses and final weights of the uninterrupted run."""
+    script = tmp_path / "kill_once.py"
+    script.write_text(KILL_ON_FIRST_ATTEMPT)
+    marker = uuid.uuid4().hex
+    base = ["--steps", "4", *TWO_RANKS, "checkpoint.interval=2", "--resume", "auto"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    rc, out = torchrun(script, ["train", "--run-dir", str(whole), *base], marker, 400,
+                       KILL_AT="0", KILL_RANK="1")  # fmt: skip
+    try:
+        assert rc == 0, out[-3000:]
+    finally:
+        assert_no_leftovers(marker)
+    rc, out = torchrun(script, ["train", "--run-dir", str(cut), *base], marker, 400,
+                       KILL_AT="3", KILL_RANK="1", MAX_RESTARTS="1")  # fmt: skip
+    try:
+        assert rc == 0, out[-3000:] + _train_log_tail(cut)
+        assert "restart 1 of 1: the previous attempt failed" in out, out[-3000:]
+        assert "continuing from step 2" in out, out[-3000:]
+        assert "resumed from" in out and "(step 2," in out, out[-3000:]
+        assert steps(cut) == [1, 2, 3, 4]  # step 3's row of the first attempt not repeated
+        assert_same_rows(rows(whole), rows(cut))
+        a, b = final_weights(whole, 4), final_weights(cut, 4)
+        assert a.keys() == b.keys() and a
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
     finally:
         assert_no_leftovers(marker)
