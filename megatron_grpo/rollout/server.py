@@ -113,7 +113,8 @@ def join_world(cfg: Config) -> DisaggregatedWorld:
     store, rank, _ = next(dist.rendezvous("env://", timeout=timeout))
     out = DisaggregatedWorld(rank, placement, store, cfg.parallel.timeout_s)
     if rank == 0 or not out.is_trainer:  # bound now, so an abort reaches it from the start
-        out.channel = Channel(store, peer_name(rank, placement), out.timeout_s, out._host())
+        out.channel = Channel(store, peer_name(rank, placement), out.timeout_s, out._host(),
+                              silent_s=cfg.parallel.heartbeat_timeout_s)  # fmt: skip
     pin_role(out.is_trainer, cfg.rollout.tp)
     return out
 

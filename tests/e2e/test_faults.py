@@ -215,3 +215,78 @@ def test_a_killed_trainer_rank_restarts_in_place_and_ends_as_an_uninterrupted_ru
             assert torch.equal(a[k], b[k]), k
     finally:
         assert_no_leftovers(marker)
+
+
+# FAULT=commit: rank 0 dies (SIGKILL) on the first attempt in the middle of the save of step
+# FAULT_AT, every rank's files written but the checkpoint not yet committed. FAULT=raise:
+# rank 0's step FAULT_AT raises on every attempt (a restart loop).
+FAULT_SCRIPT = """
+import os, signal, sys
+
+if __name__ == "__main__":
+    from megatron_grpo.checkpoint import core
+    from megatron_grpo.trainer.checkpointer import Checkpointer
+
+    at, first = int(os.environ["FAULT_AT"]), os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+    commit, after_step = core._commit, Checkpointer.after_step
+
+    def dying_commit(tmp, final, root):
+        if first and final.name == f"step_{at:06d}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        commit(tmp, final, root)
+
+    def failing_after_step(self, step, state):
+        if step == at and self.ctx.rank == 0:
+            raise RuntimeError(f"simulated fault in step {step}")
+        return after_step(self, step, state)
+
+    if os.environ["FAULT"] == "commit":
+        core._commit = dying_commit
+    else:
+        Checkpointer.after_step = failing_after_step
+    from megatron_grpo.cli.main import main
+
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_kill_during_a_checkpoint_write_restarts_from_the_previous_checkpoint(tmp_path):
+    script, run = tmp_path / "fault.py", tmp_path / "run"
+    script.write_text(FAULT_SCRIPT)
+    marker = uuid.uuid4().hex
+    args = ["train", "--run-dir", str(run), "--steps", "4", *TWO_RANKS,
+            "checkpoint.interval=2", "--resume", "auto"]  # fmt: skip
+    rc, out = torchrun(script, args, marker, 500, FAULT="commit", FAULT_AT="4", MAX_RESTARTS="1")
+    try:
+        assert rc == 0, out[-3000:] + _train_log_tail(run)
+        assert "resumed from" in out and "(step 2," in out, out[-3000:]
+        assert steps(run) == [1, 2, 3, 4]
+        assert (run / "checkpoints" / "latest").read_text().strip() == "step_000004"
+        assert (run / "checkpoints" / "step_000004" / "state.json").is_file()
+    finally:
+        assert_no_leftovers(marker)
+
+
+@pytest.mark.timeout(600)
+def test_a_restart_loop_stops_after_max_restarts_with_one_line(tmp_path):
+    script, run = tmp_path / "fault.py", tmp_path / "run"
+    script.write_text(FAULT_SCRIPT)
+    marker = uuid.uuid4().hex
+    args = ["train", "--run-dir", str(run), "--steps", "4", *TWO_RANKS,
+            "checkpoint.interval=2", "--resume", "auto"]  # fmt: skip
+    rc, out = torchrun(script, args, marker, 500, FAULT="raise", FAULT_AT="3", MAX_RESTARTS="1")
+    try:
+        assert rc != 0, out[-3000:]
+        lines = [x for x in out.splitlines() if "restart loop" in x]
+        assert len(lines) == 1, out[-3000:]
+        assert lines[0].endswith(
+            "error: restart loop: step 3 failed on each of the 2 attempts (MAX_RESTARTS=1), "
+            "last with RuntimeError: simulated fault in step 3: stopping; fix the cause, then "
+            "launch again (--resume auto continues from the latest checkpoint)."
+        ), lines
+        assert "restart 1 of 1: the previous attempt failed at step 3 (RuntimeError: " in out
+        rows_logged = steps(run)
+        assert rows_logged[:2] == [1, 2] and len(set(rows_logged)) == len(rows_logged)
+    finally:
+        assert_no_leftovers(marker)
