@@ -76,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
         from megatron_grpo.trainer.preflight import check_run
         from megatron_grpo.trainer.run_dir import clear_run_dir, plan_start
 
-        mode = "auto" if args.resume == "auto" else bool(args.resume)
-        start = plan_start(cfg.run_dir, resume=mode, overwrite=args.overwrite)
+        start = plan_start(cfg.run_dir, overwrite=args.overwrite,
+                           resume="auto" if args.resume == "auto" else bool(args.resume))  # fmt: skip
         spawn = "WORLD_SIZE" not in os.environ and cfg.rollout.placement == "colocated"
         nproc = ranks_needed(cfg) if spawn else int(os.environ.get("WORLD_SIZE", "1"))
         if cfg.rollout.placement == "colocated":
