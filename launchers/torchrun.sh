@@ -8,7 +8,10 @@
 #   NPROC (or GPUS)  ranks to start (default: the GPUs nvidia-smi lists, else 1)
 #   CONFIG           YAML config (default: the embedded tiny default)
 #   RUN_DIR          run directory (default: the config's run_dir)
-#   RESUME           auto (default): --resume when RUN_DIR holds a checkpoint; 1 always; 0 never
+#   RESUME           auto (default): `train --resume auto`, which resumes when the run dir holds a
+#                    checkpoint and starts afresh otherwise; 1: --resume (must resume); 0: neither
+#   MAX_RESTARTS     torchrun --max-restarts: times a failed rank restarts the ranks, which resume
+#                    from the latest checkpoint (default 0; docs/launch.md "Restarts")
 #   MASTER_ADDR      rendezvous address (default 127.0.0.1)
 #   MASTER_PORT      rendezvous port (default: a free port, torchrun --standalone)
 #   PLAN             1: only run the GPU-free dry run for this node and exit
@@ -32,6 +35,7 @@ NPROC=${NPROC:-${GPUS:-$((detected > 0 ? detected : 1))}}
 CONFIG=${CONFIG:-}
 RUN_DIR=${RUN_DIR:-}
 RESUME=${RESUME:-auto}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-}
 PLAN=${PLAN:-0}
@@ -51,11 +55,12 @@ fi
 train_args=("${config_args[@]}")
 [[ -n "$RUN_DIR" ]] && train_args+=(--run-dir "$RUN_DIR")
 case "$RESUME" in
-    auto) if [[ -n "$RUN_DIR" && -f "$RUN_DIR/checkpoints/latest" ]]; then train_args+=(--resume); fi ;;
+    auto) train_args+=(--resume auto) ;;
     1) train_args+=(--resume) ;;
     0) ;;
     *) echo "error: RESUME=$RESUME: use auto, 1 or 0." >&2; exit 2 ;;
 esac
+[[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || { echo "error: MAX_RESTARTS=$MAX_RESTARTS: use a number >= 0." >&2; exit 2; }
 
 if [[ -n "$MASTER_PORT" ]]; then
     rendezvous=(--nnodes=1 --node-rank=0 --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT")
@@ -64,5 +69,5 @@ else
 fi
 
 echo "torchrun.sh: $NPROC rank(s), ${CONFIG:-embedded default config}, train args: ${train_args[*]} $*"
-exec "$TORCHRUN" "${rendezvous[@]}" --nproc-per-node="$NPROC" -m megatron_grpo.cli.main \
+exec "$TORCHRUN" "${rendezvous[@]}" --nproc-per-node="$NPROC" --max-restarts="$MAX_RESTARTS" -m megatron_grpo.cli.main \
     train "${train_args[@]}" "$@"

@@ -19,7 +19,11 @@
 #   PREFLIGHT       1 (default): run `megatron-grpo plan` for this allocation before srun;
 #                   an impossible plan fails the job in seconds instead of on the GPUs
 #   PLAN_ARGS       extra arguments to that plan (e.g. "--preset Qwen2.5-7B --gpu-memory-gb 141")
-#   RESUME          auto (default): --resume when RUN_DIR holds a checkpoint; 1 always; 0 never
+#   RESUME          auto (default): `train --resume auto`, which resumes when RUN_DIR holds a
+#                   checkpoint and starts afresh otherwise; 1: --resume (must resume); 0: neither
+#   MAX_RESTARTS    torchrun --max-restarts: in-job restarts of every node's ranks after a rank
+#                   fails; they resume from the latest checkpoint (default 2; docs/launch.md
+#                   "Restarts"). A pre-emption warning is not a failure: it requeues instead
 #   GRACE_S         seconds torchrun lets its workers finish a step and checkpoint after the
 #                   warning signal before it kills them (default 110; keep it below the lead
 #                   time of `#SBATCH --signal`)
@@ -77,6 +81,8 @@ GRACE_S=${GRACE_S:-110}
 SRUN_MPI=${SRUN_MPI:-}
 PYTHON=${PYTHON:-python}
 MAX_REQUEUES=${MAX_REQUEUES:-10}
+MAX_RESTARTS=${MAX_RESTARTS:-2}
+[[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || mg_die "MAX_RESTARTS=$MAX_RESTARTS: use a number >= 0."
 LOG_DIR=${LOG_DIR:-logs/${SLURM_JOB_NAME:-megatron-grpo}-$SLURM_JOB_ID}
 CONTAINER_IMAGE=${CONTAINER_IMAGE:-}
 CONTAINER_MOUNTS=${CONTAINER_MOUNTS:-$REPO:$REPO}
@@ -114,7 +120,7 @@ mg_saved_since() {
 
 MG_TRAIN_ARGS=("${MG_CONFIG_ARGS[@]}" --run-dir "$RUN_DIR")
 case "$RESUME" in
-    auto) if mg_has_checkpoint; then MG_TRAIN_ARGS+=(--resume); fi ;;
+    auto) MG_TRAIN_ARGS+=(--resume auto) ;;
     1) MG_TRAIN_ARGS+=(--resume) ;;
     0) ;;
     *) mg_die "RESUME=$RESUME: use auto, 1 or 0." ;;
@@ -133,7 +139,7 @@ fi
 # --shutdown-timeout seconds for them before SIGKILL (torch/distributed/run.py; USR1 is not
 # in its default list, and without it torchrun dies of USR1 and orphans its workers).
 MG_TORCHRUN_ARGS=(
-    --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE" --max-restarts=0
+    --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE" --max-restarts="$MAX_RESTARTS"
     "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" --shutdown-timeout="$GRACE_S"
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
     --rdzv-id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"

@@ -40,6 +40,8 @@ FILES = {
     "notobj.jsonl": "[1, 2]\n",
     "afile": "x",
     "used/metrics.jsonl": '{"step": 1}\n',
+    "done/metrics.jsonl": '{"step": 1}\n',
+    "done/summary.json": "{}\n",
     "my_reward.py": "def score(prompt, response, answer):\n    return 1.0\n",
     "broken_reward.py": "def score(:\n",
     "my_env.py": "class Env:\n    def __init__(self, row):\n        pass\n\n    def step(self, text):\n"
@@ -83,6 +85,7 @@ HAND: list[tuple[str, list[str]]] = [
     ("run dir is a file", ["train", "--run-dir", "$TMP/afile"]),
     ("run dir holds a finished run", ["train", "--run-dir", "$TMP/used"]),
     ("--resume with no checkpoint", ["train", "--resume", "--run-dir", "$TMP/run"]),
+    ("--resume auto on a finished run", ["train", "--resume", "auto", "--run-dir", "$TMP/done"]),
     ("--resume and --overwrite", ["train", "--resume", "--overwrite", "--run-dir", "$TMP/used"]),
     ("--overwrite with another bad input", ["train", "--overwrite", "--run-dir", "$TMP/used", "reward.name=nosuch"]),
     ("tp does not divide the world", [*T, "parallel.tp=2", "parallel.dp=1", "rollout.tp=4"]),

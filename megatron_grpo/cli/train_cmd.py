@@ -20,7 +20,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, help="number of trainer steps (overrides steps)")
     p.add_argument("--sync-interval", type=int, help="v: sync vLLM every v steps (sync.interval)")
     p.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in the run dir"
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="auto",
+        help="continue from the latest checkpoint in the run dir; `--resume auto`: when it has "
+        "one, else start afresh (the same command line for every launch and restart)",
     )
     p.add_argument(
         "--overwrite",
@@ -38,6 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def overrides_from_args(args: argparse.Namespace) -> list[str]:
     overrides = list(args.overrides)
+    if isinstance(args.resume, str) and args.resume != "auto":
+        # `--resume key=value`: argparse gave the optional value the first override
+        overrides.insert(0, args.resume)
     if args.run_dir:
         overrides.append(f"run_dir={args.run_dir}")
     if args.steps is not None:
@@ -65,9 +74,10 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides_from_args(args))
         from megatron_grpo.distributed.spawn import ranks_needed, run_under_torchrun
         from megatron_grpo.trainer.preflight import check_run
-        from megatron_grpo.trainer.run_dir import check_run_dir, clear_run_dir
+        from megatron_grpo.trainer.run_dir import clear_run_dir, plan_start
 
-        stale = check_run_dir(cfg.run_dir, resume=args.resume, overwrite=args.overwrite)
+        start = plan_start(cfg.run_dir, overwrite=args.overwrite,
+                           resume="auto" if args.resume == "auto" else bool(args.resume))  # fmt: skip
         spawn = "WORLD_SIZE" not in os.environ and cfg.rollout.placement == "colocated"
         nproc = ranks_needed(cfg) if spawn else int(os.environ.get("WORLD_SIZE", "1"))
         if cfg.rollout.placement == "colocated":
@@ -75,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     stop_as_usual()  # checked: a stop from now on is not a refusal (cli/errors.py)
     with exit_on_user_error():
         if rank == 0:
-            clear_run_dir(stale)  # --overwrite, once everything else has been checked
+            clear_run_dir(start.stale)  # --overwrite, once everything else has been checked
         if spawn and nproc > 1:  # one process asked for a layout of several ranks: start them
             print(f"[megatron-grpo] starting {nproc} ranks under torchrun", flush=True)
             return run_under_torchrun(_rank_argv(args), nproc)
@@ -87,14 +97,17 @@ def run(args: argparse.Namespace) -> int:
                 say(f"library output goes to {Path(cfg.run_dir) / LOG_FILE} (--verbose shows it)")
         from megatron_grpo.trainer.build import train
 
-        train(cfg, resume=args.resume)
+        train(cfg, resume=start.resume)
     return 0
 
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:
-    """This command for the spawned ranks (--overwrite has already cleared the run dir)."""
+    """This command for the spawned ranks (--overwrite, or --resume auto starting afresh, has
+    already cleared the run dir)."""
     argv = ["train"]
     if args.config:
         argv += ["--config", args.config]
-    argv += ["--resume"] * args.resume + ["--verbose"] * args.verbose
+    if args.resume:
+        argv += ["--resume", "auto"] if args.resume == "auto" else ["--resume"]
+    argv += ["--verbose"] * args.verbose
     return argv + overrides_from_args(args)

@@ -160,6 +160,11 @@ class ParallelConfig:
     """torch.distributed backend. ``auto``: nccl when CUDA is present, else gloo."""
     timeout_s: float = 600.0
     """Timeout of every collective, after which the run fails with an error instead of hanging."""
+    heartbeat_timeout_s: float = 10.0
+    """Disaggregated placement: a peer of the control channel (rollout/control.py; beats every
+    2 s) that has been heard from and then stays silent this long is dead, and the waiting
+    side stops (torchrun then restarts the job: docs/launch.md "Restarts"), instead of after
+    ``timeout_s``. A peer not heard from yet (starting) still gets ``timeout_s``."""
 
     def __post_init__(self) -> None:
         _positive("parallel", self, "tp", "pp", "ep", "cp")
@@ -183,7 +188,7 @@ class ParallelConfig:
                 "set parallel.sequence_parallel=false or raise parallel.tp."
             )
         _check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
-        _positive("parallel", self, "timeout_s")
+        _positive("parallel", self, "timeout_s", "heartbeat_timeout_s")
 
 
 @dataclass

@@ -110,6 +110,20 @@ def rank_device(parallel: ParallelConfig) -> torch.device:
     return torch.device("cuda" if _resolve_backend(parallel) == "nccl" else "cpu")
 
 
+def restart_attempt() -> int:
+    """torchrun's restart count of this worker (TORCHELASTIC_RESTART_COUNT; 0: first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def attempt_store(store: Any) -> Any:
+    """``store`` with keys of this attempt only. A worker torchrun restarted (--max-restarts)
+    meets its agent's store still holding the failed attempt's keys (torch/distributed/
+    rendezvous.py reuses it without a prefix): gloo's mesh, or the control channel's inbox
+    addresses, would name the dead ranks and be refused."""
+    attempt = restart_attempt()
+    return dist.PrefixStore(f"megatron_grpo/attempt_{attempt}/", store) if attempt else store
+
+
 def _init_process_group(
     pg_backend: str, timeout: timedelta, rank: int, world_size: int, store: dist.Store | None
 ) -> None:
@@ -131,6 +145,12 @@ def _init_process_group(
         dist.init_process_group(
             backend=pg_backend, timeout=timeout, rank=rank, world_size=world_size, store=store
         )
+    elif restart_attempt() > 0:
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        dist.init_process_group(
+            backend=pg_backend, timeout=timeout, rank=rank, world_size=world_size,
+            store=attempt_store(store),
+        )  # fmt: skip
     elif "WORLD_SIZE" in os.environ:
         dist.init_process_group(
             backend=pg_backend, timeout=timeout, rank=rank, world_size=world_size

@@ -72,9 +72,11 @@ class Channel:
         timeout_s: float,
         host: str = "127.0.0.1",
         max_bytes: int = MAX_MESSAGE_BYTES,
+        silent_s: float | None = None,
     ) -> None:
         self.store = dist.PrefixStore(_PREFIX, store)
         self.name, self.timeout_s, self.max_bytes = name, timeout_s, max_bytes
+        self._silent_s = silent_s
         self._ctx = zmq.Context()
         self._inbox = self._ctx.socket(zmq.PULL)
         self._inbox.setsockopt(zmq.LINGER, 0)
@@ -88,6 +90,12 @@ class Channel:
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
         self.closed = False
+
+    @property
+    def silent_s(self) -> float:
+        """A peer heard from once and then silent this long is gone (``silent_s``:
+        parallel.heartbeat_timeout_s; never longer than ``timeout_s``)."""
+        return min(self._silent_s or self.timeout_s, self.timeout_s)
 
     # -------------------------------------------------------------------------- sending
     def post(self, to: str | list[str], key: str, data: bytes) -> None:
@@ -168,19 +176,28 @@ class Channel:
             if "abort" in self._arrived:
                 reason = self._take("abort", f"the abort, waiting for {what}", ("abort",))
                 raise PeerGone(f"gave up waiting for {what}: {reason.body}")
-            due = {p: max(self._seen.get(p, start), start) + self.timeout_s for p in alive}
+            due = {p: self._due(p, start) for p in alive}
             now = time.monotonic()
             for p, t in due.items():
                 if now > t:
+                    waited = (f"{self.silent_s:g}s (parallel.heartbeat_timeout_s)" if p in
+                              self._seen else f"{self.timeout_s:.0f}s (parallel.timeout_s)")  # fmt: skip
                     raise PeerGone(
-                        f"waited {self.timeout_s:.0f}s (parallel.timeout_s) for {what}, and "
-                        f"heartbeat {'hb/' + p!r} stopped: that process died or hangs. Check "
-                        "its log; the other ranks stop."
+                        f"waited {waited} for {what}, and heartbeat {'hb/' + p!r} stopped: "
+                        "that process died or hangs. Check its log; the other ranks stop."
                     )
             if not alive and now > start + self.timeout_s:
                 raise PeerGone(f"waited {self.timeout_s:.0f}s (parallel.timeout_s) for {what}")
             self._receive(min(due.values(), default=start + self.timeout_s) - now)
         return self._take(key, what, expect)
+
+    def _due(self, peer: str, start: float) -> float:
+        """When ``peer``'s silence makes it gone: ``silent_s`` after its last frame (or the
+        wait's start) once it has been heard from, ``timeout_s`` while it may be starting."""
+        last = self._seen.get(peer)
+        if last is None:
+            return start + self.timeout_s
+        return max(last, start) + self.silent_s
 
     def _receive(self, timeout_s: float) -> None:
         """Block until a frame arrives (at most ``timeout_s``), then file every waiting one."""

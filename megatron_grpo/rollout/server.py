@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from megatron_grpo.config import Config
 from megatron_grpo.distributed.placement import RankPlacement, place_ranks
+from megatron_grpo.distributed.setup import attempt_store
 from megatron_grpo.rollout import messages
 from megatron_grpo.rollout.agent import agent_loop
 from megatron_grpo.rollout.colocated import engine_slice
@@ -112,9 +113,11 @@ def join_world(cfg: Config) -> DisaggregatedWorld:
     placement = place_ranks(cfg.rollout, world)
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
     store, rank, _ = next(dist.rendezvous("env://", timeout=timeout))
+    store = attempt_store(store)  # a restarted attempt must not read the dead one's keys
     out = DisaggregatedWorld(rank, placement, store, cfg.parallel.timeout_s)
     if rank == 0 or not out.is_trainer:  # bound now, so an abort reaches it from the start
-        out.channel = Channel(store, peer_name(rank, placement), out.timeout_s, out._host())
+        out.channel = Channel(store, peer_name(rank, placement), out.timeout_s, out._host(),
+                              silent_s=cfg.parallel.heartbeat_timeout_s)  # fmt: skip
     pin_role(out.is_trainer, cfg.rollout.tp)
     return out
 

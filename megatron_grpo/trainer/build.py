@@ -44,6 +44,7 @@ from megatron_grpo.trainer.checkpointer import Checkpointer, Preemption
 from megatron_grpo.trainer.colocated_memory import ColocatedMemory
 from megatron_grpo.trainer.loop import GRPOTrainer
 from megatron_grpo.trainer.preflight import check_run
+from megatron_grpo.trainer.restarts import Attempt, record_failure, restart_line
 from megatron_grpo.trainer.sync_schedule import SyncSchedule
 from megatron_grpo.trainer.validation import Validator
 
@@ -90,6 +91,9 @@ def build_trainer(
     window = window_buffer(cfg, prompts, rollout, memory, tokenizer.eos_token_id, scorer, schedule)
     validator = Validator(cfg, tokenizer, reward_fn) if cfg.eval.interval else None
     resumed = checkpointer.resume() if resume else None
+    attempt = Attempt.current()
+    if attempt is not None and attempt.number > 0:  # torchrun restarted this worker
+        say_rank0(ctx, restart_line(cfg.run_dir, attempt, resumed[0].step if resumed else 0))
     logger = MetricsLogger(
         cfg.run_dir, cfg.logging, cfg.steps, ctx.rank,
         resume_step=resumed[0].step if resumed else None, run_config=dataclasses.asdict(cfg),
@@ -227,5 +231,20 @@ def train(cfg: Config, resume: bool = False) -> dict[str, Any]:
         raise
     try:
         return trainer.run()
+    except Exception as e:
+        _record_failure(cfg, trainer, e)
+        raise
     finally:
         trainer.close()
+
+
+def _record_failure(cfg: Config, trainer: GRPOTrainer, error: Exception) -> None:
+    """Under torchrun --max-restarts: the step and cause for the restarted attempt, and the
+    one line when no restart is left (trainer/restarts.py)."""
+    attempt = Attempt.current()
+    if attempt is None:
+        return
+    step = trainer.checkpointer.last_step + 1
+    line = record_failure(cfg.run_dir, attempt, trainer.ctx.rank, step, error)
+    if line is not None:
+        print(line, file=console_err(), flush=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,7 @@ class Checkpointer:
         self.policy, self.ref, self.served, self.memory = policy, ref, served, memory
         self.timeout_s, self.preemption = timeout_s, preemption
         self.last_saved = 0
+        self.last_step = 0  # the last step the loop finished (restarts.py names the next)
 
     # ------------------------------------------------------------------------ the loop's
     def due(self, step: int) -> bool:
@@ -83,6 +85,7 @@ class Checkpointer:
 
     def after_step(self, step: int, state: LoopState) -> bool:
         """Save when due; on a pre-emption signal save (unless just saved) and return True."""
+        self.last_step = step
         if self.due(step):
             with bounded(
                 f"the checkpoint of step {step}", self.timeout_s, "parallel.timeout_s bounds it"
@@ -127,6 +130,7 @@ class Checkpointer:
         """Load the newest intact checkpoint into the policy (and ref, served); returns its
         loop state and the module whose weights vLLM must serve again (without a served
         copy, ``checkpoint.exact_resume=false``, the checkpoint step's own weights)."""
+        t0 = time.perf_counter()
         latest, damaged = find_intact(self.run_dir)
         for reason in damaged:
             say_rank0(self.ctx, f"{reason.split(';')[0]}: skipping it")
@@ -143,7 +147,7 @@ class Checkpointer:
         if self.ref is not None and "ref" in loaded.state_dicts:
             self.ref.load_sharded_state_dict(loaded.state_dicts["ref"])
         st = loaded.loop_state
-        self.last_saved = st.step
+        self.last_saved = self.last_step = st.step
         served = self.policy
         if self.served is not None:
             if "served" in loaded.state_dicts:
@@ -157,7 +161,8 @@ class Checkpointer:
             st.policy_version = st.step
         say_rank0(
             self.ctx,
-            f"resumed from {latest} (step {st.step}, vLLM serves step {st.policy_version})",
+            f"resumed from {latest} (step {st.step}, vLLM serves step {st.policy_version}) in "
+            f"{time.perf_counter() - t0:.1f}s",
         )
         return st, served
 

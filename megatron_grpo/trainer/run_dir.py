@@ -14,20 +14,32 @@ first: what a start writes before the process groups are up (the directory itsel
 train.log, hf_model/) turns no verdict, and what a refusal is about (a run's config.yaml,
 metrics.jsonl, checkpoints, ...) is written only after them, which no rank joins before its
 own check. The directory is on a filesystem every rank sees (docs/install.md).
+
+``--resume auto`` (``plan_start``) decides by itself, so that the same command line serves
+every launch, torchrun's restarts of its workers included: it resumes from the newest
+complete checkpoint when there is one, and otherwise starts afresh over what a run that
+died before its first checkpoint left. A finished run (its summary.json) is refused as
+without ``--resume``: nothing is left to resume, and a restart must not redo it.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from megatron_grpo.checkpoint import list_checkpoints
 from megatron_grpo.config.schema import ConfigError
+from megatron_grpo.metrics.summary import SUMMARY_FILE
+from megatron_grpo.trainer.restarts import RESTARTS_FILE
 
 # Left by a start that failed before training, and reused only when still valid:
-# the prepared model (models/prepare.py checks its recipe) and the log file.
-_NOT_A_RUN = {"hf_model", "train.log"}
+# the prepared model (models/prepare.py checks its recipe) and the log file; and the
+# failures of in-job restarts, which a restart starting afresh must still read
+# (trainer/restarts.py: each record names its job).
+_NOT_A_RUN = {"hf_model", "train.log", RESTARTS_FILE}
 
 
 def run_contents(run_dir: Path) -> list[str]:
@@ -76,6 +88,40 @@ def check_run_dir(run_dir: str | os.PathLike[str], *, resume: bool, overwrite: b
             "--resume, replace it with --overwrite, or pass another --run-dir."
         )
     return [run_dir / name for name in found]
+
+
+@dataclass(frozen=True)
+class Start:
+    """How a run starts in its run directory: resumed or fresh, and what rank 0 deletes first."""
+
+    resume: bool
+    stale: list[Path]
+
+
+def plan_start(
+    run_dir: str | os.PathLike[str], *, resume: bool | Literal["auto"], overwrite: bool
+) -> Start:
+    """``check_run_dir`` for ``--resume`` (True), none (False) or ``--resume auto``: resume
+    when the run directory holds a complete checkpoint, else start afresh over an unfinished
+    run (deleting it, as ``--overwrite`` does). Reads only: every rank calls it.
+
+    Raises ConfigError, as ``check_run_dir`` does, and for ``auto`` on a finished run."""
+    run_dir = Path(run_dir)
+    if resume != "auto":
+        return Start(bool(resume), check_run_dir(run_dir, resume=bool(resume), overwrite=overwrite))
+    if overwrite:
+        raise ConfigError(
+            "--resume auto and --overwrite contradict each other: --resume auto continues the "
+            f"run in {run_dir}, --overwrite deletes it; pass one."
+        )
+    if (run_dir / SUMMARY_FILE).is_file():
+        raise ConfigError(
+            f"run_dir={str(run_dir)!r} holds a finished run ({SUMMARY_FILE}): nothing to "
+            "resume; replace it with --overwrite, or pass another --run-dir."
+        )
+    if list_checkpoints(run_dir):
+        return Start(True, check_run_dir(run_dir, resume=True, overwrite=False))
+    return Start(False, check_run_dir(run_dir, resume=False, overwrite=True))
 
 
 def clear_run_dir(paths: list[Path]) -> None:

@@ -393,3 +393,44 @@ def test_requeue_only_after_a_save_and_within_the_bound(
     assert f"--container-mounts={REPO}:{REPO}" in srun, srun
     torchrun = (state / "torchrun.log").read_text()
     assert f"--log-dir={env['LOG_DIR']} --tee=3" in torchrun, torchrun
+
+
+RECORDING_TORCHRUN = """#!/usr/bin/env bash
+# Stand-in for torchrun (this test only): records its arguments and succeeds.
+printf '%s\\n' "$*" >>"$FAKE_SLURM_DIR/torchrun.log"
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.slow
+@pytest.mark.parametrize("max_restarts", [None, "5", "x"])
+def test_launchers_pass_max_restarts_and_resume_auto(slurm_env, tmp_path: Path, max_restarts):
+    """Every launch carries `train --resume auto`, so torchrun's in-job restarts (and a
+    requeue) resume from the latest checkpoint: MAX_RESTARTS defaults to 2 under Slurm and
+    to 0 on one node; a value that is not a count is refused in one line."""
+    env, jobs = slurm_env
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(RECORDING_TORCHRUN)
+    (bin_dir / "torchrun").chmod(0o755)
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", PREFLIGHT="0")
+    if max_restarts is not None:
+        env["MAX_RESTARTS"] = max_restarts
+    job = Job(["slurm/single_node.sbatch", "steps=10"], env, tmp_path / "job.log")
+    jobs.append(job)
+    rc = job.wait(60)
+    one = subprocess.run(["launchers/torchrun.sh", "steps=10"], cwd=REPO,
+                         env={**env, "NPROC": "2", "TORCHRUN": str(bin_dir / "torchrun")},
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    if max_restarts == "x":
+        assert rc == 2 and "error: MAX_RESTARTS=x: use a number >= 0." in job.text(), job.text()
+        assert one.returncode == 2 and one.stderr.strip() == (
+            "error: MAX_RESTARTS=x: use a number >= 0."
+        ), one.stderr
+        return
+    assert rc == 0 and one.returncode == 0, job.text() + one.stderr
+    slurm_line, node_line = (Path(env["FAKE_SLURM_DIR"]) / "torchrun.log").read_text().splitlines()
+    assert f"--max-restarts={max_restarts or 2} " in slurm_line, slurm_line
+    assert f"--max-restarts={max_restarts or 0} " in node_line, node_line
+    for line in (slurm_line, node_line):
+        assert " train " in line and " --resume auto steps=10" in line, line

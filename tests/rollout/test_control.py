@@ -177,3 +177,29 @@ def test_an_abort_from_any_trainer_rank_reaches_every_rollout_rank(store, monkey
         for ch in ranks:
             ch.close()
     assert ranks[1].name == "rank/3"
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_stops_beating_is_gone_after_heartbeat_timeout_not_timeout_s(store):
+    """parallel.heartbeat_timeout_s: a dead engine (heard from, then silent) ends the
+    trainer's wait after that many seconds, not after parallel.timeout_s (here 600 s, past
+    this test's timeout). At the defaults (beats every 2 s, 10 s) a dead engine is noticed
+    within 10 s of its last beat; the figure is printed."""
+    trainer = Channel(store, TRAINER, timeout_s=600, silent_s=1.0)
+    engine = Channel(store, engine_peer(0), timeout_s=600)
+    try:
+        engine.beat_forever([TRAINER])
+        engine.post(TRAINER, "res/0/0", messages.reply(version=0))
+        assert trainer.wait("res/0/0", [engine.name], "engine 0", ("reply",)).body == {
+            "version": 0
+        }
+        engine.stop_beating()  # the engine process dies: no frame from now on
+        t0 = time.monotonic()
+        with pytest.raises(PeerGone, match=r"waited 1s \(parallel.heartbeat_timeout_s\) for "
+                           "engine 0's reply, and heartbeat 'hb/engine/0' stopped"):  # fmt: skip
+            trainer.wait("res/1/0", [engine.name], "engine 0's reply", ("reply",))
+        print(f"dead engine noticed {time.monotonic() - t0:.2f}s after its last beat "
+              "(heartbeat_timeout_s=1)")  # fmt: skip
+    finally:
+        trainer.close()
+        engine.close()

@@ -19,7 +19,7 @@ from megatron_grpo.checkpoint import LoopState, save_checkpoint
 from megatron_grpo.config import ConfigError, load_config
 from megatron_grpo.distributed.spawn import free_port
 from megatron_grpo.models.prepare import COMPLETE, prepare_model_dir
-from megatron_grpo.trainer.run_dir import check_run_dir, clear_run_dir
+from megatron_grpo.trainer.run_dir import check_run_dir, clear_run_dir, plan_start
 from tests.bad_inputs import ROOT, read_only_dir, snapshot
 
 
@@ -45,6 +45,33 @@ def test_a_finished_run_is_refused_unless_resume_or_overwrite(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["hf_model"]
     with pytest.raises(ConfigError, match="--resume: no complete checkpoint under"):
         prepare_run_dir(run, resume=True, overwrite=False)
+
+
+def test_resume_auto_resumes_a_checkpoint_else_starts_afresh_and_refuses_a_finished_run(tmp_path):
+    run = tmp_path / "run"
+    assert plan_start(run, resume="auto", overwrite=False).resume is False  # nothing there
+    # A run that died before its first checkpoint: started afresh, its leftovers deleted
+    # (not the prepared model, the log, or the restart records a restart reads).
+    (run / "hf_model").mkdir(parents=True)
+    for name in ("metrics.jsonl", "config.yaml", "restarts.jsonl", "train.log"):
+        (run / name).write_text("{}\n")
+    (run / "checkpoints" / "step_000002.tmp").mkdir(parents=True)  # a save killed midway
+    start = plan_start(run, resume="auto", overwrite=False)
+    assert start.resume is False
+    assert sorted(p.name for p in start.stale) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+    clear_run_dir(start.stale)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    save_checkpoint(run, LoopState(step=2), save_rng=False)
+    assert plan_start(run, resume="auto", overwrite=False) == plan_start(
+        run, resume=True, overwrite=False
+    )
+    assert plan_start(run, resume="auto", overwrite=False).resume is True
+    with pytest.raises(ConfigError, match="--resume auto and --overwrite contradict"):
+        plan_start(run, resume="auto", overwrite=True)
+    (run / "summary.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"holds a finished run \(summary.json\): nothing to "
+                       "resume; replace it with --overwrite"):  # fmt: skip
+        plan_start(run, resume="auto", overwrite=False)
 
 
 def test_unusable_run_dirs_are_one_line(tmp_path):
