@@ -190,9 +190,7 @@ def test_a_peer_that_stops_beating_is_gone_after_heartbeat_timeout_not_timeout_s
     try:
         engine.beat_forever([TRAINER])
         engine.post(TRAINER, "res/0/0", messages.reply(version=0))
-        assert trainer.wait("res/0/0", [engine.name], "engine 0", ("reply",)).body == {
-            "version": 0
-        }
+        assert trainer.wait("res/0/0", [engine.name], "engine 0", ("reply",)).body == {"version": 0}
         engine.stop_beating()  # the engine process dies: no frame from now on
         t0 = time.monotonic()
         with pytest.raises(PeerGone, match=r"waited 1s \(parallel.heartbeat_timeout_s\) for "
