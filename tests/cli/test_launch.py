@@ -406,7 +406,7 @@ printf '%s\\n' "$*" >>"$FAKE_SLURM_DIR/torchrun.log"
 @pytest.mark.parametrize("max_restarts", [None, "5", "x"])
 def test_launchers_pass_max_restarts_and_resume_auto(slurm_env, tmp_path: Path, max_restarts):
     """Every launch carries `train --resume auto`, so torchrun's in-job restarts (and a
-    requeue) resume from the latest checkpoint: MAX_RESTARTS defaults to 2 under Slurm and
+    requeue) resume from the latest checkpoint: MAX_RESTARTS defaults to 0 under Slurm and
     to 0 on one node; a value that is not a count is refused in one line."""
     env, jobs = slurm_env
     bin_dir = tmp_path / "bin"
@@ -430,7 +430,7 @@ def test_launchers_pass_max_restarts_and_resume_auto(slurm_env, tmp_path: Path, 
         return
     assert rc == 0 and one.returncode == 0, job.text() + one.stderr
     slurm_line, node_line = (Path(env["FAKE_SLURM_DIR"]) / "torchrun.log").read_text().splitlines()
-    assert f"--max-restarts={max_restarts or 2} " in slurm_line, slurm_line
+    assert f"--max-restarts={max_restarts or 0} " in slurm_line, slurm_line
     assert f"--max-restarts={max_restarts or 0} " in node_line, node_line
     for line in (slurm_line, node_line):
         assert " train " in line and " --resume auto steps=10" in line, line
