@@ -22,6 +22,7 @@ from megatron_grpo.metrics.pass_at_k import mean_pass_at_k
 from megatron_grpo.models.spec import check_heads, load_spec
 from megatron_grpo.policy.policy import build_policy
 from megatron_grpo.rewards import build_reward
+from megatron_grpo.rewards.scoring import env_scored
 from megatron_grpo.rollout.colocated import build_colocated
 from megatron_grpo.rollout.interface import sampling_args
 from megatron_grpo.rollout.samples import Sample
@@ -264,8 +265,7 @@ def score(s: EvalSettings, out: dict[str, Any]) -> EvalResult:
         rewards, info = reward_fn(*args)
     task = info["task_scores"]
     if s.rows is not None:  # an episode's environment scores it where it gave a reward
-        rewards = [r if x.env_reward is None else x.env_reward for x, r in zip(samples, rewards)]
-        task = [t if x.env_reward is None else x.env_reward for x, t in zip(samples, task)]
+        rewards, task = env_scored(samples, rewards), env_scored(samples, task)
     correct = [t >= 1.0 for t in task]  # the format bonus does not count
     correct_PK = [correct[i * k : (i + 1) * k] for i in range(len(prompts))]
     rows = [

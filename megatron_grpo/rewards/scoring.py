@@ -6,11 +6,19 @@ Kept out of the package's ``__init__`` (it imports torch; the reward pool's work
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from megatron_grpo.algorithms.shaping import shape_rewards
+
+
+def env_scored(samples: Sequence[Any], scores: Sequence[float]) -> list[float]:
+    """``scores`` with each multi-turn episode's environment reward in place of its score,
+    where the environment gave one (``Sample.env_reward``): training, validation and eval
+    score episodes this one way."""
+    return [sc if s.env_reward is None else s.env_reward for s, sc in zip(samples, scores)]
 
 
 class GroupScorer:
@@ -43,11 +51,8 @@ class GroupScorer:
             [prompts[i // g].answer for i in range(len(samples))],
         )
         if any(s.env_reward is not None for s in samples):  # episodes the environment scored
-            rewards = [
-                r if s.env_reward is None else s.env_reward for s, r in zip(samples, rewards)
-            ]
-            info = {**info, "task_scores": [t if s.env_reward is None else s.env_reward
-                                            for s, t in zip(samples, info["task_scores"])]}  # fmt: skip
+            rewards = env_scored(samples, rewards)
+            info = {**info, "task_scores": env_scored(samples, info["task_scores"])}
             info["reward_mean"] = sum(rewards) / len(rewards)
             info["task_mean"] = sum(info["task_scores"]) / len(rewards)
         lengths = torch.tensor([len(s.response_ids) for s in samples])

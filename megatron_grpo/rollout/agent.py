@@ -20,7 +20,7 @@ from megatron_grpo.algorithms.seeds import turn_seed
 from megatron_grpo.config.schema import EnvConfig
 from megatron_grpo.environments.contract import load_environment
 from megatron_grpo.environments.runner import EnvRunner
-from megatron_grpo.rollout.samples import Sample
+from megatron_grpo.rollout.samples import Sample, request_seeds
 
 _PLACEHOLDER = "\x00MGRPO_{}\x00"
 
@@ -114,10 +114,14 @@ class AgentLoop:
         self.tokenizer = tokenizer
 
     def generate(self, engine: Any, prompt_ids: Sequence[Sequence[int]], rows: Sequence[dict],
-                 *, seeds: Sequence[int], n: int, max_new_tokens: int,
-                 **sampling: Any) -> list[Sample]:  # fmt: skip
-        """``n`` episodes per prompt (prompt i's episode j seeded ``seeds[i] + j``)."""
-        episodes = [_Episode(list(p), seeds[i] + j) for i, p in enumerate(prompt_ids)
+                 *, n: int, max_new_tokens: int, seeds: Sequence[int] | None = None,
+                 seed: int | None = None, **sampling: Any) -> list[Sample]:  # fmt: skip
+        """``n`` episodes per prompt, prompt i's episode j seeded as a one-turn generate
+        seeds sample j of request i (``request_seeds``: ``seeds[i]``, else
+        ``seed + i*n``, the engine's seed without one; then ``+ j``)."""
+        base = seed if seed is not None or seeds is not None else engine.seed
+        first = request_seeds(seeds, base or 0, n, len(prompt_ids))
+        episodes = [_Episode(list(p), first[i] + j) for i, p in enumerate(prompt_ids)
                     for j in range(n)]  # fmt: skip
         built = self.runner.build([dict(rows[i]) for i in range(len(prompt_ids)) for _ in range(n)])
         for ep, out in zip(episodes, built):

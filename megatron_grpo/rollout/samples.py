@@ -50,6 +50,18 @@ class Sample:
         return len(self.response_ids) if self.response_mask is None else sum(self.response_mask)
 
 
+def request_seeds(seeds: Sequence[int] | None, base_seed: int, n: int, count: int) -> list[int]:
+    """The first seed of each of ``count`` requests of ``n`` samples: ``seeds`` (one per
+    request), or ``base_seed + i*n`` without them (its samples take ``+0..n-1``)."""
+    if seeds is None:
+        return [base_seed + i * n for i in range(count)]
+    if len(seeds) != count:
+        raise ValueError(
+            f"generate: {len(seeds)} seeds for {count} prompts; pass one seed per prompt."
+        )
+    return list(seeds)
+
+
 def sampling_requests(
     prompt_token_ids: Sequence[Sequence[int]],
     seeds: Sequence[int] | None,
@@ -73,13 +85,7 @@ def sampling_requests(
     from vllm import SamplingParams
 
     replica = replica_offset(replica_index)
-    if seeds is None:
-        seeds = [base_seed + i * n for i in range(len(prompt_token_ids))]
-    elif len(seeds) != len(prompt_token_ids):
-        raise ValueError(
-            f"generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts; pass one "
-            "seed per prompt."
-        )
+    seeds = request_seeds(seeds, base_seed, n, len(prompt_token_ids))
     requests, params = [], []
     for i, ids in enumerate(prompt_token_ids):
         requests.append({"prompt_token_ids": list(ids)})

@@ -268,15 +268,12 @@ def _run(engine: Any, cmd: dict[str, Any], e: int, agent: Any = None) -> bytes:
     """Run one command (checked against ``messages.COMMANDS``); its encoded answer."""
     op = cmd["op"]
     if op == "generate":  # this engine's share, split as the colocated engines split
-        prompts, sampling = cmd["prompts"], dict(cmd["sampling"])
+        prompts, sampling = cmd["prompts"], cmd["sampling"]
         share = engine_slice(len(prompts), cmd["engines"], e)
         if agent is None or cmd.get("rows") is None:
             return messages.samples(engine.generate(prompts[share], **sampling))
-        mine, n = prompts[share], sampling["n"]
-        seed = sampling.pop("seed", engine.seed)
-        seeds = sampling.pop("seeds", None) or [seed + i * n for i in range(len(mine))]
         return messages.samples(
-            agent.generate(engine, mine, cmd["rows"][share], seeds=seeds, **sampling)
+            agent.generate(engine, prompts[share], cmd["rows"][share], **sampling)
         )
     if op == "init_transfer":
         info = dict(cmd["info"], rank_offset=cmd["rank_offsets"][e])

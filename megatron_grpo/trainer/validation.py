@@ -20,6 +20,7 @@ from megatron_grpo.config import Config
 from megatron_grpo.data import build_prompt_source
 from megatron_grpo.metrics.pass_at_k import mean_pass_at_k
 from megatron_grpo.rewards.builder import RewardFn
+from megatron_grpo.rewards.scoring import env_scored
 from megatron_grpo.rollout.interface import sampling_args
 
 
@@ -57,8 +58,7 @@ class Validator:
             texts,
             [self.prompts[i // k].answer for i in range(len(samples))],
         )
-        scores = [s.env_reward if s.env_reward is not None else t
-                  for s, t in zip(samples, info["task_scores"])]  # fmt: skip
+        scores = env_scored(samples, info["task_scores"])
         correct = [t >= 1.0 for t in scores]
         correct_PK = [correct[i * k : (i + 1) * k] for i in range(len(self.prompts))]
         return {"eval_pass@1": mean_pass_at_k(correct_PK, 1), "eval_policy_version": policy_version}
