@@ -78,6 +78,8 @@ HAND: list[tuple[str, list[str]]] = [
     ("sequence parallel without tp", [*T, "parallel.sequence_parallel=true"]),
     ("top_p above 1", [*T, "rollout.top_p=2"]),
     ("overlong buffer past max_new_tokens", [*T, "grpo.overlong_buffer=1000"]),
+    ("dynamic sampling's oversample below 1", [*T, "grpo.dynamic_sampling.oversample=0.5"]),
+    ("dynamic sampling's max_rounds below 1", [*T, "grpo.dynamic_sampling.max_rounds=0"]),
     ("truncated sampling", [*T, "rollout.top_k=5"]),
     ("unknown command-line flag", ["train", "--nope"]),
     ("--steps not a number", ["train", "--steps", "many"]),

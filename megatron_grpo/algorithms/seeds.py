@@ -19,6 +19,10 @@ things:
   ``i`` takes ``seed + i * n + j`` for its first turn, the seed vLLM gives that sample in
   one turn, and turn ``t`` adds ``TURN * t`` (the 100_000th prime, 1_299_709: past the
   samples of 164 steps);
+- dynamic sampling (``grpo.dynamic_sampling``) generates a step's further rounds with its
+  step seed plus ``ROUND * round`` (the 1_000_000th prime, 15_485_863), and draws their
+  prompts from a second pass over the data whose shuffle seed is ``data.shuffle_seed +
+  ROUND``;
 - each rollout replica (a vLLM engine) offsets its requests by ``1_000_003 * replica``, so
   two engines given the same seed do not sample the same responses.
 
@@ -40,6 +44,8 @@ TURN = 1_299_709
 """Stride of a multi-turn episode's per-turn sampling seed."""
 REPLICA = 1_000_003
 """Stride of the per-replica offset of vLLM's request seeds."""
+ROUND = 15_485_863
+"""Stride of a dynamic-sampling round's sampling seed, and the offset of its data's shuffle."""
 
 
 def advantage_seed(seed: int, step: int) -> int:
@@ -71,3 +77,14 @@ def turn_seed(episode_seed: int, turn: int) -> int:
     """vLLM's seed of turn ``turn`` (0-based) of the episode whose first turn is seeded
     ``episode_seed`` (``rollout.agent``)."""
     return episode_seed + TURN * turn
+
+
+def round_seed(rollout_seed: int, step: int, round_: int) -> int:
+    """vLLM's sampling seed of round ``round_`` (0: the step's own generation) of step
+    ``step``'s batch under ``grpo.dynamic_sampling``."""
+    return sampling_seed(rollout_seed, step) + ROUND * round_
+
+
+def refill_shuffle_seed(shuffle_seed: int) -> int:
+    """Shuffle seed of the data pass that dynamic sampling's further rounds draw from."""
+    return shuffle_seed + ROUND

@@ -463,6 +463,37 @@ class OffPolicyConfig:
 
 
 @dataclass
+class DynamicSamplingConfig:
+    """``grpo.dynamic_sampling``: DAPO's dynamic sampling (docs/algorithms.md, "Dynamic
+    sampling"). A group whose G rewards are all equal carries no advantage; with this on,
+    each step generates more prompts than it trains on, keeps the groups whose rewards
+    differ and fills the batch with exactly ``grpo.batch.prompts_per_step`` of them."""
+
+    enabled: bool = False
+    """Off by default: every generated group is trained on (zero-variance groups masked)."""
+    oversample: float = 1.5
+    """Prompts generated per round, as a multiple of ``grpo.batch.prompts_per_step``
+    (rounded up): the first round generates them with the step, and each further round as
+    many again while the batch is not full."""
+    max_rounds: int = 3
+    """Rounds of generation per step, the first included. When they are spent and fewer
+    than ``prompts_per_step`` groups differ, the batch is made up with zero-variance groups
+    (which the mask leaves without gradient) and the step says how many it filled."""
+
+    def __post_init__(self) -> None:
+        if not self.oversample >= 1.0:
+            raise ConfigError(
+                f"grpo.dynamic_sampling.oversample={self.oversample} must be >= 1: it is how "
+                "many prompts a round generates per prompt the step trains on (e.g. 1.5)."
+            )
+        if isinstance(self.max_rounds, bool) or self.max_rounds < 1:
+            raise ConfigError(
+                f"grpo.dynamic_sampling.max_rounds={self.max_rounds} must be an integer >= 1 "
+                "(rounds of generation per step, the first included; e.g. 3)."
+            )
+
+
+@dataclass
 class GRPOConfig:
     """The algorithm: the group advantages here, the rest in four sections (``batch``,
     ``loss``, ``kl``, ``off_policy``)."""
@@ -492,6 +523,8 @@ class GRPOConfig:
     """The reference policy and the KL penalty."""
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     """Off-policy corrections: pi_k/alpha, TIS, scoring alpha on the trainer."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO's dynamic sampling: train only on groups whose rewards differ."""
 
     def __post_init__(self) -> None:
         _positive("grpo", self, "group_size")

@@ -115,6 +115,11 @@ class PromptSource:
             self.index += 1
         return out
 
+    def reshuffled(self, seed: int) -> PromptSource:
+        """A second stream over the same prompts in another order (``seed``), at its start:
+        what dynamic sampling's further rounds draw from (``rollout.ahead.WindowBuffer``)."""
+        return PromptSource(self._prompts, seed, self.report)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,

@@ -20,10 +20,22 @@ needs its batch and none is buffered, the batches of steps ``window_steps(s, a, 
 
 Checkpoints save the data position of the *consumed* steps (``data_state``): a resume in
 the middle of a window draws and regenerates what had been buffered.
+
+**Dynamic sampling** (``grpo.dynamic_sampling``; ``algorithms.dynamic_sampling``): each step
+draws ``ceil(oversample * prompts_per_step)`` prompts for its own generation, as above. When
+the step is taken and fewer than ``prompts_per_step`` of its groups have rewards that differ,
+``take`` runs further rounds of as many prompts, each sampled from the same served weights as
+the step (no sync happens before the step is trained) with the seed ``round_seed(step, r)``,
+until the batch is full or ``max_rounds`` is reached. The further rounds draw from a second
+pass over the data (``PromptSource.reshuffled``), consumed in step order whatever
+``rollout.ahead`` is, so a checkpoint saves its position too and a resumed run draws the same
+rounds. A round goes through the arrivals thread like a step (the engines run requests in
+order, so it waits behind the window's queued steps either way).
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections import deque
@@ -32,7 +44,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_grpo.algorithms.seeds import sampling_seed
+from megatron_grpo.algorithms.dynamic_sampling import Round, fill_batch, signal_count
+from megatron_grpo.algorithms.seeds import refill_shuffle_seed, round_seed, sampling_seed
+from megatron_grpo.config.schema import DynamicSamplingConfig
 
 
 def window_steps(step: int, ahead: int, sync_interval: int, total_steps: int) -> list[int]:
@@ -105,10 +119,24 @@ class WindowBuffer:
                  score: Callable[[list, list], Any] | None = None,
                  share: Callable[[Callable[[], Any]], Any] = _call,
                  window_end: Callable[[int], int] | None = None,
-                 with_rows: bool = False) -> None:  # fmt: skip
+                 with_rows: bool = False,
+                 dynamic: DynamicSamplingConfig | None = None) -> None:  # fmt: skip
         self.prompts, self.launch, self.score, self.share = prompts, launch, score, share
         self.with_rows = with_rows
         """Multi-turn episodes (``env.name``): each step's data rows go with its prompts."""
+        self.dynamic = None
+        """``grpo.dynamic_sampling`` when on: rounds per step, groups with signal kept."""
+        self.round_size = prompts_per_step
+        """Prompts per generation of a step (dynamic sampling: ``ceil(oversample * P)``)."""
+        self.refill = None
+        """Dynamic sampling: the second data pass its further rounds draw from."""
+        if dynamic is not None and dynamic.enabled:
+            if score is None:
+                raise ValueError("dynamic sampling picks groups by their rewards: pass score.")
+            self.dynamic = dynamic
+            self.round_size = math.ceil(prompts_per_step * dynamic.oversample)
+            self.refill = prompts.reshuffled(refill_shuffle_seed(prompts.seed))
+        self._scores: Any = None
         self.window_end = window_end
         self.prompts_per_step, self.ahead = prompts_per_step, ahead
         self.sync_interval, self.total_steps = sync_interval, total_steps
@@ -130,18 +158,41 @@ class WindowBuffer:
         samples = self.share(head.samples.result)
         self._buffer.popleft()
         self._taken = head
-        return head.prompts, samples
+        if self.dynamic is None:
+            return head.prompts, samples
+        rounds = [Round(head.prompts, samples, *self.share(head.scores.result))]
+        while (
+            signal_count(rounds) < self.prompts_per_step and len(rounds) < self.dynamic.max_rounds
+        ):
+            rounds.append(self._round(step, len(rounds)))
+        prompts, samples, self._scores = fill_batch(rounds, self.prompts_per_step)
+        return prompts, samples
 
     def take_scores(self) -> Any:
         """The rewards ``score`` gave the batch ``take`` returned last (waits for them)."""
         assert self._taken is not None, "take_scores before take"
+        if self.dynamic is not None:
+            return self._scores
         return self.share(self._taken.scores.result)
 
+    def _round(self, step: int, round_: int) -> Round:
+        """Dynamic sampling's round ``round_`` of step ``step``: new prompts from the second
+        data pass, generated and scored on the arrivals thread (after the queued steps)."""
+        assert self.refill is not None and self._arrivals is not None
+        prompts = self.refill.next_batch(self.round_size)
+        entry = _Buffered(step, prompts, {})
+        seed = round_seed(self.rollout_seed, step, round_)
+        self._arrivals.put(([entry], self.launch([self._request(prompts, seed)])))
+        samples = self.share(entry.samples.result)
+        return Round(prompts, samples, *self.share(entry.scores.result))
+
     def data_state(self) -> dict:
-        """The data position after the consumed steps (what a checkpoint must save)."""
-        if self._buffer:
-            return self._buffer[0].data_state_before
-        return self.prompts.state_dict()
+        """The data position after the consumed steps (what a checkpoint must save); with
+        dynamic sampling, its second pass's position under ``refill``."""
+        state = self._buffer[0].data_state_before if self._buffer else self.prompts.state_dict()
+        if self.refill is not None:
+            return {**state, "refill": self.refill.state_dict()}
+        return state
 
     def load_data_state(self, state: dict) -> None:
         """Continue the data stream from ``state`` (a checkpoint's ``data_state``, what
@@ -151,7 +202,11 @@ class WindowBuffer:
                 "load_data_state after take: the buffer already holds batches "
                 "drawn from the old position."
             )
+        state = dict(state)
+        refill = state.pop("refill", None)
         self.prompts.load_state_dict(state)
+        if self.refill is not None and refill is not None:
+            self.refill.load_state_dict(refill)
 
     def _fill(self, step: int) -> None:
         if self.window_end is None:
@@ -161,8 +216,10 @@ class WindowBuffer:
         drawn = []
         for s in steps:  # data stream in step order, as the serial loop draws it
             before = self.prompts.state_dict()
-            drawn.append((s, self.prompts.next_batch(self.prompts_per_step), before))
-        thunks = self.launch([self._step_prompts(s, ps) for s, ps, _ in drawn])
+            drawn.append((s, self.prompts.next_batch(self.round_size), before))
+        thunks = self.launch(
+            [self._request(ps, sampling_seed(self.rollout_seed, s)) for s, ps, _ in drawn]
+        )
         window = [_Buffered(s, ps, before) for s, ps, before in drawn]
         self._buffer.extend(window)
         if self._arrivals is None:
@@ -177,9 +234,9 @@ class WindowBuffer:
             ).start()
         self._arrivals.put((window, thunks))
 
-    def _step_prompts(self, step: int, prompts: list) -> tuple:
-        """What ``launch`` takes of one step: ``(prompt_ids, seed[, rows])``."""
-        ids, seed = [p.prompt_ids for p in prompts], sampling_seed(self.rollout_seed, step)
+    def _request(self, prompts: list, seed: int) -> tuple:
+        """What ``launch`` takes of one generation: ``(prompt_ids, seed[, rows])``."""
+        ids = [p.prompt_ids for p in prompts]
         return (ids, seed, [p.row for p in prompts]) if self.with_rows else (ids, seed)
 
     def _arrivals_thread(self, arrivals: queue.SimpleQueue) -> None:

@@ -209,7 +209,8 @@ def window_buffer(cfg: Config, prompts: PromptSource, rollout: Rollout, memory: 
     return WindowBuffer(prompts, cfg.grpo.batch.prompts_per_step, r.ahead, cfg.sync.interval,
                         cfg.steps, r.seed, launch, score, rollout.share,
                         schedule.window_end if schedule is not None else None,
-                        with_rows=cfg.env.multi_turn)  # fmt: skip
+                        with_rows=cfg.env.multi_turn,
+                        dynamic=cfg.grpo.dynamic_sampling)  # fmt: skip
 
 
 def train(cfg: Config, resume: bool = False) -> dict[str, Any]:

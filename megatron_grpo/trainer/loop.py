@@ -114,6 +114,8 @@ class GRPOTrainer:
             with timer.phase("reward"), self._bounded(f"the rewards of step {step}"):
                 # GroupScorer's rewards, computed on the window's arrivals thread
                 rewards, reward_info = self.window.take_scores()
+            if reward_info.get("ds_fill", 1.0) < 1.0:  # grpo.dynamic_sampling ran out of rounds
+                self._say_short_batch(step, reward_info)
             batch = collate(samples, self.tokenizer.pad_token_id)
             with timer.phase("logprobs"):
                 pi_ref, kl_seq = self.logprobs.reference(batch)
@@ -238,6 +240,16 @@ class GRPOTrainer:
             self.memory.after_generate()
 
     # ------------------------------------------------------------------------ helpers
+    def _say_short_batch(self, step: int, info: dict[str, Any]) -> None:
+        """Dynamic sampling's rounds ran out before the batch held prompts_per_step groups
+        with reward variance: one line saying how far it got (the row has ``ds_*``)."""
+        p, ds = self.cfg.grpo.batch.prompts_per_step, self.cfg.grpo.dynamic_sampling
+        filled = round(info["ds_fill"] * p)
+        say_rank0(self.ctx, f"step {step}: dynamic sampling filled {filled}/{p} groups with "
+                  f"reward variance in {info['ds_rounds']} round(s) of generation "
+                  f"(grpo.dynamic_sampling.max_rounds={ds.max_rounds}); the other {p - filled} "
+                  "are zero-variance groups, masked")  # fmt: skip
+
     def _bounded(self, what: str) -> contextlib.AbstractContextManager[None]:
         """Every wait of the loop ends, at the latest after parallel.timeout_s (watchdog.py)."""
         return bounded(what, self.cfg.parallel.timeout_s, "parallel.timeout_s bounds it")
