@@ -235,7 +235,7 @@ def _add_project(bsub: argparse._SubParsersAction) -> None:
 
 def _add_reproduce(bsub: argparse._SubParsersAction) -> None:
     r = add_command(bsub, "reproduce", run_reproduce)
-    r.add_argument("--claims", type=_ints, default=[1, 2, 3, 4], help="e.g. 1,2,3,4,5,6")
+    r.add_argument("--claims", type=_ints, default=[1, 2, 3, 4], help="e.g. 1,2,3,4,5,6,7")
     r.add_argument("--seeds", type=int, default=3, help="seeds per variant (1..N)")
     r.add_argument("--steps", type=int, default=60, help="trainer steps per run")
     r.add_argument("--window", type=int, default=10, help="final-window length in steps")

@@ -70,6 +70,12 @@ ADAPTIVE = ("sync.mode=adaptive", "sync.max_drift=0.02", "sync.min_interval=1",
 # alpha scored by the trainer, so the drift leaves out vLLM's numerical mismatch with it).
 STALENESS = ("grpo.off_policy.score_alpha=true",)
 
+# Claim 7: dynamic sampling (grpo.dynamic_sampling) on the sparse task, where most groups carry
+# no signal; its reward curve is ds_reward_mean (every generated response, not the kept
+# groups). Both variants train prompts_per_step * G sequences a step, so a higher reward per
+# step is the same reward in fewer trained tokens.
+DYNAMIC = ("grpo.dynamic_sampling.enabled=true",)
+
 CLAIMS: dict[int, Claim] = {
     c.id: c
     for c in (
@@ -162,6 +168,22 @@ CLAIMS: dict[int, Claim] = {
                 Comparison("better", "adaptive, staleness", "fixed, same syncs", "auc"),
             ),
             threshold=0.6,
+        ),
+        Claim(
+            7,
+            "Dynamic sampling reaches the same reward in fewer trained tokens (sparse success)",
+            "Yu et al., DAPO, arXiv 2503.14476 (dynamic sampling reaches the same AIME score "
+            "with fewer training steps); issue 43",
+            TASK_SPARSE,
+            (
+                Variant("dynamic sampling", 1, DYNAMIC),
+                Variant("every group", 1),
+            ),
+            (
+                Comparison("better", "dynamic sampling", "every group", "auc"),
+                Comparison("better", "dynamic sampling", "every group", "final"),
+            ),
+            threshold=0.3,
         ),
     )
 }

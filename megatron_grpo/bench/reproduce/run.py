@@ -37,6 +37,12 @@ RESERVED_KEYS = ("steps", "sync.interval", "sync.mode", "run_dir", *SEED_KEYS)
 START_S, STEP_S = 15.0, 0.35
 
 
+def reward_of(row: dict[str, Any]) -> float:
+    """A step's reward on the curves: ``reward_mean``, or with grpo.dynamic_sampling the mean
+    over every generated response (``ds_reward_mean``; the kept groups' mean is biased)."""
+    return float(row.get("ds_reward_mean", row["reward_mean"]))
+
+
 def seed_overrides(seed: int) -> list[str]:
     return [f"{k}={seed}" for k in SEED_KEYS]
 
@@ -47,7 +53,8 @@ def seed_overrides(seed: int) -> list[str]:
 @dataclass
 class ReproduceArgs:
     claims: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
-    """Claims 5 and 6 (adaptive sync; by staleness alone) run only when named: --claims 5,6."""
+    """Claims 5, 6 and 7 (adaptive sync; by staleness alone; dynamic sampling) run only when
+    named: --claims 5,6,7."""
     seeds: int = 3
     """Seeds per variant (1..seeds)."""
     steps: int = 60
@@ -148,7 +155,7 @@ def run_bench_reproduce(a: ReproduceArgs, log=print) -> dict[str, Any]:
             loads.append(loadavg())
             wall = run_logged(cmd, run_dir.with_suffix(".log"), a.timeout_s, a.threads)
             rows = read_metrics(run_dir / "metrics.jsonl")
-            curves[r.name][seed] = [float(x["reward_mean"]) for x in rows]
+            curves[r.name][seed] = [reward_of(x) for x in rows]
             walls[r.name][seed] = wall
             syncs[r.name][seed] = sum(1 for x in rows if x.get("synced"))
             vs[r.name][seed] = None if "sync.mode=adaptive" in r.overrides else sync_interval
