@@ -495,8 +495,8 @@ class DynamicSamplingConfig:
 
 @dataclass
 class GRPOConfig:
-    """The algorithm: the group advantages here, the rest in four sections (``batch``,
-    ``loss``, ``kl``, ``off_policy``)."""
+    """The algorithm: the group advantages here, the rest in five sections (``batch``,
+    ``loss``, ``kl``, ``off_policy``, ``dynamic_sampling``)."""
 
     group_size: int = 8
     """G: responses sampled per prompt."""
