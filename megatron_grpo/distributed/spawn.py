@@ -51,6 +51,12 @@ class RankFailed(RuntimeError):
 
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+TORCHRUN_ENV = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+)  # fmt: skip
+"""torchrun's variables: a process that is not a rank of the job (a standalone vLLM engine,
+the judge) must not see them."""
 """Linux's ephemeral ports: what the kernel hands to every bind to port 0 and every connect."""
 
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from megatron_grpo.config import Config
 from megatron_grpo.distributed.placement import RankPlacement, place_ranks
 from megatron_grpo.distributed.setup import attempt_store
+from megatron_grpo.distributed.spawn import TORCHRUN_ENV
 from megatron_grpo.rollout import messages
 from megatron_grpo.rollout.agent import agent_loop
 from megatron_grpo.rollout.colocated import engine_slice
@@ -52,10 +53,6 @@ log = logging.getLogger(__name__)
 
 # torchrun's environment, dropped in the driver before vLLM spawns its processes: they must
 # not mistake themselves for ranks of the torchrun world.
-_TORCHRUN_ENV = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-)  # fmt: skip
 
 
 @dataclass
@@ -216,7 +213,7 @@ def engine_devices(visible: str | None, local_rank: int, tp: int, device_count: 
 
 def _start_engine(cfg: Config, hf_dir: Any, e: int, ch: Channel) -> Any:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    for k in _TORCHRUN_ENV:
+    for k in TORCHRUN_ENV:
         os.environ.pop(k, None)
     # vLLM's engine core runs in-process when this is 0, and its worker would then build
     # its torch.distributed world in this process (vllm/v1/engine/llm_engine.py).
