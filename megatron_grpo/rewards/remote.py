@@ -140,9 +140,10 @@ class RemoteReward:
             raise _Failed(f"{len(values)} rewards for {n} items")
         return values
 
-    def _post(self, body: bytes, n: int) -> list[float]:
+    def _post(self, body: bytes, n: int, log_retry: bool = True) -> list[float]:
         """``_post_once`` with up to ``retries`` more tries after connection errors and 5xx,
-        waiting ``backoff_s * 2**k`` before try ``k + 1``."""
+        waiting ``backoff_s * 2**k`` before try ``k + 1``; the first retry of the run is
+        logged where ``log_retry``."""
         for attempt in range(self.retries + 1):
             try:
                 return self._post_once(body, n)
@@ -153,7 +154,7 @@ class RemoteReward:
                 with self._conns_lock:
                     self.total_retries += 1
                     first, self._logged_retry = not self._logged_retry, True
-                if first:
+                if first and log_retry:
                     log.warning("remote reward %s: %s; retrying (further retries are not "
                                 "logged)", self.url, e)  # fmt: skip
                 time.sleep(self.backoff_s * 2**attempt)
@@ -188,7 +189,7 @@ class RemoteReward:
         """POST an empty batch, expecting ``{"rewards": []}``: ValueError (one line, naming
         the URL and the fix) when the server cannot be reached or does not answer so."""
         try:
-            self._post(json.dumps({"items": []}).encode(), 0)
+            self._post(json.dumps({"items": []}).encode(), 0, log_retry=False)
         except _Failed as e:
             raise ValueError(
                 f"reward.name={self.url!r}: the reward server did not answer an empty batch "
