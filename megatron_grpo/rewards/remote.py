@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import socket
 import ssl
 import threading
 import time
@@ -115,7 +114,7 @@ class RemoteReward:
                          headers={"Content-Type": "application/json"})  # fmt: skip
             resp = conn.getresponse()
             data = resp.read()
-        except (TimeoutError, socket.timeout) as e:
+        except TimeoutError as e:
             self._drop_connection()
             raise _Failed(f"no answer within reward.timeout_s={self.timeout_s}s", "timeout") from e
         except (OSError, http.client.HTTPException) as e:  # refused, reset, dropped
