@@ -227,3 +227,24 @@ def test_bad_urls_and_format_weight_are_refused_before_any_request() -> None:
         check_reward(RewardConfig(name="http://localhost:99999/score"))
     with pytest.raises(ValueError, match=r"format_weight=0.5 .* fold the format into the server"):
         check_reward(RewardConfig(name="http://127.0.0.1:1/x", format_weight=0.5))
+
+
+def test_the_step_scorer_sends_each_responses_data_row(server) -> None:
+    from types import SimpleNamespace
+
+    from megatron_grpo.data.prompts import Prompt
+    from megatron_grpo.rewards.scoring import GroupScorer
+
+    class Digits:  # a tokenizer whose token i decodes to the digit i
+        def batch_decode(self, ids, skip_special_tokens=True):
+            return ["".join(map(str, x)) for x in ids]
+
+    prompts = [Prompt(f"Q{i}:", [1], str(i), row={"question": f"q{i}", "id": 10 + i})
+               for i in range(2)]  # fmt: skip
+    samples = [SimpleNamespace(response_ids=[i], env_reward=None) for i in (3, 5, 7, 9)]
+    with build_reward(_cfg(server.url), FILE_DATA) as fn:
+        rewards_PG, info = GroupScorer(fn, Digits(), 2, 8, 0, 0.0)(prompts, samples)
+    assert rewards_PG.tolist() == [[3.0, 5.0], [7.0, 9.0]]
+    got = sorted((it["id"], it["question"], it["prompt"], it["response"]) for it in server.items)
+    assert got == [(10, "q0", "Q0:", "3"), (10, "q0", "Q0:", "5"),
+                   (11, "q1", "Q1:", "7"), (11, "q1", "Q1:", "9")]  # fmt: skip
