@@ -644,7 +644,7 @@ class RewardConfig:
     """Remote reward: items per HTTP request (a step's 512 responses make 64 requests)."""
     retries: int = 3
     """Remote reward: how many times a request is sent again after a connection error or a
-    5xx answer, before its items score 0 and count as errors."""
+    5xx or 429 answer, before its items score 0 and count as errors."""
     backoff_s: float = 0.5
     """Remote reward: the wait before the first retry of a request, doubled before each
     next one."""

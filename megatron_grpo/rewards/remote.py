@@ -42,7 +42,7 @@ class _Failed(Exception):
 
 
 class _Retryable(Exception):
-    """A connection error or a 5xx: the same request is sent again after a back-off."""
+    """A connection error, a 5xx or a 429: the same request is sent again after a back-off."""
 
 
 def check_url(url: str) -> tuple[str, str, int, str]:
@@ -123,7 +123,7 @@ class RemoteReward:
                 return self._post_once(body, n)
             raise _Retryable(f"{type(e).__name__}: {e}") from e
         took = time.monotonic() - t0
-        if resp.status >= 500:
+        if resp.status >= 500 or resp.status == 429:  # a server down or busy for a while
             raise _Retryable(f"HTTP {resp.status}")
         if resp.status >= 300:
             raise _Failed(f"HTTP {resp.status}: {data[:200]!r}")

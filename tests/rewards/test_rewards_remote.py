@@ -33,6 +33,7 @@ class RewardServer:
 
     def __init__(self) -> None:
         self.busy = self.drop = 0
+        self.busy_code = 503
         self.slow_s = 0.0
         self.answer: Callable[[list[dict]], object] | None = None
         self.scored: Counter[str] = Counter()
@@ -62,7 +63,7 @@ class RewardServer:
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
                 if busy:
-                    self._send(503, b"busy")
+                    self._send(server.busy_code, b"busy")
                     return
                 if any(it["response"] == "slow" for it in items):
                     threading.Event().wait(server.slow_s)
@@ -167,6 +168,58 @@ def test_retries_spent_score_0_and_are_counted(server) -> None:
     assert rewards == [0.0, 0.0] and info["errors"] == 2 and info["timeouts"] == 0
     assert rewards2 == [1.0, 2.0] and info2["errors"] == 0 and info2["total_errors"] == 2
     assert server.requests == 1 + 3 + 1
+
+
+@pytest.mark.parametrize(("code", "scored"), [(429, True), (404, False)])
+def test_429_is_retried_and_404_is_not(server, code, scored) -> None:
+    with build_reward(_cfg(server.url, batch_size=2), FILE_DATA) as fn:
+        server.busy, server.busy_code = 1, code
+        rewards, info = fn(["p"] * 2, ["1", "2"], ["a"] * 2)
+    assert rewards == ([1.0, 2.0] if scored else [0.0, 0.0])
+    assert info["errors"] == (0 if scored else 2)
+    assert server.requests == 1 + 1 + scored
+
+
+def test_https_with_a_certificate_the_client_trusts(tmp_path, monkeypatch) -> None:
+    import datetime
+    import ipaddress
+    import ssl
+
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name)
+        .public_key(key.public_key()).serial_number(1)
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(
+            [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))  # fmt: skip
+    server = RewardServer()
+    try:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+        server.httpd.socket = ctx.wrap_socket(server.httpd.socket, server_side=True)
+        url = server.url.replace("http://", "https://")
+        with pytest.raises(ValueError, match="CERTIFICATE_VERIFY_FAILED"):  # not trusted yet
+            check_reward(_cfg(url, retries=0))
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "cert.pem"))
+        with build_reward(_cfg(url), FILE_DATA) as fn:
+            rewards, info = fn(*_batch(5))
+        assert rewards == [0.0, 1.0, 2.0, 3.0, 4.0] and info["errors"] == 0
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize(
