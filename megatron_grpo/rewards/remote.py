@@ -102,6 +102,8 @@ class RemoteReward:
         if conn is not None:
             conn.close()
             self._local.conn = None
+            with self._conns_lock:
+                self._conns.remove(conn)
 
     def _post_once(self, body: bytes, n: int) -> list[float]:
         """One POST; the ``n`` rewards it answered. Raises :class:`_Retryable` or
@@ -117,6 +119,9 @@ class RemoteReward:
         except TimeoutError as e:
             self._drop_connection()
             raise _Failed(f"no answer within reward.timeout_s={self.timeout_s}s", "timeout") from e
+        except ssl.SSLError as e:  # an untrusted certificate stays untrusted: no retry
+            self._drop_connection()
+            raise _Failed(f"TLS: {e}") from e
         except (OSError, http.client.HTTPException) as e:  # refused, reset, dropped
             self._drop_connection()
             if reused:  # the server closed a kept-alive connection: a fresh one, at once
@@ -140,7 +145,7 @@ class RemoteReward:
         return values
 
     def _post(self, body: bytes, n: int, log_retry: bool = True) -> list[float]:
-        """``_post_once`` with up to ``retries`` more tries after connection errors and 5xx,
+        """``_post_once`` with up to ``retries`` more tries after connection errors, 5xx and 429,
         waiting ``backoff_s * 2**k`` before try ``k + 1``; the first retry of the run is
         logged where ``log_retry``."""
         for attempt in range(self.retries + 1):
