@@ -651,7 +651,9 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         if not self.name:
-            raise ConfigError("reward.name is empty: set it to gsm8k, math, synthetic or a:path.")
+            raise ConfigError(
+                "reward.name is empty: set it to gsm8k, math, synthetic, a:path or a URL."
+            )
         _positive("reward", self, "timeout_s", "num_workers", "concurrency", "batch_size")
         _non_negative("reward", self, "format_weight", "retries", "backoff_s")
 

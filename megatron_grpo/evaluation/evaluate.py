@@ -152,7 +152,8 @@ def _check_flags(data: str, config: str | None, overrides: list[str], *, greedy:
     if _reward_name(data, config, overrides) is None and not data.startswith("synthetic:"):
         raise ConfigError(
             f"--data {data} is not synthetic, so the reward cannot be guessed: add "
-            "reward.name=gsm8k (or gsm8k_flexible, math, synthetic, package.module:function)."
+            "reward.name=gsm8k (or gsm8k_flexible, math, synthetic, package.module:function, "
+            "http://HOST:PORT/PATH)."
         )
 
 
