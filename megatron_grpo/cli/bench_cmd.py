@@ -13,6 +13,8 @@ megatron-grpo bench reproduce [--claims 1,2,3,4] [--seeds N] [--steps S] [--out-
     [key=value ...]
 megatron-grpo bench control [--channels store,zmq] [--repeats N] [--samples S] [--tokens T]
     [--json OUT.json]
+megatron-grpo bench rewards [--reward gsm8k|gsm8k_flexible|math] [--items N] [--concurrency C]
+    [--batch-size B] [--repeats R] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -109,6 +111,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--cache-dir", default="runs/bench", help="where the model is built")
     e.add_argument("--timeout-s", type=float, default=600.0, help="time limit of the engine's rank")
     e.add_argument("--json", dest="json_out", help="also write the results here")
+    r = add_command(bsub, "rewards", run_rewards)
+    r.add_argument("--reward", default="gsm8k", help="the reward on both sides: gsm8k, "
+                   "gsm8k_flexible or math")  # fmt: skip
+    r.add_argument("--items", type=int, default=512, help="responses in the step")
+    r.add_argument("--concurrency", type=int, default=64, help="remote requests in flight")
+    r.add_argument("--batch-size", type=int, default=8, help="items per remote request")
+    r.add_argument("--repeats", type=int, default=5, help="timed reward phases per side (median)")
+    r.add_argument("--json", dest="json_out", help="also write the results here")
+
+
+def run_rewards(args: argparse.Namespace) -> int:
+    """a step's reward phase in-process against the same reward served over HTTP
+
+    Scores --items GSM8K-like responses with --reward in-process, then through
+    reward.name=http://... against the same reward in a server process on the loopback
+    (bench/rewards/server.py), --concurrency requests of --batch-size items in flight: the
+    median time of each side, their ratio, and whether the rewards are identical. Prints a
+    table, writes JSON (docs/benchmarks.md, "bench rewards")."""
+    from megatron_grpo.bench.rewards.run import BenchRewardsArgs, rewards_table, run_bench_rewards
+
+    return _measure(args, BenchRewardsArgs, run_bench_rewards, rewards_table)
 
 
 def run_control(args: argparse.Namespace) -> int:

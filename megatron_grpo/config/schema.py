@@ -659,21 +659,36 @@ class DataConfig:
 @dataclass
 class RewardConfig:
     name: str = "synthetic"
-    """``gsm8k``, ``gsm8k_flexible``, ``math`` (math-verify), ``synthetic``, or a dotted path
-    ``package.module:function`` taking (prompt, response, answer) and returning a float."""
+    """``gsm8k``, ``gsm8k_flexible``, ``math`` (math-verify), ``synthetic``, a dotted path
+    ``package.module:function`` taking (prompt, response, answer) and returning a float, or
+    a reward server's URL ``http://HOST:PORT/PATH`` / ``https://...`` (docs/rewards-and-data.md,
+    "Remote rewards")."""
     format_weight: float = 0.0
     """Weight of the format reward added to the task reward."""
     timeout_s: float = 5.0
-    """Time limit of one reward call; a call past it scores 0."""
+    """Time limit of one reward call (of one HTTP request for a remote reward); a call past
+    it scores 0."""
     num_workers: int = 2
     """Worker processes that run ``math`` and user rewards under the time limit (a worker
     whose call overruns is killed and replaced)."""
+    concurrency: int = 64
+    """Remote reward: HTTP requests in flight at once."""
+    batch_size: int = 8
+    """Remote reward: items per HTTP request (a step's 512 responses make 64 requests)."""
+    retries: int = 3
+    """Remote reward: how many times a request is sent again after a connection error or a
+    5xx or 429 answer, before its items score 0 and count as errors."""
+    backoff_s: float = 0.5
+    """Remote reward: the wait before the first retry of a request, doubled before each
+    next one."""
 
     def __post_init__(self) -> None:
         if not self.name:
-            raise ConfigError("reward.name is empty: set it to gsm8k, math, synthetic or a:path.")
-        _positive("reward", self, "timeout_s", "num_workers")
-        _non_negative("reward", self, "format_weight")
+            raise ConfigError(
+                "reward.name is empty: set it to gsm8k, math, synthetic, a:path or a URL."
+            )
+        _positive("reward", self, "timeout_s", "num_workers", "concurrency", "batch_size")
+        _non_negative("reward", self, "format_weight", "retries", "backoff_s")
 
 
 @dataclass

@@ -152,7 +152,8 @@ def _check_flags(data: str, config: str | None, overrides: list[str], *, greedy:
     if _reward_name(data, config, overrides) is None and not data.startswith("synthetic:"):
         raise ConfigError(
             f"--data {data} is not synthetic, so the reward cannot be guessed: add "
-            "reward.name=gsm8k (or gsm8k_flexible, math, synthetic, package.module:function)."
+            "reward.name=gsm8k (or gsm8k_flexible, math, synthetic, package.module:function, "
+            "http://HOST:PORT/PATH)."
         )
 
 
@@ -261,8 +262,9 @@ def score(s: EvalSettings, out: dict[str, Any]) -> EvalResult:
     texts = tok.batch_decode([x.response_ids for x in samples], skip_special_tokens=True)
     args = ([prompts[i // k].text for i in range(len(samples))], texts,
             [prompts[i // k].answer for i in range(len(samples))])  # fmt: skip
+    rows = [prompts[i // k].row for i in range(len(samples))]  # a remote reward's extras
     with build_reward(cfg.reward, cfg.data) as reward_fn:
-        rewards, info = reward_fn(*args)
+        rewards, info = reward_fn(*args, rows=rows)
     task = info["task_scores"]
     if s.rows is not None:  # an episode's environment scores it where it gave a reward
         rewards, task = env_scored(samples, rewards), env_scored(samples, task)

@@ -16,6 +16,12 @@ Where calls run:
   :class:`~megatron_grpo.rewards.pool.DeadlinePool` of ``reward.num_workers`` processes, whose
   worker is killed and replaced when a call overruns ``timeout_s``. Call :meth:`RewardFn.close`
   (or use ``with``) to stop them.
+- ``http://HOST:PORT/PATH`` / ``https://...``: a :class:`~megatron_grpo.rewards.remote.RemoteReward`
+  POSTs the batch to a server, ``reward.concurrency`` requests of ``reward.batch_size``
+  items in flight; each item carries its data row's other keys (``rows``). A request that
+  fails (retries spent, a bad answer) scores its items 0 as errors, one past ``timeout_s``
+  as timeouts. ``check_reward`` POSTs an empty batch, so an unreachable server is refused
+  before anything starts.
 """
 
 from __future__ import annotations
@@ -24,11 +30,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from megatron_grpo.rewards.gsm8k import gsm8k_flexible, gsm8k_format, gsm8k_strict
 from megatron_grpo.rewards.math import math_format
 from megatron_grpo.rewards.pool import DeadlinePool, Outcome, load_callable
+from megatron_grpo.rewards.remote import RemoteReward, check_url, is_remote
 from megatron_grpo.rewards.synthetic import synthetic_format, synthetic_reward
 
 log = logging.getLogger(__name__)
@@ -74,12 +81,13 @@ class RewardFn:
         format_fn: Callable[[str], float] | None,
         score_fn: ScoreFn | None = None,
         pool: DeadlinePool | None = None,
+        remote: RemoteReward | None = None,
     ) -> None:
-        if (score_fn is None) == (pool is None):
-            raise ValueError("RewardFn needs exactly one of score_fn (in-process) or pool.")
+        if sum(x is not None for x in (score_fn, pool, remote)) != 1:
+            raise ValueError("RewardFn needs exactly one of score_fn (in-process), pool or remote.")
         self.name, self.timeout_s = name, timeout_s
         self.format_weight, self.format_fn = format_weight, format_fn
-        self._score_fn, self._pool = score_fn, pool
+        self._score_fn, self._pool, self._remote = score_fn, pool, remote
         self.total_errors = 0
         self.total_timeouts = 0
         self._logged: set[str] = set()
@@ -104,19 +112,32 @@ class RewardFn:
         return out
 
     def __call__(
-        self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str]
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        answers: Sequence[str],
+        rows: Sequence[dict[str, Any]] | None = None,
     ) -> tuple[list[float], RewardInfo]:
+        """``rows[i]``: the data row of response ``i`` (``data.Prompt.row``); only a remote
+        reward reads it (its other keys ride along in the item)."""
         if not len(prompts) == len(responses) == len(answers):
             raise ValueError(
                 f"reward batch lengths differ: {len(prompts)} prompts, {len(responses)} "
                 f"responses, {len(answers)} answers; pass one answer per response."
             )
+        if rows is not None and len(rows) != len(responses):
+            raise ValueError(f"{len(rows)} data rows for {len(responses)} responses: pass one "
+                             "row per response, or none.")  # fmt: skip
         args = [(str(p), str(r), str(a)) for p, r, a in zip(prompts, responses, answers)]
         with self._lock:
-            return self._score(args)
+            return self._score(args, rows)
 
-    def _score(self, args: list[tuple[str, str, str]]) -> tuple[list[float], RewardInfo]:
-        if self._pool is not None:
+    def _score(
+        self, args: list[tuple[str, str, str]], rows: Sequence[dict[str, Any]] | None = None
+    ) -> tuple[list[float], RewardInfo]:
+        if self._remote is not None:
+            outcomes = self._remote.map(args, rows)
+        elif self._pool is not None:
             outcomes = self._pool.map(args)
         else:
             outcomes = self._run_inprocess(args)
@@ -163,6 +184,8 @@ class RewardFn:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+        if self._remote is not None:
+            self._remote.close()
 
     def __enter__(self) -> RewardFn:
         return self
@@ -183,17 +206,36 @@ def check_reward(reward_cfg, data_cfg=None) -> None:
         )
     if name in _INPROCESS or name in _POOLED:
         return
+    if is_remote(name):
+        _check_no_format(reward_cfg, "remote")
+        check_url(name)
+        remote = _remote(reward_cfg)
+        try:
+            remote.probe()
+        finally:
+            remote.close()
+        return
     if ":" not in name:
         raise ValueError(
             f"reward.name={name!r} is neither a built-in reward {sorted([*_INPROCESS, *_POOLED])} "
             "nor 'package.module:function' / 'path/to/file.py:function'."
         )
+    _check_no_format(reward_cfg, "user")
+    load_callable(name)
+
+
+def _check_no_format(reward_cfg, kind: str) -> None:
     if reward_cfg.format_weight:
         raise ValueError(
-            f"reward.format_weight={reward_cfg.format_weight} has no format check for the user "
-            f"reward {name!r}: fold the format into the function and set reward.format_weight=0."
+            f"reward.format_weight={reward_cfg.format_weight} has no format check for the "
+            f"{kind} reward {reward_cfg.name!r}: fold the format into the "
+            f"{'server' if kind == 'remote' else 'function'} and set reward.format_weight=0."
         )
-    load_callable(name)
+
+
+def _remote(reward_cfg) -> RemoteReward:
+    r = reward_cfg
+    return RemoteReward(r.name, r.timeout_s, r.concurrency, r.batch_size, r.retries, r.backoff_s)
 
 
 def build_reward(reward_cfg, data_cfg=None) -> RewardFn:
@@ -213,5 +255,7 @@ def build_reward(reward_cfg, data_cfg=None) -> RewardFn:
         target, fmt = _POOLED[name]
         pool = DeadlinePool(target, reward_cfg.num_workers, reward_cfg.timeout_s)
         return RewardFn(format_fn=fmt, pool=pool, **common)
+    if is_remote(name):
+        return RewardFn(format_fn=None, remote=_remote(reward_cfg), **common)
     pool = DeadlinePool(name, reward_cfg.num_workers, reward_cfg.timeout_s)
     return RewardFn(format_fn=None, pool=pool, **common)

@@ -49,6 +49,7 @@ class GroupScorer:
             [prompts[i // g].text for i in range(len(samples))],
             texts,
             [prompts[i // g].answer for i in range(len(samples))],
+            rows=[prompts[i // g].row for i in range(len(samples))],  # a remote reward's extras
         )
         if any(s.env_reward is not None for s in samples):  # episodes the environment scored
             rewards = env_scored(samples, rewards)
