@@ -681,6 +681,31 @@ class RewardConfig:
     backoff_s: float = 0.5
     """Remote reward: the wait before the first retry of a request, doubled before each
     next one."""
+    judge_template: str = (
+        "Question: {prompt}\nReference answer: {answer}\nResponse: {response}\n"
+        "Is the response correct? Answer yes or no.\nAnswer:"
+    )
+    """``reward.name=judge:HF_DIR``: the judge's prompt; ``{prompt}``, ``{response}``,
+    ``{answer}`` and any other key of the data row are filled in (docs/rewards-and-data.md,
+    "A judge model as the reward")."""
+    judge_choices: list[str] = field(default_factory=lambda: [" yes", " no"])
+    """Judge: the verdicts whose log-probs after the prompt decide the reward (when
+    ``judge_pattern`` is empty): the reward is ``sum_c softmax(logp)_c * judge_values[c]``."""
+    judge_values: list[float] = field(default_factory=lambda: [1.0, 0.0])
+    """Judge: the reward of each of ``judge_choices``."""
+    judge_pattern: str = ""
+    """Judge: a regex whose first group, in the judge's greedy answer, is the reward (a
+    number); empty: decide by ``judge_choices``. A verdict without a match scores 0."""
+    judge_max_tokens: int = 32
+    """Judge with ``judge_pattern``: the longest verdict it generates, in tokens."""
+    judge_max_model_len: int = 2048
+    """Judge: its engine's context; a longer prompt keeps its end (the question to the judge)."""
+    judge_gpu_memory_utilization: float = 0.15
+    """Judge on a GPU: the share of the device's memory its engine takes, beside the rollout
+    engine and the trainer of the process that scores."""
+    judge_timeout_s: float = 300.0
+    """Judge: the time limit of one request to it (in place of ``timeout_s``): its engine
+    scores a step's requests together, so an answer can take a step's judging."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -688,6 +713,12 @@ class RewardConfig:
                 "reward.name is empty: set it to gsm8k, math, synthetic, a:path or a URL."
             )
         _positive("reward", self, "timeout_s", "num_workers", "concurrency", "batch_size")
+        _positive("reward", self, "judge_max_tokens", "judge_max_model_len", "judge_timeout_s")
+        if not 0 < self.judge_gpu_memory_utilization < 1:
+            raise ConfigError(
+                f"reward.judge_gpu_memory_utilization={self.judge_gpu_memory_utilization} must "
+                "be in (0, 1): the share of the GPU's memory the judge's engine takes."
+            )
         _non_negative("reward", self, "format_weight", "retries", "backoff_s")
 
 

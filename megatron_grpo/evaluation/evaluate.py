@@ -5,9 +5,12 @@ Design: docs/eval.md, "How eval runs (evaluation/evaluate.py)".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -22,9 +25,11 @@ from megatron_grpo.metrics.pass_at_k import mean_pass_at_k
 from megatron_grpo.models.spec import check_heads, load_spec
 from megatron_grpo.policy.policy import build_policy
 from megatron_grpo.rewards import build_reward
+from megatron_grpo.rewards.judge import JudgeSpec, client_config, is_judge
 from megatron_grpo.rewards.scoring import env_scored
 from megatron_grpo.rollout.colocated import build_colocated
 from megatron_grpo.rollout.interface import sampling_args
+from megatron_grpo.rollout.judge import start_judge
 from megatron_grpo.rollout.samples import Sample
 from megatron_grpo.trainer.collate import collate
 
@@ -263,7 +268,7 @@ def score(s: EvalSettings, out: dict[str, Any]) -> EvalResult:
     args = ([prompts[i // k].text for i in range(len(samples))], texts,
             [prompts[i // k].answer for i in range(len(samples))])  # fmt: skip
     rows = [prompts[i // k].row for i in range(len(samples))]  # a remote reward's extras
-    with build_reward(cfg.reward, cfg.data) as reward_fn:
+    with _judge_served(cfg) as reward_cfg, build_reward(reward_cfg, cfg.data) as reward_fn:
         rewards, info = reward_fn(*args, rows=rows)
     task = info["task_scores"]
     if s.rows is not None:  # an episode's environment scores it where it gave a reward
@@ -284,6 +289,22 @@ def score(s: EvalSettings, out: dict[str, Any]) -> EvalResult:
         mean_reward=sum(rewards) / len(rewards), num_prompts=len(prompts), samples=k,
         rows=rows, sync=out["sync"],
     )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _judge_served(cfg: Any) -> Iterator[Any]:
+    """``cfg.reward``; with ``reward.name=judge:DIR``, the judge started here (the engines
+    that generated are down by now) and the remote reward at its URL in its place."""
+    if not is_judge(cfg.reward.name):
+        yield cfg.reward
+        return
+    spec = JudgeSpec.of(cfg.reward, cfg.rollout.cpu_kv_cache_gb, cfg.seed)
+    with tempfile.TemporaryDirectory(prefix="megatron-grpo-judge-") as tmp:
+        judge = start_judge(spec, Path(tmp), cfg.parallel.timeout_s)
+        try:
+            yield client_config(cfg.reward, judge.url)
+        finally:
+            judge.close()
 
 
 def _episode_fields(x: Any) -> dict[str, Any]:

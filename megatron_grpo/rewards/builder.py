@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypedDict
 
 from megatron_grpo.rewards.gsm8k import gsm8k_flexible, gsm8k_format, gsm8k_strict
+from megatron_grpo.rewards.judge import JudgeSpec, is_judge
 from megatron_grpo.rewards.math import math_format
 from megatron_grpo.rewards.pool import DeadlinePool, Outcome, load_callable
 from megatron_grpo.rewards.remote import RemoteReward, check_url, is_remote
@@ -206,6 +207,10 @@ def check_reward(reward_cfg, data_cfg=None) -> None:
         )
     if name in _INPROCESS or name in _POOLED:
         return
+    if is_judge(name):
+        _check_no_format(reward_cfg, "judge")
+        JudgeSpec.of(reward_cfg).check()
+        return
     if is_remote(name):
         _check_no_format(reward_cfg, "remote")
         check_url(name)
@@ -229,7 +234,8 @@ def _check_no_format(reward_cfg, kind: str) -> None:
         raise ValueError(
             f"reward.format_weight={reward_cfg.format_weight} has no format check for the "
             f"{kind} reward {reward_cfg.name!r}: fold the format into the "
-            f"{'server' if kind == 'remote' else 'function'} and set reward.format_weight=0."
+            f"{ {'remote': 'server', 'judge': 'template'}.get(kind, 'function') } and set "
+            "reward.format_weight=0."
         )
 
 
@@ -247,6 +253,12 @@ def build_reward(reward_cfg, data_cfg=None) -> RewardFn:
     """
     check_reward(reward_cfg, data_cfg)  # fail now, in the parent, with a clear message
     name = reward_cfg.name
+    if is_judge(name):
+        raise ValueError(
+            f"reward.name={name!r}: a judge is started by the run that scores with it "
+            "(rollout/judge.py start_judge), then built as the remote reward at its URL "
+            "(rewards.judge.client_config)."
+        )
     common = dict(name=name, timeout_s=reward_cfg.timeout_s, format_weight=reward_cfg.format_weight)
     if name in _INPROCESS:
         score, fmt = _INPROCESS[name]

@@ -1,26 +1,15 @@
-"""A judge model as the reward (``reward.name=judge:HF_DIR``; docs/rewards-and-data.md,
-"A judge model as the reward").
+"""The judge model's process (``reward.name=judge:HF_DIR``; its settings, prompt and verdict:
+``rewards/judge.py``; docs/rewards-and-data.md, "A judge model as the reward").
 
 The run starts the judge beside the process that scores (``start_judge``): a process of its
 own (``python -m megatron_grpo.rollout.judge``) holding a vLLM engine of the judge's model
 (``RolloutEngine``, standalone) behind the remote-reward protocol on the loopback address
-(``POST {"items": [...]}`` -> ``{"rewards": [...]}``), so the trainer scores it with the
-remote reward's client (concurrency, time limits, retries: ``rewards/remote.py``) and the
-judge's vLLM stays out of the trainer's process. Requests that arrive together are scored
-in one engine call (``Batcher``), whatever ``reward.batch_size`` cut them into.
-
-Each item is rendered with ``reward.judge_template`` (``{prompt}``, ``{response}``,
-``{answer}``, and any key of the data row) and scored one of two ways:
-
-- **choices** (``reward.judge_pattern`` empty, the default): the verdict is read from the
-  judge's log-probs of each choice continuing the rendered prompt (``reward.judge_choices``:
-  continuations, ``reward.judge_values``: their rewards); the reward is the expected value
-  under the judge restricted to the choices, ``sum_c softmax(logp)_c * value_c``. Every item
-  gets a verdict, from any model: nothing to parse;
-- **pattern**: the judge generates up to ``reward.judge_max_tokens`` tokens greedily and the
-  first group of ``reward.judge_pattern`` (a regex) in its text is the reward, a number; a
-  text without a match scores 0 and is counted (``unparsed`` in the answer and the judge's
-  log).
+(``POST {"items": [...]}`` -> ``{"rewards": [...]}``), so the run scores it
+with the remote reward's client (concurrency, time limits, retries: ``rewards/remote.py``)
+and the judge's vLLM stays out of the trainer's process. Requests that arrive together are
+scored in one engine call (``Batcher``), whatever ``reward.batch_size`` cut them into.
+``python -m megatron_grpo.rollout.judge`` is started by ``start_judge`` only (its arguments
+are the ``JudgeSpec`` as JSON).
 """
 
 from __future__ import annotations
@@ -28,10 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import queue
-import re
 import signal
 import subprocess
 import sys
@@ -39,106 +26,15 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from megatron_grpo.distributed.spawn import TORCHRUN_ENV
+from megatron_grpo.rewards.judge import JudgeSpec, expected_value, parse_verdict, render
 
 log = logging.getLogger(__name__)
-
-PREFIX = "judge:"
-_FIELD = re.compile(r"{(\w+)}")
-
-
-def is_judge(name: str) -> bool:
-    """Whether ``reward.name`` names a judge model (``judge:HF_DIR``)."""
-    return name.startswith(PREFIX)
-
-
-@dataclass(frozen=True)
-class JudgeSpec:
-    """What the judge process needs (``reward.judge_*``, from the config)."""
-
-    model: str
-    template: str
-    choices: tuple[str, ...]
-    values: tuple[float, ...]
-    pattern: str
-    max_tokens: int
-    max_model_len: int
-    cpu_kv_cache_gb: float
-    gpu_memory_utilization: float
-    seed: int
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> JudgeSpec:
-        """``cfg``: the run's ``Config``; the judge's model is ``reward.name`` after ``judge:``."""
-        r = cfg.reward
-        return cls(
-            model=r.name[len(PREFIX) :], template=r.judge_template,
-            choices=tuple(r.judge_choices), values=tuple(float(v) for v in r.judge_values),
-            pattern=r.judge_pattern, max_tokens=r.judge_max_tokens,
-            max_model_len=r.judge_max_model_len, cpu_kv_cache_gb=cfg.rollout.cpu_kv_cache_gb,
-            gpu_memory_utilization=r.judge_gpu_memory_utilization, seed=cfg.seed,
-        )  # fmt: skip
-
-    def check(self) -> None:
-        """ValueError (one line, naming the key and the fix) for a judge that cannot run;
-        cheap: before any rank or engine starts."""
-        name = f"reward.name={PREFIX}{self.model}"
-        if not (Path(self.model) / "config.json").is_file():
-            raise ValueError(
-                f"{name}: {self.model!r} has no config.json; point it at a Hugging Face model "
-                "directory (the judge's weights and tokenizer)."
-            )
-        fields = set(_FIELD.findall(self.template))
-        if "response" not in fields:
-            raise ValueError(
-                "reward.judge_template has no {response}: the judge would not see what it "
-                "judges; write a template with {prompt}, {response} and {answer}."
-            )
-        if self.pattern:
-            try:
-                groups = re.compile(self.pattern).groups
-            except re.error as e:
-                raise ValueError(f"reward.judge_pattern={self.pattern!r} is not a regex ({e}).") from None  # fmt: skip
-            if groups < 1:
-                raise ValueError(
-                    f"reward.judge_pattern={self.pattern!r} has no group: its first group is "
-                    r"the reward, e.g. 'Score: ([01](?:\.\d+)?)'."
-                )
-        elif not self.choices or len(self.choices) != len(self.values):
-            raise ValueError(
-                f"reward.judge_choices={list(self.choices)} and reward.judge_values="
-                f"{list(self.values)} must be as long as each other, and not empty: one reward "
-                "per choice, e.g. [' yes', ' no'] and [1.0, 0.0]."
-            )
-
-
-def render(template: str, item: dict[str, Any]) -> str:
-    """``template`` with each ``{key}`` replaced by ``item[key]`` (an unknown key stays as
-    written: a template may show braces)."""
-    return _FIELD.sub(lambda m: str(item.get(m.group(1), m.group(0))), template)
-
-
-def expected_value(choice_logps: Sequence[float], values: Sequence[float]) -> float:
-    """``sum_c softmax(logp)_c * value_c``: the choices' rewards weighted by the judge."""
-    top = max(choice_logps)
-    weights = [math.exp(lp - top) for lp in choice_logps]
-    return sum(w * v for w, v in zip(weights, values)) / sum(weights)
-
-
-def parse_verdict(pattern: str, text: str) -> float | None:
-    """The number in ``pattern``'s first group in ``text``; None without one."""
-    m = re.search(pattern, text)
-    if m is None:
-        return None
-    try:
-        return float(m.group(1))
-    except (TypeError, ValueError):
-        return None
 
 
 class Judge:
@@ -195,7 +91,7 @@ class Judge:
 
 class Batcher:
     """Scores the items of requests that arrive together in one ``judge.score`` call, on one
-    thread (the engine's): ``submit(items)`` -> a Future of ``(rewards, unparsed)``."""
+    thread (the engine's): ``submit(items)`` -> a Future of the items' rewards."""
 
     def __init__(self, judge: Any) -> None:
         self.judge = judge
@@ -217,11 +113,14 @@ class Batcher:
                     break
             items = [it for its, _ in batch for it in its]
             try:
-                rewards, _ = self.judge.score(items)
+                rewards, unparsed = self.judge.score(items)
             except Exception as e:  # noqa: BLE001 - each request answers 500 with it
                 for _, fut in batch:
                     fut.set_exception(e)
                 continue
+            if unparsed:
+                log.warning("judge: %d of %d verdicts did not match reward.judge_pattern; "
+                            "they score 0", unparsed, len(items))  # fmt: skip
             start = 0
             for its, fut in batch:
                 fut.set_result(rewards[start : start + len(its)])

@@ -30,15 +30,17 @@ from megatron_grpo.distributed.placement import validate_world
 from megatron_grpo.dry_run.budget import TokenBudget, resolve_token_budget
 from megatron_grpo.layouts.io import load_hf_into_megatron
 from megatron_grpo.metrics import MetricsLogger, PhaseTimer
-from megatron_grpo.metrics.console import console_err, say_rank0
+from megatron_grpo.metrics.console import console_err, say, say_rank0
 from megatron_grpo.models.prepare import prepare_model_dir
 from megatron_grpo.models.spec import ModelSpec, load_spec
 from megatron_grpo.policy import Policy
 from megatron_grpo.policy.policy import build_policy
-from megatron_grpo.rewards import build_reward
+from megatron_grpo.rewards import RewardFn, build_reward
+from megatron_grpo.rewards.judge import JudgeSpec, client_config, is_judge
 from megatron_grpo.rewards.scoring import GroupScorer
 from megatron_grpo.rollout.ahead import WindowBuffer
 from megatron_grpo.rollout.interface import Rollout, RolloutFactory, build_rollout, sampling_args
+from megatron_grpo.rollout.judge import JudgeProcess, start_judge
 from megatron_grpo.rollout.server import DisaggregatedWorld, join_world, serve
 from megatron_grpo.trainer.checkpointer import Checkpointer, Preemption
 from megatron_grpo.trainer.colocated_memory import ColocatedMemory
@@ -84,7 +86,7 @@ def build_trainer(
     memory = ColocatedMemory.from_config(cfg, getattr(rollout, "engine", None), policy, ctx.device)
     checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint, cfg.steps, ctx, policy, ref,
                                 served, memory, cfg.parallel.timeout_s, preemption)  # fmt: skip
-    reward_fn = build_reward(cfg.reward, cfg.data)
+    reward_fn, stop_judge = _build_reward(cfg, ctx, rollout)
     prompts = build_prompt_source(cfg.data, tokenizer)
     scorer = GroupScorer.from_config(cfg, reward_fn, tokenizer)
     schedule = SyncSchedule.from_config(cfg.sync)
@@ -105,7 +107,7 @@ def build_trainer(
         loss_fn=loss_fn, memory=memory,
         checkpointer=checkpointer, logger=logger, timer=PhaseTimer.for_device(ctx.device),
         validator=validator, alpha=alpha, budget=budget,
-        closers=[logger.close, reward_fn.close, rollout.shutdown, destroy_distributed],
+        closers=[logger.close, reward_fn.close, *stop_judge, rollout.shutdown, destroy_distributed],
     )  # fmt: skip
     _start(trainer, resumed)
     if ctx.rank == 0:  # only once the run really starts (a failed start leaves none)
@@ -156,6 +158,34 @@ def _build_policies(
     if (g.off_policy.score_alpha or Role.ALPHA_TRAINER in needs) and cfg.sync.can_lag:
         alpha = served if served is not None else policy.make_reference()
     return policy, ref, served, alpha
+
+
+def _build_reward(
+    cfg: Config, ctx: ParallelContext, rollout: Rollout
+) -> tuple[RewardFn, list[Callable[[], None]]]:
+    """The run's reward function and what stops what it started. ``reward.name=judge:DIR``:
+    the judge's process starts where the samples are scored (``rollout.share``: every rank
+    colocated, trainer rank 0 disaggregated; rollout/judge.py) and the reward is the remote
+    client at its URL."""
+    if not is_judge(cfg.reward.name):
+        return build_reward(cfg.reward, cfg.data), []
+    started: list[JudgeProcess] = []
+
+    def start() -> str:
+        t0 = time.perf_counter()
+        spec = JudgeSpec.of(cfg.reward, cfg.rollout.cpu_kv_cache_gb, cfg.seed)
+        workdir = Path(cfg.run_dir) / "judge" / f"rank{ctx.rank}"
+        started.append(start_judge(spec, workdir, cfg.parallel.timeout_s))
+        say(f"judge {spec.model} up in {time.perf_counter() - t0:.1f}s (log: {workdir}/judge.log)")
+        return started[-1].url
+
+    try:
+        url = rollout.share(start)
+        return build_reward(client_config(cfg.reward, url), cfg.data), [p.close for p in started]
+    except BaseException:
+        for p in started:
+            p.close()
+        raise
 
 
 def gpu_token_budget(spec: ModelSpec, cfg: Config, ctx: ParallelContext) -> TokenBudget:
