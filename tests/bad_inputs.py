@@ -59,6 +59,7 @@ HAND: list[tuple[str, list[str]]] = [
     ("config file YAML syntax error", ["train", "--config", "$TMP/bad.yaml"]),
     ("config file not a mapping", ["train", "--config", "$TMP/list.yaml"]),
     ("unknown key", [*T, "logging.nope=1"]),
+    ("unknown key close to a real one", [*T, "grpo.batch.prompt_per_step=4"]),
     ("unknown section", [*T, "nosection.x=1"]),
     ("unknown key in a nested section", [*T, "grpo.loss.nope=1"]),
     ("old key and its new key disagree", [*T, "grpo.clip_eps_low=0.3", "grpo.loss.clip_eps_low=0.25"]),
