@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Literal
 
 from megatron_grpo.cli.command import add_command
 
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         from megatron_grpo.trainer.preflight import check_run
         from megatron_grpo.trainer.run_dir import clear_run_dir, plan_start, run_config
 
-        resume = "auto" if args.resume == "auto" else bool(args.resume)
+        resume: bool | Literal["auto"] = "auto" if args.resume == "auto" else bool(args.resume)
         # --resume without --config: the run's own config.yaml (trainer/run_dir.py)
         cfg, config = run_config(args.config, overrides, resume)
         start = plan_start(cfg.run_dir, overwrite=args.overwrite, resume=resume, steps=cfg.steps)

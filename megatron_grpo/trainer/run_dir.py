@@ -211,7 +211,9 @@ def _load_saved(path: Path) -> Config:
     try:
         return load_config(path)
     except ConfigError as e:
-        raise ConfigError(f"the run's {path} does not load ({e}): pass the run's --config.") from None
+        raise ConfigError(
+            f"the run's {path} does not load ({e}): pass the run's --config."
+        ) from None
 
 
 def check_resumable(cfg: Config, saved: Config, config: str) -> None:

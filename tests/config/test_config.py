@@ -36,7 +36,10 @@ def test_yaml_then_overrides(tmp_path):
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
-        (["grpo.group_sise=4"], "unknown config key 'grpo.group_sise': did you mean 'grpo.group_size'?"),
+        (
+            ["grpo.group_sise=4"],
+            "unknown config key 'grpo.group_sise': did you mean 'grpo.group_size'?",
+        ),
         (["nosuch.x=1"], "unknown config key 'nosuch'"),
         (["grpo.group_size=four"], "grpo.group_size='four' is not an integer"),
         (["grpo.group_size=1"], "set grpo.group_size >= 2"),
