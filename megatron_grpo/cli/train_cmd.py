@@ -16,7 +16,11 @@ from megatron_grpo.cli.command import add_command
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "train", run)
-    p.add_argument("--config", help="YAML config (default: the embedded tiny CPU default)")
+    p.add_argument(
+        "--config",
+        help="YAML config (default: when resuming, the run directory's config.yaml; else the "
+        "embedded tiny CPU default)",
+    )
     p.add_argument("--run-dir", help="run directory (overrides run_dir)")
     p.add_argument("--steps", type=int, help="number of trainer steps (overrides steps)")
     p.add_argument("--sync-interval", type=int, help="v: sync vLLM every v steps (sync.interval)")
@@ -26,8 +30,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         const=True,
         default=False,
         metavar="auto",
-        help="continue from the latest checkpoint in the run dir; `--resume auto`: when it has "
-        "one, else start afresh (the same command line for every launch and restart)",
+        help="continue from the latest checkpoint in the run dir, with its config.yaml unless "
+        "--config is given (--steps N past the last step trains a finished run further); "
+        "`--resume auto`: when it has one, else start afresh (the same command line for every "
+        "launch and restart)",
     )
     p.add_argument(
         "--overwrite",
