@@ -9,13 +9,18 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Literal
 
 from megatron_grpo.cli.command import add_command
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "train", run)
-    p.add_argument("--config", help="YAML config (default: the embedded tiny CPU default)")
+    p.add_argument(
+        "--config",
+        help="YAML config (default: when resuming, the run directory's config.yaml; else the "
+        "embedded tiny CPU default)",
+    )
     p.add_argument("--run-dir", help="run directory (overrides run_dir)")
     p.add_argument("--steps", type=int, help="number of trainer steps (overrides steps)")
     p.add_argument("--sync-interval", type=int, help="v: sync vLLM every v steps (sync.interval)")
@@ -25,8 +30,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         const=True,
         default=False,
         metavar="auto",
-        help="continue from the latest checkpoint in the run dir; `--resume auto`: when it has "
-        "one, else start afresh (the same command line for every launch and restart)",
+        help="continue from the latest checkpoint in the run dir, with its config.yaml unless "
+        "--config is given (--steps N past the last step trains a finished run further); "
+        "`--resume auto`: when it has one, else start afresh (the same command line for every "
+        "launch and restart)",
     )
     p.add_argument(
         "--overwrite",
@@ -71,13 +78,17 @@ def run(args: argparse.Namespace) -> int:
     # others wait for torchrun to stop them: docs/errors.md), and the run directory is left
     # as it was.
     with exit_on_user_error(alike_on_every_rank=True):
-        cfg = load_config(args.config, overrides_from_args(args))
+        overrides = overrides_from_args(args)
+        if args.config is not None or not args.resume:
+            load_config(args.config, overrides)  # its refusals before torch loads (seconds)
         from megatron_grpo.distributed.spawn import ranks_needed, run_under_torchrun
         from megatron_grpo.trainer.preflight import check_run
-        from megatron_grpo.trainer.run_dir import clear_run_dir, plan_start
+        from megatron_grpo.trainer.run_dir import clear_run_dir, plan_start, run_config
 
-        start = plan_start(cfg.run_dir, overwrite=args.overwrite,
-                           resume="auto" if args.resume == "auto" else bool(args.resume))  # fmt: skip
+        resume: bool | Literal["auto"] = "auto" if args.resume == "auto" else bool(args.resume)
+        # --resume without --config: the run's own config.yaml (trainer/run_dir.py)
+        cfg, config = run_config(args.config, overrides, resume)
+        start = plan_start(cfg.run_dir, overwrite=args.overwrite, resume=resume, steps=cfg.steps)
         spawn = "WORLD_SIZE" not in os.environ and cfg.rollout.placement == "colocated"
         nproc = ranks_needed(cfg) if spawn else int(os.environ.get("WORLD_SIZE", "1"))
         if cfg.rollout.placement == "colocated":
@@ -88,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             clear_run_dir(start.stale)  # --overwrite, once everything else has been checked
         if spawn and nproc > 1:  # one process asked for a layout of several ranks: start them
             print(f"[megatron-grpo] starting {nproc} ranks under torchrun", flush=True)
-            return run_under_torchrun(_rank_argv(args), nproc)
+            return run_under_torchrun(_rank_argv(args, config), nproc)
         if not args.verbose:
             from megatron_grpo.metrics.console import LOG_FILE, capture, say
 
@@ -101,12 +112,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rank_argv(args: argparse.Namespace) -> list[str]:
-    """This command for the spawned ranks (--overwrite, or --resume auto starting afresh, has
-    already cleared the run dir)."""
+def _rank_argv(args: argparse.Namespace, config: str | None) -> list[str]:
+    """This command for the spawned ranks, with ``config``, the file this process loaded
+    (--overwrite, or --resume auto starting afresh, has already cleared the run dir)."""
     argv = ["train"]
-    if args.config:
-        argv += ["--config", args.config]
+    if config:
+        argv += ["--config", config]
     if args.resume:
         argv += ["--resume", "auto"] if args.resume == "auto" else ["--resume"]
     argv += ["--verbose"] * args.verbose

@@ -1,13 +1,15 @@
 """Load the config tree from YAML plus dotted ``key=value`` overrides, and write it back.
 
 Values are coerced to the field's declared type, so ``grpo.group_size=16`` is an int and
-``parallel.vpp=null`` is None. Unknown keys raise, listing the keys that exist there. Old keys of the last release move to
-their new place first, with a one-line notice (``config/deprecated.py``).
+``parallel.vpp=null`` is None. An unknown key raises, naming the close keys of its section
+(``did you mean``, difflib), or all of them when none is close. Old keys of
+the last release move to their new place first, with a one-line notice (``config/deprecated.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import types
@@ -92,15 +94,24 @@ def _build(cls: type[D], data: dict, prefix: str) -> D:
     for key, value in data.items():
         full = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(
-                f"unknown config key {full!r}: {prefix or 'the top level'} has {names}."
-            )
+            raise ConfigError(_unknown_key(full, key, names, prefix))
         tp = hints[key]
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value or {}, f"{full}.")
         else:
             kwargs[key] = _coerce(full, value, tp)
     return cls(**kwargs)
+
+
+def _unknown_key(full: str, key: str, names: list[str], prefix: str) -> str:
+    """One line for an unknown key: the section's close names (difflib) when there are any,
+    else every name of the section."""
+    where = prefix.rstrip(".") or "the top level"
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+    if close:
+        shown = " or ".join(repr(f"{prefix}{c}") for c in close)
+        return f"unknown config key {full!r}: did you mean {shown}?"
+    return f"unknown config key {full!r}: {where} has {names}."
 
 
 def parse_overrides(overrides: list[str]) -> dict:

@@ -238,10 +238,13 @@ def _spawn_once(fn, world, args, timeout_s, env, threads, setup, result_types) -
 
 
 def ranks_needed(cfg: Config) -> int:
-    """The smallest local world the layout fits: tp*pp*cp*dp trainer ranks (dp 0: 1), made
-    a multiple of rollout.tp for colocated engines; disaggregated layouts need torchrun."""
+    """The smallest local world the layout fits: tp*pp*cp*dp trainer ranks, where dp 0 (the
+    world decides) is the least data parallelism that expert parallelism is carved from
+    (``parallel.ep`` divides dp*cp: ``distributed/validate.py``), made a multiple of
+    rollout.tp for colocated engines; disaggregated layouts need torchrun."""
     p = cfg.parallel
-    world = p.tp * p.pp * p.cp * max(p.dp, 1)
+    dp = p.dp or p.ep // math.gcd(p.ep, p.cp)
+    world = p.tp * p.pp * p.cp * dp
     if cfg.rollout.placement == "colocated" and not p.dp:
         world = math.lcm(world, cfg.rollout.tp)
     return world

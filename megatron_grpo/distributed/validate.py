@@ -39,7 +39,7 @@ def validate_parallel(
             "launch more processes."
         )
     if spec is not None:
-        _check_model_split(spec, parallel.tp, parallel.pp, parallel.vpp)
+        check_model_split(spec, parallel.tp, parallel.pp, parallel.vpp)
         check_experts(spec, parallel.ep, parallel.tp)
     return dp
 
@@ -110,8 +110,9 @@ def _check_device_options(parallel: ParallelConfig, cuda: bool) -> None:
         )
 
 
-def _check_model_split(spec: ModelSpec, tp: int, pp: int, vpp: int | None) -> None:
-    """The model's heads, query groups, FFN width and layers split evenly over tp, pp, vpp."""
+def check_model_split(spec: ModelSpec, tp: int, pp: int, vpp: int | None) -> None:
+    """The model's heads, query groups, FFN width and layers split evenly over tp, pp, vpp
+    (needs no world: ``train``'s preflight makes it before the world checks)."""
     np_, ng, hn = spec.num_heads, spec.num_kv_heads, spec.head_dim
     if np_ % tp:
         raise ConfigError(

@@ -1,43 +1,48 @@
 """Every check of a training run that can fail, run before anything expensive.
 
-Called by each rank first thing (``trainer.build.build_trainer``), and by ``megatron-grpo train`` run as one
-process before it starts the ranks: layout against the world size, the loss and the reward
-(a user's loss class or reward function is imported), and the data (read and validated without a tokenizer; the prompt
-length check, which needs the tokenizer, comes later), a multi-turn environment's class (imported). Each failure is one ConfigError line.
+Called by each rank first thing (``trainer.build.build_trainer``), and by ``megatron-grpo
+train`` run as one process before it starts the ranks: the model's split over parallel.tp /
+pp (a preset's shape too, first: no number of ranks fixes it), the layout against the world
+size, the expert split, the wandb package when ``logging.wandb_project`` asks for it, the loss
+and the reward (a user's loss class or reward function is imported), and the data (read and
+validated without a tokenizer; the prompt length check, which needs the tokenizer, comes
+later), a multi-turn environment's class (imported). Each failure is one ConfigError line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
-from pathlib import Path
 
 from megatron_grpo.algorithms.aggregation import make_loss_fn
 from megatron_grpo.config import Config, ConfigError
 from megatron_grpo.data import build_prompt_source
 from megatron_grpo.distributed.placement import validate_world
 from megatron_grpo.distributed.setup import rank_device
-from megatron_grpo.distributed.validate import check_experts
+from megatron_grpo.distributed.validate import check_experts, check_model_split
 from megatron_grpo.environments.contract import load_environment
 from megatron_grpo.layouts import vllm as vl
 from megatron_grpo.models.prepare import check_model_path
 from megatron_grpo.models.shapes import resolve_spec
-from megatron_grpo.models.spec import ModelSpec, check_heads, load_spec
+from megatron_grpo.models.spec import ModelSpec, check_heads
 from megatron_grpo.policy.kernels import resolve_kernels
 from megatron_grpo.rewards import check_reward
 
 
 def check_run(cfg: Config, world_size: int) -> int:
     """Raise ConfigError for a run that cannot start; return the number of vLLM engines."""
-    engines = validate_world(cfg, world_size)
     check_model_path(cfg)
-    hf = Path(cfg.model.hf_path)
-    if (hf / "config.json").is_file():  # a preset's shape is checked when it is built
-        try:
-            check_heads(load_spec(hf), cfg.parallel.tp, cfg.rollout.tp)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    check_moe(resolve_spec(cfg.model.hf_path)[0], cfg)
+    spec = resolve_spec(cfg.model.hf_path)[0]  # a preset's shape too, before it is built
+    par = cfg.parallel
+    check_model_split(spec, par.tp, par.pp, par.vpp)  # first: no world size fixes it
+    try:
+        check_heads(spec, par.tp, cfg.rollout.tp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    engines = validate_world(cfg, world_size)
+    check_moe(spec, cfg)
+    check_wandb(cfg)
     resolve_kernels(cfg.model, rank_device(cfg.parallel))  # liger/compile/TE can run here
     data = cfg.data
     if data.template == "chat":  # needs the model's tokenizer: checked when it is loaded
@@ -58,6 +63,17 @@ def check_run(cfg: Config, world_size: int) -> int:
     except (ValueError, KeyError) as e:
         raise ConfigError(str(e).strip().splitlines()[0] if str(e).strip() else repr(e)) from e
     return engines
+
+
+def check_wandb(cfg: Config) -> None:
+    """``logging.wandb_project`` needs the wandb package (imported by the logger, which
+    starts after the model and vLLM)."""
+    project = cfg.logging.wandb_project
+    if project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"logging.wandb_project={project!r} but the wandb package is not installed: "
+            "`pip install wandb`, or set logging.wandb_project=null."
+        )
 
 
 def check_moe(spec: ModelSpec, cfg: Config, has_cuda: bool | None = None) -> None:

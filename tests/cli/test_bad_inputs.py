@@ -35,6 +35,7 @@ def test_bad_inputs_are_one_line_and_the_table_is_current(tmp_path):
         assert rc == 2 and len(lines) == 1, (what, argv, rc, lines)
         assert "error:" in lines[0] and "Traceback" not in lines[0], (what, lines)
     assert (tmp_path / "used" / "metrics.jsonl").exists()  # --overwrite refused: kept
+    assert not (tmp_path / "run").exists()  # no refused case leaves a run directory behind
     assert DOC.read_text().startswith(table(results)), (
         "docs/errors.md is stale: python -m tests.bad_inputs"
     )

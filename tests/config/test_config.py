@@ -36,7 +36,10 @@ def test_yaml_then_overrides(tmp_path):
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
-        (["grpo.group_sise=4"], "unknown config key 'grpo.group_sise'"),
+        (
+            ["grpo.group_sise=4"],
+            "unknown config key 'grpo.group_sise': did you mean 'grpo.group_size'?",
+        ),
         (["nosuch.x=1"], "unknown config key 'nosuch'"),
         (["grpo.group_size=four"], "grpo.group_size='four' is not an integer"),
         (["grpo.group_size=1"], "set grpo.group_size >= 2"),
@@ -69,6 +72,25 @@ def test_validation_messages_name_value_and_fix(overrides, fragment):
     with pytest.raises(ConfigError) as err:
         load_config(overrides=overrides)
     assert fragment in str(err.value)
+
+
+def test_an_unknown_key_names_the_close_ones_not_its_whole_section(tmp_path):
+    """A typo gets the key it is close to (difflib), in a YAML file too; the section's
+    list only when nothing is close."""
+    f = tmp_path / "c.yaml"
+    f.write_text("grpo:\n  batch:\n    prompt_per_step: 4\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(f)
+    assert str(err.value) == (
+        "unknown config key 'grpo.batch.prompt_per_step': did you mean "
+        "'grpo.batch.prompts_per_step'?"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["grpo.loss.clip_eps=0.2"])
+    assert "'grpo.loss.clip_eps_low' or 'grpo.loss.clip_eps_high'" in str(err.value)
+    assert "policy_loss" not in str(err.value)  # not the section's other keys
+    with pytest.raises(ConfigError, match=r"'logging.nope': logging has \['tensorboard'"):
+        load_config(overrides=["logging.nope=1"])
 
 
 def test_missing_and_malformed_files(tmp_path):

@@ -75,10 +75,10 @@ def test_old_and_new_key_that_disagree_is_one_line_naming_both():
 
 
 def test_unknown_keys_in_a_new_section_still_list_its_keys():
-    with pytest.raises(ConfigError, match=r"unknown config key 'grpo.loss.nope': grpo.loss. has "
+    with pytest.raises(ConfigError, match=r"unknown config key 'grpo.loss.nope': grpo.loss has "
                                           r"\['policy_loss', 'clip_eps_low'"):  # fmt: skip
         load_config(overrides=["grpo.loss.nope=1"])
-    with pytest.raises(ConfigError, match=r"unknown config key 'grpo.nope': grpo. has "):
+    with pytest.raises(ConfigError, match=r"unknown config key 'grpo.nope': grpo has "):
         load_config(overrides=["grpo.nope=1"])
 
 

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_grpo.distributed.spawn import RankFailed, _load_result, spawn_ranks
+from megatron_grpo.config import ConfigError, load_config
+from megatron_grpo.distributed.placement import validate_world
+from megatron_grpo.distributed.spawn import RankFailed, _load_result, ranks_needed, spawn_ranks
 from megatron_grpo.rollout.samples import Sample
 
 
@@ -121,3 +123,24 @@ def test_free_port_is_drawn_below_the_ephemeral_range(monkeypatch, tmp_path):
         s.bind(("127.0.0.1", ports[0]))  # free, as promised
     monkeypatch.setattr(spawn, "EPHEMERAL_RANGE", tmp_path / "missing")
     assert 0 < spawn.free_port() < 65536
+
+
+@pytest.mark.parametrize(
+    "overrides, world",
+    [
+        ([], 1),
+        (["parallel.tp=2"], 2),
+        (["model.hf_path=tiny-moe", "parallel.ep=2"], 2),  # ep is carved from dp: dp=2
+        (["model.hf_path=tiny-moe", "parallel.ep=4", "grpo.batch.prompts_per_step=4"], 4),
+        (["model.hf_path=tiny-moe", "parallel.ep=2", "parallel.dp=2"], 2),
+        (["parallel.tp=2", "rollout.tp=4", "grpo.batch.prompts_per_step=8"], 4),
+    ],
+)
+def test_ranks_needed_is_the_least_world_the_layout_passes(overrides, world):
+    """What one-process ``train`` starts: the world check passes on it, and on no fewer ranks."""
+    cfg = load_config(overrides=overrides)
+    assert ranks_needed(cfg) == world
+    validate_world(cfg, world)
+    for fewer in range(1, world):
+        with pytest.raises(ConfigError):
+            validate_world(cfg, fewer)
