@@ -25,8 +25,9 @@ class GroupScorer:
     """``scorer(prompts, samples) -> (rewards [P, G], info)``; ``info`` is the reward
     function's (``task_scores`` among it). Responses are decoded without special tokens;
     with ``grpo.overlong_buffer > 0`` DAPO's overlong penalty is added. A multi-turn
-    episode's reward is its environment's (``Sample.env_reward``) where it gave one; the
-    reward function scores the whole transcript otherwise."""
+    episode's reward is its environment's (``Sample.env_reward``) where it gave one, and the
+    reward function scores only the others (their whole transcript), so its counters
+    (``errors``, ``timeouts``) and ``format_mean`` cover those."""
 
     def __init__(self, reward_fn: Any, tokenizer: Any, group_size: int, max_new_tokens: int,
                  overlong_buffer: int, overlong_penalty: float) -> None:  # fmt: skip
@@ -45,17 +46,23 @@ class GroupScorer:
         texts = self.tokenizer.batch_decode(
             [s.response_ids for s in samples], skip_special_tokens=True
         )
-        rewards, info = self.reward_fn(
-            [prompts[i // g].text for i in range(len(samples))],
-            texts,
-            [prompts[i // g].answer for i in range(len(samples))],
-            rows=[prompts[i // g].row for i in range(len(samples))],  # a remote reward's extras
+        # The reward function scores what no environment did (every response without env.name).
+        todo = [i for i, s in enumerate(samples) if s.env_reward is None]
+        scored, info = self.reward_fn(
+            [prompts[i // g].text for i in todo],
+            [texts[i] for i in todo],
+            [prompts[i // g].answer for i in todo],
+            rows=[prompts[i // g].row for i in todo],  # a remote reward's extras
         )
-        if any(s.env_reward is not None for s in samples):  # episodes the environment scored
-            rewards = env_scored(samples, rewards)
-            info = {**info, "task_scores": env_scored(samples, info["task_scores"])}
-            info["reward_mean"] = sum(rewards) / len(rewards)
-            info["task_mean"] = sum(info["task_scores"]) / len(rewards)
+        if len(todo) == len(samples):
+            rewards = scored
+        else:  # episodes the environment scored keep its reward
+            rewards = env_scored(samples, [0.0] * len(samples))
+            task = list(rewards)
+            for j, i in enumerate(todo):
+                rewards[i], task[i] = scored[j], info["task_scores"][j]
+            info = {**info, "task_scores": task, "reward_mean": sum(rewards) / len(rewards),
+                    "task_mean": sum(task) / len(rewards)}  # fmt: skip
         lengths = torch.tensor([len(s.response_ids) for s in samples])
         rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(prompts), g)
         shaped = shape_rewards(

@@ -57,6 +57,7 @@ class Validator:
             [self.prompts[i // k].text for i in range(len(samples))],
             texts,
             [self.prompts[i // k].answer for i in range(len(samples))],
+            rows=[self.prompts[i // k].row for i in range(len(samples))],  # a remote reward's
         )
         scores = env_scored(samples, info["task_scores"])
         correct = [t >= 1.0 for t in scores]
