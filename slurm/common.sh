@@ -22,10 +22,10 @@
 #   RESUME          auto (default): `train --resume auto`, which resumes when RUN_DIR holds a
 #                   checkpoint and starts afresh otherwise; 1: --resume (must resume); 0: neither
 #   MAX_RESTARTS    torchrun --max-restarts: in-job restarts of every node's ranks after a rank
-#                   fails; they resume from the latest checkpoint (default 0: off, as a
-#                   configuration refusal would restart and repeat its line; 2 turns it on;
-#                   docs/launch.md "Restarts"). A pre-emption warning is not a failure: it
-#                   requeues instead
+#                   fails; they resume from the latest checkpoint (default 2; 0 turns them off;
+#                   a configuration refusal prints its line once, the later attempts exit
+#                   quietly; docs/launch.md "Restarts"). A pre-emption warning is not a
+#                   failure: it requeues instead
 #   GRACE_S         seconds torchrun lets its workers finish a step and checkpoint after the
 #                   warning signal before it kills them (default 110; keep it below the lead
 #                   time of `#SBATCH --signal`)
@@ -83,7 +83,7 @@ GRACE_S=${GRACE_S:-110}
 SRUN_MPI=${SRUN_MPI:-}
 PYTHON=${PYTHON:-python}
 MAX_REQUEUES=${MAX_REQUEUES:-10}
-MAX_RESTARTS=${MAX_RESTARTS:-0}
+MAX_RESTARTS=${MAX_RESTARTS:-2}
 [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || mg_die "MAX_RESTARTS=$MAX_RESTARTS: use a number >= 0."
 LOG_DIR=${LOG_DIR:-logs/${SLURM_JOB_NAME:-megatron-grpo}-$SLURM_JOB_ID}
 CONTAINER_IMAGE=${CONTAINER_IMAGE:-}

@@ -10,8 +10,10 @@ import contextlib
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 from megatron_grpo.config import ConfigError
 
@@ -45,7 +47,7 @@ def exit_on_user_error(alike_on_every_rank: bool = False):
         if (alike_on_every_rank or isinstance(e, ConfigError)) and _rank() != 0:
             _report(e, to_console=False)
             _wait_to_be_stopped()
-        _report(e, to_console=True)
+        _report(e, to_console=not _refused_before(e))
         sys.exit(2)
     except Exception as e:
         from megatron_grpo.rollout.interface import RolloutFailure  # imports torch: only here
@@ -90,6 +92,28 @@ def exit_on(errors: type[BaseException] | tuple[type[BaseException], ...], code:
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def _refused_before(e: BaseException) -> bool:
+    """Under torchrun with restarts (``--max-restarts``, as the launchers pass it), whether
+    an earlier attempt of this job printed this same refusal: torchrun restarts after any
+    failure, so a refusal would otherwise print its line once per attempt. The first
+    attempt leaves a marker (per torchrun job: ``TORCHELASTIC_RUN_ID``) and the later ones,
+    refusing the same way, exit 2 without the line; another refusal still prints."""
+    env = os.environ
+    if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) < 1 or "TORCHELASTIC_RUN_ID" not in env:
+        return False
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in env["TORCHELASTIC_RUN_ID"])
+    marker = Path(tempfile.gettempdir()) / f"megatron-grpo-refused-{safe}-rank{_rank()}"
+    line = f"error: {e}"
+    try:
+        if marker.read_text() == line:
+            return True
+    except OSError:
+        pass
+    with contextlib.suppress(OSError):
+        marker.write_text(line)
+    return False
 
 
 def _stopped(signum, frame) -> None:

@@ -248,19 +248,25 @@ def test_refused_job_prints_one_line_whichever_rank_refuses_first(
     held back at random (tests/rank_delay_site): the job log holds the one line once, the
     job exits 1 (srun's status: torchrun's), and every rank torchrun reports exited 2,
     rank 0 first. The first job is the one a user gets: RUN_DIR is a file, which the
-    preflight plan (it reads no paths) lets through, with rank 0 held back; the others skip
-    the plan (PREFLIGHT=0) so a config value is refused by the ranks, cheaply."""
+    preflight plan (it reads no paths) lets through, with rank 0 held back, under the
+    template's default in-job restarts (MAX_RESTARTS=2: every attempt refuses, the later
+    ones without the line, cli/errors.py); the others skip the plan (PREFLIGHT=0) and the
+    restarts (MAX_RESTARTS=0) so a config value is refused by the ranks, cheaply."""
     env, jobs = slurm_env
     nodes, gpus = LAYOUTS[template]
     (tmp_path / "afile").write_text("x")
     env["GPUS_PER_NODE"] = str(gpus)
     rng = random.Random(34)
-    runs = [(RANK0_LATE, str(tmp_path / "afile"), "1", [], "error: run_dir=")]
+    runs = [(RANK0_LATE, str(tmp_path / "afile"), "1", [], "error: run_dir=", None)]
     for _ in range(4):
         delays = {r: round(rng.uniform(0, 1), 2) for r in range(nodes * gpus)}
-        runs.append((delays, env["RUN_DIR"], "0", ["grpo.group_size=-4"], "error: grpo.group_"))
-    for i, (delays, run_dir, preflight, args, line) in enumerate(runs):
+        runs.append(
+            (delays, env["RUN_DIR"], "0", ["grpo.group_size=-4"], "error: grpo.group_", "0")
+        )
+    for i, (delays, run_dir, preflight, args, line, restarts) in enumerate(runs):
         job_env = {**delay_env(env, delays), "RUN_DIR": run_dir, "PREFLIGHT": preflight}
+        if restarts is not None:
+            job_env["MAX_RESTARTS"] = restarts
         job = Job([f"--nodes={nodes}", template, *args], job_env, tmp_path / f"job{i}.log")
         jobs.append(job)
         rc = job.wait(300)
@@ -406,7 +412,7 @@ printf '%s\\n' "$*" >>"$FAKE_SLURM_DIR/torchrun.log"
 @pytest.mark.parametrize("max_restarts", [None, "5", "x"])
 def test_launchers_pass_max_restarts_and_resume_auto(slurm_env, tmp_path: Path, max_restarts):
     """Every launch carries `train --resume auto`, so torchrun's in-job restarts (and a
-    requeue) resume from the latest checkpoint: MAX_RESTARTS defaults to 0 under Slurm and
+    requeue) resume from the latest checkpoint: MAX_RESTARTS defaults to 2 under Slurm and
     to 0 on one node; a value that is not a count is refused in one line."""
     env, jobs = slurm_env
     bin_dir = tmp_path / "bin"
@@ -430,7 +436,7 @@ def test_launchers_pass_max_restarts_and_resume_auto(slurm_env, tmp_path: Path, 
         return
     assert rc == 0 and one.returncode == 0, job.text() + one.stderr
     slurm_line, node_line = (Path(env["FAKE_SLURM_DIR"]) / "torchrun.log").read_text().splitlines()
-    assert f"--max-restarts={max_restarts or 0} " in slurm_line, slurm_line
+    assert f"--max-restarts={max_restarts or 2} " in slurm_line, slurm_line
     assert f"--max-restarts={max_restarts or 0} " in node_line, node_line
     for line in (slurm_line, node_line):
         assert " train " in line and " --resume auto steps=10" in line, line
