@@ -23,6 +23,7 @@ from megatron_grpo.checkpoint.conversion import (
     find_dist_checkpoint,
     one_process_model,
     resolve_dtype,
+    run_hf_dir,
     sharded_state,
 )
 from megatron_grpo.layouts.io import iter_hf_tensors
@@ -126,7 +127,8 @@ def mcore_to_hf(
     """Convert the checkpoint ``ckpt`` into an HF directory ``out`` (which must not exist).
 
     ``hf_config``: an HF directory whose config.json / tokenizer files describe the model;
-    optional for checkpoints written by ``hf-to-mcore`` (they carry them in ``hf/``).
+    optional for checkpoints written by ``hf-to-mcore`` (they carry them in ``hf/``) and for
+    a training run's checkpoints (the model its ``config.yaml`` names, as ``eval`` finds it).
     Returns a summary dict.
     """
     from megatron.core import dist_checkpointing
@@ -144,6 +146,9 @@ def mcore_to_hf(
             )
     elif info is not None and (dist_dir / HF_SUBDIR / "config.json").is_file():
         side, spec = dist_dir / HF_SUBDIR, info.model_spec()
+    elif step is not None:  # a training checkpoint: RUN/checkpoints/step_N/policy
+        side = run_hf_dir(dist_dir.parent.parent.parent)
+        spec = load_spec(side)
     else:
         raise ConvertError(
             f"{ckpt} carries no HF config (no {HF_SUBDIR}/config.json): pass --hf-config with "

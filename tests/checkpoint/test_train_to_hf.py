@@ -64,10 +64,16 @@ def trained(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(200)
-def test_convert_accepts_training_step_dir(trained, tmp_path):
-    rc, out = cli("convert", "mcore-to-hf", "--ckpt", str(trained), "--out", str(tmp_path / "hf"),
-                  "--hf-config", str(trained.parent.parent / "hf_model" / "tiny"))  # fmt: skip
+def test_convert_finds_the_runs_own_model(trained, tmp_path):
+    """Issue 47 item 6: a run's checkpoints/ converts without --hf-config, as eval finds it:
+    the config and tokenizer come from the model the run's config.yaml names."""
+    rc, out = cli("convert", "mcore-to-hf", "--ckpt", str(trained.parent),
+                  "--out", str(tmp_path / "hf"))  # fmt: skip
     assert rc == 0, out[-2000:]
+    base = trained.parent.parent / "hf_model" / "tiny"
+    got, want = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "hf", base))
+    assert {**got, "dtype": None, "torch_dtype": None} == {**want, "dtype": None, "torch_dtype": None}
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
 @pytest.mark.timeout(600)
