@@ -52,8 +52,9 @@ test: $(STAMP)
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
-# The inner loop: every test not marked slow (none starts a process or an engine; the
-# conftest refuses one that does), a few minutes on 2 cores. CI runs `make test`.
+# `make test-fast`, the inner loop: every test not marked slow (none starts a process or an
+# engine; the conftest refuses one that does), ~40 s on 2 cores.
+# CI runs `make test`.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc

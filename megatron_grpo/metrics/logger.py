@@ -174,7 +174,8 @@ class MetricsLogger:
         except ImportError as e:
             raise ImportError(
                 f"logging.wandb_project={project!r} but the wandb package is not installed: "
-                "`pip install wandb`, or set logging.wandb_project=null."
+                "`pip install -e '.[wandb]'` (or `pip install wandb`), or set "
+                "logging.wandb_project=null."
             ) from e
         return wandb, project, dict(run_config or {}), resume_step
 
