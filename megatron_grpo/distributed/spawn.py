@@ -242,8 +242,9 @@ def ranks_needed(cfg: Config) -> int:
 
 
 def torchrun_argv(nproc: int, *argv: str) -> list[str]:
-    """``torchrun --standalone --nproc-per-node nproc -m megatron_grpo.cli.main *argv``."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    """``torchrun --standalone --nproc-per-node nproc -m megatron_grpo.cli.main *argv``, through
+    ``quiet_torchrun``: a refusal on every rank ends it with the ranks' one line, no report."""
+    return [sys.executable, "-m", "megatron_grpo.distributed.quiet_torchrun", "--standalone",
             f"--nproc-per-node={nproc}", "-m", "megatron_grpo.cli.main", *argv]  # fmt: skip
 
 
