@@ -35,3 +35,17 @@ def test_wandb_extra_exists():
         n for n in ast.walk(tree) if isinstance(n, ast.keyword) and n.arg == "extras_require"
     )
     assert "wandb" in [k.value for k in call.value.keys]  # type: ignore[attr-defined]
+
+
+def test_eval_doc_evaluates_the_demo_on_its_training_task():
+    """Issue 47 item 5: docs/eval.md's demo evaluation uses the task `make demo` trains on
+    (launchers/cpu_demo.sh's config), not another one."""
+    from megatron_grpo.config import load_config
+
+    demo = re.search(r"CONFIG=\$\{CONFIG:-(\S+)\}", (REPO / "launchers/cpu_demo.sh").read_text())
+    assert demo is not None
+    trained_on = load_config(str(REPO / demo.group(1)), []).data.source
+    evals = re.findall(
+        r"eval --model runs/demo\S* --data (\S+)", (REPO / "docs/eval.md").read_text()
+    )
+    assert evals and set(evals) == {trained_on}, (evals, trained_on)
