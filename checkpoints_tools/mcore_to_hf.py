@@ -27,6 +27,7 @@ from megatron_grpo.checkpoint.conversion import (
     sharded_state,
 )
 from megatron_grpo.layouts.io import iter_hf_tensors
+from megatron_grpo.metrics.console import console_err
 from megatron_grpo.models.spec import ModelSpec, load_spec
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
@@ -132,6 +133,7 @@ def mcore_to_hf(
     Returns a summary dict.
     """
     from megatron.core import dist_checkpointing
+    from tqdm import tqdm
 
     ckpt = Path(ckpt)
     dist_dir, step = find_dist_checkpoint(ckpt)
@@ -162,9 +164,12 @@ def mcore_to_hf(
         loaded = dist_checkpointing.load(state, str(dist_dir))
         chunks[0].load_state_dict(loaded["model"], strict=True)
         del loaded, state
-        files = write_safetensors(
-            iter_hf_tensors(chunks, spec, ctx), tmp, DTYPES[out_dtype], max_shard_bytes
-        )
+        # a progress bar on the console (not convert.log) once writing takes over 2 s
+        tensors = tqdm(
+            iter_hf_tensors(chunks, spec, ctx), desc="writing HF tensors", unit=" tensors",
+            delay=2.0, leave=False, file=console_err(),
+        )  # fmt: skip
+        files = write_safetensors(tensors, tmp, DTYPES[out_dtype], max_shard_bytes)
         copy_side_files(side, tmp, dtype=out_dtype)
     return {
         "out": str(out),
