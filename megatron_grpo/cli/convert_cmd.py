@@ -114,5 +114,7 @@ def run_mcore_to_hf(args: argparse.Namespace) -> int:
 def run_inspect(args: argparse.Namespace) -> int:
     from checkpoints_tools import inspect_checkpoint
 
-    print("\n".join(inspect_checkpoint(args.ckpt)))
+    from megatron_grpo.metrics.console import console_out
+
+    print("\n".join(inspect_checkpoint(args.ckpt)), file=console_out())
     return 0
