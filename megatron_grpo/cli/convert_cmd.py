@@ -113,7 +113,6 @@ def run_mcore_to_hf(args: argparse.Namespace) -> int:
 @_user_errors
 def run_inspect(args: argparse.Namespace) -> int:
     from checkpoints_tools import inspect_checkpoint
-
     from megatron_grpo.metrics.console import console_out
 
     print("\n".join(inspect_checkpoint(args.ckpt)), file=console_out())

@@ -45,15 +45,18 @@ def main(argv: list[str]) -> int:
     logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     hold = _HoldStopLines()
     logger.addFilter(hold)
+    refused = False
     try:
         torchrun(argv)
     except ChildFailedError as e:
-        if {f.exitcode for f in e.failures.values()} == {REFUSED}:
+        refused = {f.exitcode for f in e.failures.values()} == {REFUSED}
+        if refused:
             return REFUSED
-        logger.removeFilter(hold)
-        for record in hold.held:
-            logger.handle(record)
         raise
+    finally:  # anything but a refusal (a crash, a signal): torchrun's lines, then its report
+        logger.removeFilter(hold)
+        for record in [] if refused else hold.held:
+            logger.handle(record)
     return 0
 
 
