@@ -3,7 +3,7 @@
 megatron-grpo eval --model HF_DIR|RUN_DIR|STEP_DIR|CKPT_DIR --data FILE|synthetic:TASK
     [--train-tp A] [--train-pp B] [--rollout-tp C] [--max-new-tokens N]
     [--greedy | --samples K] [--limit P] [--dump OUT.jsonl] [--hf-config HF_DIR]
-    [--config FILE] [key=value ...]
+    [--config FILE] [--verbose] [key=value ...]
 
 See docs/eval.md and ``megatron_grpo.evaluation.evaluate``.
 """
