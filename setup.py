@@ -65,6 +65,8 @@ setup(
         # (see GPU_EXTRA above and docs/install.md).
         "gpu": GPU_EXTRA,
         "slurm": ["mpi4py"],
+        # logging.wandb_project: Weights & Biases (optional; metrics/logger.py imports it).
+        "wandb": ["wandb"],
         # mypy pinned: a new release can find new errors (`make lint`, tests/test_typecheck.py).
         "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "mypy==2.4.1"],
     },

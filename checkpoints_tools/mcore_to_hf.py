@@ -23,9 +23,11 @@ from megatron_grpo.checkpoint.conversion import (
     find_dist_checkpoint,
     one_process_model,
     resolve_dtype,
+    run_hf_dir,
     sharded_state,
 )
 from megatron_grpo.layouts.io import iter_hf_tensors
+from megatron_grpo.metrics.console import console_err
 from megatron_grpo.models.spec import ModelSpec, load_spec
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
@@ -126,10 +128,12 @@ def mcore_to_hf(
     """Convert the checkpoint ``ckpt`` into an HF directory ``out`` (which must not exist).
 
     ``hf_config``: an HF directory whose config.json / tokenizer files describe the model;
-    optional for checkpoints written by ``hf-to-mcore`` (they carry them in ``hf/``).
+    optional for checkpoints written by ``hf-to-mcore`` (they carry them in ``hf/``) and for
+    a training run's checkpoints (the model its ``config.yaml`` names, as ``eval`` finds it).
     Returns a summary dict.
     """
     from megatron.core import dist_checkpointing
+    from tqdm import tqdm
 
     ckpt = Path(ckpt)
     dist_dir, step = find_dist_checkpoint(ckpt)
@@ -144,6 +148,9 @@ def mcore_to_hf(
             )
     elif info is not None and (dist_dir / HF_SUBDIR / "config.json").is_file():
         side, spec = dist_dir / HF_SUBDIR, info.model_spec()
+    elif step is not None:  # a training checkpoint: RUN/checkpoints/step_N/policy
+        side = run_hf_dir(dist_dir.parent.parent.parent)
+        spec = load_spec(side)
     else:
         raise ConvertError(
             f"{ckpt} carries no HF config (no {HF_SUBDIR}/config.json): pass --hf-config with "
@@ -157,9 +164,12 @@ def mcore_to_hf(
         loaded = dist_checkpointing.load(state, str(dist_dir))
         chunks[0].load_state_dict(loaded["model"], strict=True)
         del loaded, state
-        files = write_safetensors(
-            iter_hf_tensors(chunks, spec, ctx), tmp, DTYPES[out_dtype], max_shard_bytes
-        )
+        # a progress bar on the console (not convert.log) once writing takes over 2 s
+        tensors = tqdm(
+            iter_hf_tensors(chunks, spec, ctx), desc="writing HF tensors", unit=" tensors",
+            delay=2.0, leave=False, file=console_err(),
+        )  # fmt: skip
+        files = write_safetensors(tensors, tmp, DTYPES[out_dtype], max_shard_bytes)
         copy_side_files(side, tmp, dtype=out_dtype)
     return {
         "out": str(out),

@@ -18,6 +18,8 @@ RUN_DIR=${RUN_DIR:-runs/demo}
 # One OpenMP thread per rank: the ranks share the machine's cores.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 start=$(date +%s)
-torchrun --standalone --nproc-per-node "$NPROC" -m megatron_grpo.cli.main \
+# torchrun, less its ChildFailedError report when the ranks refused a bad input (exit 2):
+# the ranks' one `error:` line stays the last (megatron_grpo/distributed/quiet_torchrun.py).
+"${PYTHON:-python}" -m megatron_grpo.distributed.quiet_torchrun --standalone --nproc-per-node "$NPROC" -m megatron_grpo.cli.main \
     train --config "$CONFIG" --run-dir "$RUN_DIR" --overwrite "$@"
 echo "demo finished in $(( $(date +%s) - start )) s; run directory: $RUN_DIR"

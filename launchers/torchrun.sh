@@ -17,7 +17,9 @@
 #   PLAN             1: only run the GPU-free dry run for this node and exit
 #   PLAN_ARGS        extra plan arguments (e.g. "--preset Qwen2.5-7B --gpu-memory-gb 141")
 #   OMP_NUM_THREADS  threads per rank (default 1 on CPU-only machines, torchrun's otherwise)
-#   TORCHRUN         the torchrun executable (default: torchrun on PATH)
+#   TORCHRUN         the torchrun executable (default: torchrun through python -m
+#                    megatron_grpo.distributed.quiet_torchrun, which leaves out torchrun's
+#                    ChildFailedError report when every rank refused a bad input)
 # Extra arguments are passed to `megatron-grpo train` (key=value overrides, --steps N, ...).
 # Nothing outside the run directory is touched; no process but the ones started here is
 # signalled (torchrun forwards SIGTERM/SIGINT to its own workers; the trainer then
@@ -40,7 +42,12 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-}
 PLAN=${PLAN:-0}
 PLAN_ARGS=${PLAN_ARGS:-}
-TORCHRUN=${TORCHRUN:-torchrun}
+# Default: torchrun less its report of a refusal (megatron_grpo/distributed/quiet_torchrun.py).
+if [[ -n "${TORCHRUN:-}" ]]; then
+    launch=("$TORCHRUN")
+else
+    launch=("${PYTHON:-python}" -m megatron_grpo.distributed.quiet_torchrun)
+fi
 
 config_args=()
 [[ -n "$CONFIG" ]] && config_args=(--config "$CONFIG")
@@ -69,5 +76,5 @@ else
 fi
 
 echo "torchrun.sh: $NPROC rank(s), ${CONFIG:-embedded default config}, train args: ${train_args[*]} $*"
-exec "$TORCHRUN" "${rendezvous[@]}" --nproc-per-node="$NPROC" --max-restarts="$MAX_RESTARTS" -m megatron_grpo.cli.main \
+exec "${launch[@]}" "${rendezvous[@]}" --nproc-per-node="$NPROC" --max-restarts="$MAX_RESTARTS" -m megatron_grpo.cli.main \
     train "${train_args[@]}" "$@"

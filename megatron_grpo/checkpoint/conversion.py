@@ -28,9 +28,11 @@ from typing import Any
 import torch
 
 from megatron_grpo.checkpoint import damage
+from megatron_grpo.config import ConfigError, load_config
 from megatron_grpo.config.schema import ModelConfig, ParallelConfig
 from megatron_grpo.distributed.setup import ParallelContext, distributed_context
 from megatron_grpo.models.spec import ModelSpec
+from megatron_grpo.models.tiny import PRESETS
 from megatron_grpo.policy.model_builder import build_model
 
 INFO_FILE = "megatron_grpo_checkpoint.json"
@@ -193,6 +195,26 @@ def sharded_state(chunks: list[torch.nn.Module]) -> dict:
         raise ConvertError("conversion builds one model chunk (vpp disabled)")
     chunk: Any = chunks[0]  # a MegatronModule (megatron is not type-checked here)
     return {STATE_KEY: chunk.sharded_state_dict()}
+
+
+def run_hf_dir(run_dir: Path) -> Path:
+    """The HF directory (config.json + tokenizer) a training run trained from: its
+    ``config.yaml``'s ``model.hf_path``, a preset's under ``RUN_DIR/hf_model/``. Both
+    ``eval`` and ``convert mcore-to-hf`` find a run's model this way."""
+    cfg_file = run_dir / "config.yaml"
+    if not cfg_file.is_file():
+        raise ConfigError(
+            f"{run_dir} has no config.yaml to find the model's HF config: pass --hf-config "
+            "with the HF directory the run trained from."
+        )
+    hf_path = load_config(cfg_file).model.hf_path
+    hf = run_dir / "hf_model" / hf_path if hf_path in PRESETS else Path(hf_path)
+    if not (hf / "config.json").is_file():
+        raise ConfigError(
+            f"{cfg_file} names model.hf_path={hf_path!r}, but {hf} has no config.json: pass "
+            "--hf-config with the HF directory the run trained from."
+        )
+    return hf
 
 
 def find_dist_checkpoint(ckpt: Path) -> tuple[Path, int | None]:

@@ -3,7 +3,7 @@
 megatron-grpo eval --model HF_DIR|RUN_DIR|STEP_DIR|CKPT_DIR --data FILE|synthetic:TASK
     [--train-tp A] [--train-pp B] [--rollout-tp C] [--max-new-tokens N]
     [--greedy | --samples K] [--limit P] [--dump OUT.jsonl] [--hf-config HF_DIR]
-    [--config FILE] [key=value ...]
+    [--config FILE] [--verbose] [key=value ...]
 
 See docs/eval.md and ``megatron_grpo.evaluation.evaluate``.
 """
@@ -11,8 +11,9 @@ See docs/eval.md and ``megatron_grpo.evaluation.evaluate``.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from megatron_grpo.cli.command import add_command
+from megatron_grpo.cli.command import add_command, quiet_console
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +41,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-config", help="HF directory with config.json + tokenizer files")
     p.add_argument("--config", help="YAML config for data/reward/rollout settings")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="limit for spawned ranks")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print library output (warnings, vLLM INFO) on the console too; by default it "
+        "goes to eval.log beside --dump, else in the training run's directory, else here",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
 
@@ -51,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
     reward.name and prints pass@1, pass@K and the mean reward. Spawns lcm(A*B, C) ranks
     itself, or runs as the torchrun world when WORLD_SIZE is set."""
     from megatron_grpo.cli.errors import exit_on_user_error
+
+    out_file = quiet_console(log_dir(args.model, args.dump) / LOG_FILE, args.verbose)
     from megatron_grpo.evaluation import evaluate as ev
 
     with exit_on_user_error():
@@ -65,8 +74,24 @@ def run(args: argparse.Namespace) -> int:
     if out is None:  # a torchrun rank other than 0
         return 0
     res = ev.score(settings, out)
-    print(ev.format_report(settings, res, out["layout"]), flush=True)
+    print(ev.format_report(settings, res, out["layout"]), file=out_file(), flush=True)
     if args.dump:
         ev.write_dump(args.dump, res.rows)
-        print(f"wrote {args.dump} ({len(res.rows)} responses)", flush=True)
+        print(f"wrote {args.dump} ({len(res.rows)} responses)", file=out_file(), flush=True)
     return 0
+
+
+LOG_FILE = "eval.log"
+
+
+def log_dir(model: str, dump: str | None) -> Path:
+    """Where eval.log goes: beside --dump, else the run directory of a training run /
+    checkpoints / step_NNNNNN model, else the current directory (an HF or converted model's
+    directory is not written to)."""
+    if dump:
+        return Path(dump).resolve().parent
+    path = Path(model).resolve()
+    for run in (path, path.parent, path.parent.parent):
+        if (run / "config.yaml").is_file() and (run / "checkpoints").is_dir():
+            return run
+    return Path.cwd()

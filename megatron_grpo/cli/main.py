@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "megatron_grpo.cli.bench_cmd": "bench",
     "megatron_grpo.cli.plan_cmd": "plan",
     "megatron_grpo.cli.eval_cmd": "eval",
+    "megatron_grpo.cli.data_cmd": "data",
 }
 
 

@@ -166,22 +166,30 @@ def _read_jsonl(path: str) -> Iterator[Any]:
                 yield _BAD_JSON
 
 
+def _missing(src: str) -> str:
+    return (
+        f"data.source={src!r} does not exist: fix the path, name a Hugging Face hub dataset "
+        "instead (data.split picks its split), or write the file from one with "
+        f"`megatron-grpo data gsm8k|math|deepscaler --out {src}`."
+    )
+
+
 def _read_rows(data_cfg) -> Iterable[Any]:
     src = data_cfg.source
     lower = src.lower()
     if lower.endswith((".jsonl", ".json")):
         if not os.path.exists(src):
-            raise FileNotFoundError(f"data.source={src!r} does not exist: fix the path.")
+            raise FileNotFoundError(_missing(src))
         return _read_jsonl(src)
     import datasets
 
     if lower.endswith(".parquet"):
         if not os.path.exists(src):
-            raise FileNotFoundError(f"data.source={src!r} does not exist: fix the path.")
+            raise FileNotFoundError(_missing(src))
         return datasets.Dataset.from_parquet(src)
     if lower.endswith(".arrow"):
         if not os.path.exists(src):
-            raise FileNotFoundError(f"data.source={src!r} does not exist: fix the path.")
+            raise FileNotFoundError(_missing(src))
         return datasets.Dataset.from_file(src)
     if os.path.isdir(src):
         ds = datasets.load_from_disk(src)

@@ -250,9 +250,12 @@ def ranks_needed(cfg: Config) -> int:
     return world
 
 
-def torchrun_argv(nproc: int, *argv: str) -> list[str]:
-    """``torchrun --standalone --nproc-per-node nproc -m megatron_grpo.cli.main *argv``."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+def torchrun_argv(nproc: int, *argv: str, quiet: bool = False) -> list[str]:
+    """``torchrun --standalone --nproc-per-node nproc -m megatron_grpo.cli.main *argv``; with
+    ``quiet``, through ``quiet_torchrun``: a refusal on every rank ends it with the ranks' one
+    line, without torchrun's report."""
+    launcher = "megatron_grpo.distributed.quiet_torchrun" if quiet else "torch.distributed.run"
+    return [sys.executable, "-m", launcher, "--standalone",
             f"--nproc-per-node={nproc}", "-m", "megatron_grpo.cli.main", *argv]  # fmt: skip
 
 
@@ -261,7 +264,7 @@ def run_under_torchrun(argv: list[str], nproc: int) -> int:
     parent = os.getpid()
     env = {**os.environ, DEPRECATIONS_SHOWN: "1"}  # this process printed the config's notices
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.Popen(torchrun_argv(nproc, *argv), env=env,
+    proc = subprocess.Popen(torchrun_argv(nproc, *argv, quiet=True), env=env,
                             preexec_fn=lambda: die_with_parent(parent, signal.SIGTERM))  # fmt: skip
 
     def forward(signum, frame):

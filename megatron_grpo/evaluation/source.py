@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Literal
 
 from megatron_grpo.checkpoint import load_checkpoint
-from megatron_grpo.checkpoint.conversion import HF_SUBDIR, INFO_FILE, CheckpointInfo
+from megatron_grpo.checkpoint.conversion import HF_SUBDIR, INFO_FILE, CheckpointInfo, run_hf_dir
 from megatron_grpo.checkpoint.store import is_complete, resolve_checkpoint
-from megatron_grpo.config import ConfigError, load_config
+from megatron_grpo.config import ConfigError
 from megatron_grpo.models.spec import load_spec
-from megatron_grpo.models.tiny import PRESETS
 
 SourceKind = Literal["hf", "training", "converted"]
 
@@ -48,24 +47,6 @@ class ModelSource:
             return f"{self.path} (training checkpoint, step {self.step})"
         step = f", step {self.step}" if self.step is not None else ""
         return f"{self.path} (converted Megatron checkpoint{step})"
-
-
-def _run_dir_hf(run_dir: Path) -> Path:
-    """The HF directory a training run trained from (its ``config.yaml``'s model.hf_path)."""
-    cfg_file = run_dir / "config.yaml"
-    if not cfg_file.is_file():
-        raise ConfigError(
-            f"{run_dir} has no config.yaml to find the model's HF config: pass --hf-config "
-            "with the HF directory the run trained from."
-        )
-    hf_path = load_config(cfg_file).model.hf_path
-    hf = run_dir / "hf_model" / hf_path if hf_path in PRESETS else Path(hf_path)
-    if not (hf / "config.json").is_file():
-        raise ConfigError(
-            f"{cfg_file} names model.hf_path={hf_path!r}, but {hf} has no config.json: pass "
-            "--hf-config with the HF directory the run trained from."
-        )
-    return hf
 
 
 def resolve_model(model: str, hf_config: str | None = None) -> ModelSource:
@@ -99,7 +80,7 @@ def resolve_model(model: str, hf_config: str | None = None) -> ModelSource:
         if not (step_dir / "policy").is_dir():
             raise ConfigError(f"{step_dir} has no policy/ part: it is not a training checkpoint.")
         state = json.loads((step_dir / "state.json").read_text())
-        hf = override or _run_dir_hf(step_dir.parent.parent)
+        hf = override or run_hf_dir(step_dir.parent.parent)
         return ModelSource("training", step_dir, hf, state.get("step"))
     raise ConfigError(
         f"--model {model} is neither an HF directory (config.json), a training run / "

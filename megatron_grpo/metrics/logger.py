@@ -129,6 +129,9 @@ class MetricsLogger:
                 total=total_steps,
                 initial=initial,
                 unit="step",
+                # tqdm's own rate left out: the postfix's s/step (the last step's time) is the
+                # one figure, not two different averages side by side
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
                 dynamic_ncols=True,
                 file=stream if stream is not None else sys.stderr,
                 mininterval=1.0,
@@ -171,7 +174,8 @@ class MetricsLogger:
         except ImportError as e:
             raise ImportError(
                 f"logging.wandb_project={project!r} but the wandb package is not installed: "
-                "`pip install wandb`, or set logging.wandb_project=null."
+                "`pip install -e '.[wandb]'` (or `pip install wandb`), or set "
+                "logging.wandb_project=null."
             ) from e
         return wandb, project, dict(run_config or {}), resume_step
 

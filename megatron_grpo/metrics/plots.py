@@ -86,6 +86,13 @@ def plot_step_times(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) 
     other = [max((_num(r.get("time_step")) or b) - b, 0.0) for r, b in zip(rows, bottom)]
     if any(other):
         ax.bar(steps, other, bottom=bottom, width=0.9, color="tab:gray", label="other")
+    totals = [b + o for b, o in zip(bottom, other)]
+    if top := step_time_axis_top(totals):  # step 1's start-up cost clipped, its value written
+        ax.set_ylim(0, top)
+        ax.annotate(
+            f"{totals[0]:.1f} s (start-up)", (steps[0], top), xytext=(4, -12),
+            textcoords="offset points", fontsize=8,
+        )  # fmt: skip
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
     ax.set_title("Time per step by phase")
@@ -94,6 +101,16 @@ def plot_step_times(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) 
         ax.legend(loc="upper right", fontsize=8)
     _save(fig, path)
     return path
+
+
+def step_time_axis_top(totals: Sequence[float]) -> float | None:
+    """The y axis's upper end when the first step (compilation, vLLM's first graphs, the
+    first rollout) is more than twice as slow as any later one: 1.25x the slowest later step,
+    so the later bars stay readable; None (matplotlib's own) otherwise."""
+    if len(totals) < 2:
+        return None
+    rest = max(totals[1:])
+    return 1.25 * rest if rest > 0 and totals[0] > 2 * rest else None
 
 
 def drift_axis_floor(drifts: Sequence[float | None], after_sync: Sequence[bool]) -> float | None:

@@ -61,10 +61,12 @@ def summarize(
     out["step_time_total_s"] = sum(step_times) if step_times else None
 
     rewards = _values(rows, "reward_mean")
-    w = min(WINDOW, len(rewards))
+    # Two windows that do not overlap: on a short run, each half of it (a run of one step
+    # has no second window: reward_last is None and the line gives the one mean).
+    w = min(WINDOW, len(rewards) // 2) or len(rewards)
     out["reward_window"] = w
     out["reward_first"] = _mean(rewards[:w])
-    out["reward_last"] = _mean(rewards[-w:]) if w else None
+    out["reward_last"] = _mean(rewards[-w:]) if len(rewards) >= 2 else None
 
     synced = [r for r in rows if r.get("synced")]
     out.update(_sync_stats(rows, synced))
@@ -196,6 +198,15 @@ def _fmt_bytes(b: float | None) -> str:
     return f"{b:.1f} TiB"
 
 
+def _reward_line(s: Mapping[str, Any]) -> str:
+    if s.get("reward_last") is None:
+        return f"reward mean: {_fmt(s.get('reward_first'))} (too few steps to compare)"
+    return (
+        f"reward mean: first {s['reward_window']} steps {_fmt(s['reward_first'])} -> "
+        f"last {s['reward_window']} steps {_fmt(s['reward_last'])}"
+    )
+
+
 def format_summary(s: Mapping[str, Any]) -> str:
     """Human-readable lines of a ``summarize`` dict."""
     if not s.get("steps"):
@@ -203,8 +214,7 @@ def format_summary(s: Mapping[str, Any]) -> str:
     lines = [
         f"steps {s['first_step']}..{s['last_step']} ({s['steps']} logged), "
         f"wall time {_fmt(s['wall_time_s'], '.1f')} s",
-        f"reward mean: first {s['reward_window']} steps {_fmt(s['reward_first'])} -> "
-        f"last {s['reward_window']} steps {_fmt(s['reward_last'])}",
+        _reward_line(s),
         f"syncs ({_schedule(s)}): {s['num_syncs']}, {_fmt_bytes(s['sync_bytes_total'])} "
         f"sent, {_fmt(s['sync_time_mean_s'], '.3f')} s per sync",
         "mean time per step: "

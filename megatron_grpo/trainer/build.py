@@ -121,11 +121,18 @@ def _say_run(
     """Rank 0 prints the resolved config, then the model, the layout and the sync schedule."""
     if ctx.rank == 0:
         print(format_config(cfg), flush=True)
-    say_rank0(
-        ctx,
-        f"model {hf_dir} ({spec.family}, {spec.num_parameters:,} params); "
-        f"world {ctx.world_size}: tp={ctx.tp} pp={ctx.pp} dp={ctx.dp}, {engines} "
-        f"vLLM engine(s) of tp={cfg.rollout.tp}, {_schedule_text(cfg)}",
+    say_rank0(ctx, run_line(cfg, ctx, hf_dir, spec, engines))
+
+
+def run_line(cfg: Config, ctx: ParallelContext, hf_dir: Path, spec: ModelSpec, engines: int) -> str:
+    """The start line: the model (its experts, if any), the layout (ep for an MoE model) and
+    the sync schedule."""
+    experts = f", {spec.num_experts} experts top-{spec.moe_topk}" if spec.is_moe else ""
+    ep = f" ep={ctx.ep}" if spec.is_moe else ""
+    return (
+        f"model {hf_dir} ({spec.family}{experts}, {spec.num_parameters:,} params); "
+        f"world {ctx.world_size}: tp={ctx.tp} pp={ctx.pp} dp={ctx.dp}{ep}, {engines} "
+        f"vLLM engine(s) of tp={cfg.rollout.tp}, {_schedule_text(cfg)}"
     )
 
 

@@ -64,10 +64,23 @@ def trained(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(200)
-def test_convert_accepts_training_step_dir(trained, tmp_path):
-    rc, out = cli("convert", "mcore-to-hf", "--ckpt", str(trained), "--out", str(tmp_path / "hf"),
-                  "--hf-config", str(trained.parent.parent / "hf_model" / "tiny"))  # fmt: skip
+def test_convert_finds_the_runs_own_model(trained, tmp_path):
+    """Issue 47 item 6: a run's checkpoints/ converts without --hf-config, as eval finds it:
+    the config and tokenizer come from the model the run's config.yaml names."""
+    rc, out = cli("convert", "mcore-to-hf", "--ckpt", str(trained.parent),
+                  "--out", str(tmp_path / "hf"))  # fmt: skip
     assert rc == 0, out[-2000:]
+    # a quiet console (item 3): the project's lines here, library warnings in convert.log
+    assert len(out.splitlines()) <= 15 and "Warning" not in out, out
+    assert (tmp_path / "convert.log").is_file()
+    base = trained.parent.parent / "hf_model" / "tiny"
+    got, want = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "hf", base))
+    assert {**got, "dtype": None, "torch_dtype": None} == {
+        **want,
+        "dtype": None,
+        "torch_dtype": None,
+    }
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
 @pytest.mark.timeout(600)
@@ -92,6 +105,10 @@ def test_trained_checkpoint_to_hf_loads_in_vllm(trained, tmp_path):
                   "rollout.cpu_kv_cache_gb=0.25")  # fmt: skip
     assert rc == 0, out[-4000:]
     assert "training checkpoint, step 2" in out
+    # issue 47 item 3: the report and at most a few lines of the project's own; vLLM INFO and
+    # library warnings in eval.log beside the dump; no leaked-semaphore warning
+    assert len(out.splitlines()) <= 15 and "leaked semaphore" not in out, out
+    assert "INFO" in (tmp_path / "eval.log").read_text()
     got = [r["response_token_ids"] for r in read_dump(dump)]
 
     script, logp_file = tmp_path / "policy_logp.py", tmp_path / "policy_logp.json"

@@ -126,6 +126,8 @@ def test_tensorboard_progress_summary_and_plots(tmp_path):
     text = lg.finish(sync_interval=4)
     assert "syncs (v=4): 2" in text and "= 1.158x" in text
     assert "policy v4 lag" in stream.getvalue() and "8/8" in stream.getvalue()
+    bar = stream.getvalue().split("\r")[-1]  # one rate figure, the step time (issue 47)
+    assert bar.count("s/step") == 1 and "step/s" not in bar and "2.20 s/step" in bar
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -137,6 +139,14 @@ def test_tensorboard_progress_summary_and_plots(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["num_syncs"] == 2
 
 
+def test_step_time_axis_leaves_out_a_slow_first_step():
+    from megatron_grpo.metrics.plots import step_time_axis_top
+
+    assert step_time_axis_top([17.0, 2.0, 1.5, 2.0]) == pytest.approx(2.5)
+    assert step_time_axis_top([3.0, 2.0, 1.5]) is None  # not dominated: matplotlib's axis
+    assert step_time_axis_top([17.0]) is None
+
+
 def test_summary_numbers_by_hand():
     # 8 steps, v=4: syncs at 4 and 8 (0.4 s, 1000 B each). time_step 1.8 (+0.4 when synced).
     rows = [_row(s) for s in range(1, 9)]
@@ -145,7 +155,12 @@ def test_summary_numbers_by_hand():
     assert s["sync_time_mean_s"] == pytest.approx(0.4)
     assert s["phase_time_mean_s"]["sync"] == pytest.approx(0.8 / 8)
     assert s["phase_time_mean_s"]["rollout"] == pytest.approx(1.0)
-    assert s["reward_first"] == pytest.approx(0.45) and s["reward_last"] == pytest.approx(0.45)
+    # A short run compares its halves, never overlapping windows (issue 47 item 11).
+    assert s["reward_window"] == 4
+    assert s["reward_first"] == pytest.approx(0.25) and s["reward_last"] == pytest.approx(0.65)
+    assert "first 4 steps 0.25 -> last 4 steps 0.65" in summary(rows, sync_interval=4)
+    one = summary([_row(1)], sync_interval=4)
+    assert "reward mean: 0.1 (too few steps to compare)" in one
     sv = s["sync_every_v_saving"]
     actual = 8 * 1.8 + 0.8  # 15.2 s
     assert sv["avoided_syncs"] == 6
