@@ -21,6 +21,7 @@ import torch
 from megatron_grpo.rollout.samples import Sample, samples_of, sampling_requests
 from megatron_grpo.rollout.vllm_setup import (
     bind_cpu_threads,
+    engine_core_dies_with_parent,
     external_launcher_replica,
     llm_arguments,
     name_cpu_shm_by_job,
@@ -82,6 +83,8 @@ class RolloutEngine:
             routing_capture=routing_capture,
         )  # fmt: skip
         self._prepare_placement(on_gpu)
+        if placement == "disaggregated":  # its core is a process of its own
+            engine_core_dies_with_parent()
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
         self._version = 0

@@ -87,6 +87,39 @@ def llm_arguments(
     return kwargs
 
 
+_ENGINE_CORE_MAIN: Any = None
+"""vLLM's own ``EngineCoreProc.run_engine_core``, once ``engine_core_dies_with_parent`` wrapped it."""
+
+
+def engine_core_dies_with_parent() -> None:
+    """vLLM runs a standalone engine's core in a process of its own (``EngineCore``), which
+    its owner stops on shutdown; an owner killed outright (kill -9, an OOM kill, a restart of
+    the rank) never does, and the core outlived it holding its memory (a GPU's, so a
+    restarted rank's engine would not fit). Wrapped here, the core gets SIGKILL when its
+    owner dies (``platform.lifetime.die_with_parent``); its workers follow it through vLLM's
+    own death pipe. Idempotent; call before ``vllm.LLM``."""
+    global _ENGINE_CORE_MAIN
+    from vllm.v1.engine.core import EngineCoreProc
+
+    if _ENGINE_CORE_MAIN is None:
+        _ENGINE_CORE_MAIN = EngineCoreProc.run_engine_core
+        EngineCoreProc.run_engine_core = staticmethod(_run_engine_core)
+
+
+def _run_engine_core(*args: Any, **kwargs: Any) -> Any:
+    """The engine core's entry point in its process: armed to die with its owner first."""
+    import signal
+
+    from megatron_grpo.platform.lifetime import die_with_parent
+
+    die_with_parent(sig=signal.SIGKILL)
+    if _ENGINE_CORE_MAIN is not None:  # forked: the wrapped class came along
+        return _ENGINE_CORE_MAIN(*args, **kwargs)
+    from vllm.v1.engine.core import EngineCoreProc  # spawned: vLLM's class as it is
+
+    return EngineCoreProc.run_engine_core(*args, **kwargs)
+
+
 def external_launcher_replica(tp: int) -> int:
     """Check the torch.distributed world for ``external_launcher`` and set RANK/LOCAL_RANK
     where the launcher did not; returns this rank's rollout replica (``rank // tp``)."""
