@@ -206,12 +206,19 @@ def resolve(python_version: str = "3.12", timeout_s: float = 600.0) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--python-version", default="3.12")
-    ap.add_argument("--json", help="write the resolution (name -> version) here")
+    ap.add_argument(
+        "--json",
+        help="write the resolution (name -> version) here; on failure "
+        '{"error": message, "unreachable": whether PyPI could not be reached}',
+    )
     args = ap.parse_args(argv)
     try:
         res = resolve(args.python_version)
     except (RegistryUnreachable, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if args.json:
+            failed = {"error": str(e), "unreachable": isinstance(e, RegistryUnreachable)}
+            Path(args.json).write_text(json.dumps(failed) + "\n")
         return 2
     pk = res["packages"]
     wrong = {k: (pk.get(k), v) for k, v in EXPECTED.items() if pk.get(k) != v}

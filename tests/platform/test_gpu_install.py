@@ -54,11 +54,13 @@ def _installed(dist: str) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(660)
-def test_gpu_extra_resolves_for_linux_x86_64_py312():
-    try:
-        res = gpu_install.resolve("3.12", timeout_s=600)
-    except gpu_install.RegistryUnreachable as e:
-        pytest.skip(f"PyPI unreachable, the resolver dry run needs it: {e}")
+def test_gpu_extra_resolves_for_linux_x86_64_py312(gpu_dry_run):
+    """The dry run started in the background when collection selected this test
+    (tests/platform/conftest.py): by the time a whole-suite run gets here it has finished."""
+    res = gpu_dry_run.result(timeout_s=640)
+    if res.get("unreachable"):
+        pytest.skip(f"PyPI unreachable, the resolver dry run needs it: {res['error']}")
+    assert "error" not in res, res["error"]
     got = res["packages"]
     assert {k: got.get(k) for k in gpu_install.EXPECTED} == gpu_install.EXPECTED
     # The base requirements resolve in the same set (one environment, not two).
