@@ -8,7 +8,7 @@ What it runs (no install, nothing written to the environment)::
     pip install --isolated --dry-run --ignore-installed --report - --no-cache-dir
         --use-feature=fast-deps --python-version 3.12 --only-binary=:all:
         --platform manylinux_2_17_x86_64 ... --platform manylinux_2_35_x86_64
-        <base requirements> <gpu extra>
+        <base requirements and gpu extra, one requirement per project>
 
 - ``--isolated`` and ``PIP_CONFIG_FILE=/dev/null``: none of this machine's pip config
   (local wheel folders, CPU torch constraints) applies; the registry is PyPI.
@@ -18,6 +18,9 @@ What it runs (no install, nothing written to the environment)::
 - ``--use-feature=fast-deps``: the metadata of wheels without PEP 658 metadata (torch,
   the CUDA libraries) is read with HTTP range requests instead of downloading the wheel:
   about 80 MB in 60-110 s where a plain dry run downloads those wheels whole (torch alone: 527 MB, measured).
+- One requirement per project (``merge_same_name``): setup.py names torch twice (``>=2.6``
+  in the base, ``==2.13.0`` in the extra), and pip would read torch 2.15.0's metadata (~20 s
+  of range requests) for the first before the pin rules it out.
 - ``--only-binary=:all:``: nothing is built. Transformer-Engine's PyTorch extension is an
   sdist and therefore not in the extra (docs/install.md builds it, or uses the NGC image).
 """
@@ -107,6 +110,29 @@ def for_python(reqs: list[str], python_version: str) -> list[str]:
     return out
 
 
+def merge_same_name(reqs: list[str]) -> list[str]:
+    """``reqs`` with the requirements of one project joined into one (specifiers and extras
+    together, at the first one's place): ``torch>=2.6`` and ``torch==2.13.0`` become
+    ``torch==2.13.0,>=2.6``. The same resolution, without pip's metadata read for the best
+    candidate of each root requirement alone (the module's docstring). Markers must already
+    be decided (``for_python``)."""
+    from packaging.requirements import Requirement
+
+    merged: dict[str, Requirement] = {}
+    for text in reqs:
+        req = Requirement(text)
+        if req.marker is not None or req.url:
+            raise ValueError(f"merge_same_name: {text!r} has a marker or URL: decide it first")
+        name = canonical(req.name)
+        if name not in merged:
+            merged[name] = req
+            continue
+        first = merged[name]
+        first.specifier &= req.specifier
+        first.extras |= req.extras
+    return [str(r) for r in merged.values()]
+
+
 def canonical(name: str) -> str:
     """PEP 503 name: ``transformer_engine_cu13`` -> ``transformer-engine-cu13``."""
     return re.sub(r"[-_.]+", "-", name).lower()
@@ -142,7 +168,7 @@ def resolve(python_version: str = "3.12", timeout_s: float = 600.0) -> dict:
     Raises RegistryUnreachable when the index cannot be reached, RuntimeError (naming pip's
     last error line) when the pins do not resolve together."""
     base, gpu = requirements()
-    reqs = for_python(base + gpu, python_version)
+    reqs = merge_same_name(for_python(base + gpu, python_version))
     check_index()
     t0 = time.perf_counter()
     try:
@@ -180,12 +206,19 @@ def resolve(python_version: str = "3.12", timeout_s: float = 600.0) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--python-version", default="3.12")
-    ap.add_argument("--json", help="write the resolution (name -> version) here")
+    ap.add_argument(
+        "--json",
+        help="write the resolution (name -> version) here; on failure "
+        '{"error": message, "unreachable": whether PyPI could not be reached}',
+    )
     args = ap.parse_args(argv)
     try:
         res = resolve(args.python_version)
     except (RegistryUnreachable, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if args.json:
+            failed = {"error": str(e), "unreachable": isinstance(e, RegistryUnreachable)}
+            Path(args.json).write_text(json.dumps(failed) + "\n")
         return 2
     pk = res["packages"]
     wrong = {k: (pk.get(k), v) for k, v in EXPECTED.items() if pk.get(k) != v}

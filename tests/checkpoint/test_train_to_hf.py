@@ -1,6 +1,7 @@
 """Issue 6: a checkpoint written by ``megatron-grpo train`` converts to HF and loads in vLLM.
 
-One short training run (2 steps, tiny model) is shared by the tests. The converted HF
+One short training run (2 steps, tiny model), converted by ``convert mcore-to-hf --ckpt
+RUN/checkpoints/step_000002`` (the training step directory itself). The converted HF
 directory, loaded by plain vLLM, must give the same greedy responses as ``megatron-grpo eval
 --model RUN/checkpoints/step_000002`` (Megatron checkpoint -> policy -> bridge -> vLLM that
 started from dummy weights), and the same prompt logprobs as the Megatron policy loaded
@@ -91,7 +92,8 @@ def test_trained_checkpoint_to_hf_loads_in_vllm(trained, tmp_path):
 
     base_hf = trained.parent.parent / "hf_model" / "tiny"
     hf = tmp_path / "hf"
-    # The training step directory itself (its trained weights are the policy/ part).
+    # convert accepts the training step directory itself (its trained weights are the
+    # policy/ part). (Once: a test of this command alone launched the same conversion.)
     rc, out = cli("convert", "mcore-to-hf", "--ckpt", str(trained), "--out", str(hf),
                   "--hf-config", str(base_hf))  # fmt: skip
     assert rc == 0, out[-3000:]

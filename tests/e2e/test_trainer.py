@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.commands import run as run_cmd
-from tests.helpers.runs import FAST, assert_same_rows, rows, stopped_copy, train
+from tests.helpers.runs import FAST, assert_same_rows, rows, train
 
 pytestmark = pytest.mark.slow
 
 
 # One 6-step run at v=2 with validation every 2 steps and a checkpoint every 3 serves both
-# the sync test and, from its step-3 checkpoint, the resume test.
+# the sync test and, as the uninterrupted run, the engine-failure-and-resume test.
 SIX = ["--sync-interval", "2", "eval.interval=2", "eval.num_prompts=4", "checkpoint.interval=3",
        *FAST]  # fmt: skip
 
@@ -63,24 +63,12 @@ def test_syncs_exactly_every_v_and_vllm_serves_the_synced_weights(six_steps):
     assert (run / "config.yaml").is_file() and (run / "summary.json").is_file()
 
 
-@pytest.mark.timeout(900)
-def test_resumed_run_equals_uninterrupted_run(six_steps, tmp_path):
-    full, part = six_steps[0], tmp_path / "part"
-    # Step 3 is between syncs (v=2): vLLM serves step 2's weights, which the checkpoint
-    # keeps so the resumed run serves the same lagged policy.
-    stopped_copy(full, part, 3)
-    rc, out = train(part, "--steps", "6", "--resume", *SIX)
-    assert rc == 0, out[-3000:]
-    assert "resumed from" in out and "vLLM serves step 2" in out
-    a, b = rows(full), rows(part)
-    assert [x["step"] for x in b] == [1, 2, 3, 4, 5, 6]
-    assert_same_rows(a, b)
-
-
-# The engine raises on its 4th rollout, as a crashed EngineCore does. (Guarded: megatron's
-# checkpoint writer spawns a process that re-imports this script.)
+# The engine raises on its ENGINE_DIES_AT-th generate, as a crashed EngineCore does: with
+# SIX's validation after each sync (one generate after step 2), the 5th is step 4's rollout,
+# one step past the checkpoint of step 3. (Guarded: megatron's checkpoint writer spawns a
+# process that re-imports this script.)
 ENGINE_DIES = """
-import sys
+import os, sys
 from megatron_grpo.rollout import engine
 
 if __name__ == "__main__":
@@ -89,7 +77,7 @@ if __name__ == "__main__":
 
     def generate(self, *a, **k):
         calls["n"] += 1
-        if calls["n"] == 4:
+        if calls["n"] == int(os.environ["ENGINE_DIES_AT"]):
             raise RuntimeError("EngineCore died (simulated)")
         return real(self, *a, **k)
 
@@ -100,19 +88,31 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.timeout(600)
-def test_engine_failure_is_clear_and_last_checkpoint_resumes(tmp_path):
-    run = tmp_path / "run"
+@pytest.mark.timeout(900)
+def test_engine_failure_is_clear_and_the_resumed_run_equals_the_uninterrupted_one(
+    six_steps, tmp_path, monkeypatch
+):
+    """The run of six_steps, its engine dying in step 4: the run stops naming the step and
+    its last checkpoint (step 3); ``--resume`` from there logs the uninterrupted run's rows.
+    Step 3 is between syncs (v=2): vLLM serves step 2's weights, which the checkpoint keeps
+    so the resumed run serves the same lagged policy. (One crashed run stands for the
+    stopped one a resume test needs: one launch fewer than a stopped copy plus a crash.)"""
+    full, part = six_steps[0], tmp_path / "part"
     script = tmp_path / "engine_dies.py"
     script.write_text(ENGINE_DIES)
-    args = ["train", "--run-dir", str(run), "--steps", "5", "checkpoint.interval=2", *FAST]
+    monkeypatch.setenv("ENGINE_DIES_AT", "5")
+    args = ["train", "--run-dir", str(part), "--steps", "6", *SIX]
     rc, out = run_cmd([sys.executable, str(script), *args], 500)
     assert rc == 1, out[-3000:]
-    assert "vLLM engine failed during the rollout of step 4" in out
-    assert "step_000002" in out and "--resume" in out
-    rc, out = train(run, "--steps", "5", "--resume", *FAST)
+    assert "vLLM engine failed during the rollout of step 4" in out, out[-3000:]
+    assert "step_000003" in out and "--resume" in out
+    assert [x["step"] for x in rows(part)] == [1, 2, 3]
+    rc, out = train(part, "--steps", "6", "--resume", *SIX)
     assert rc == 0, out[-3000:]
-    assert [x["step"] for x in rows(run)] == [1, 2, 3, 4, 5]
+    assert "resumed from" in out and "vLLM serves step 2" in out
+    a, b = rows(full), rows(part)
+    assert [x["step"] for x in b] == [1, 2, 3, 4, 5, 6]
+    assert_same_rows(a, b)
 
 
 @pytest.mark.timeout(900)
