@@ -84,13 +84,15 @@ class Checkpointer:
         )
 
     def after_step(self, step: int, state: LoopState) -> bool:
-        """Save when due; on a pre-emption signal save (unless just saved) and return True."""
-        self.last_step = step
+        """Save when due; on a pre-emption signal save (unless just saved) and return True.
+        A step is finished (``last_step``) once its checkpoint, when due, is written: a
+        failure during the write is a failure of that step (restarts.py names it)."""
         if self.due(step):
             with bounded(
                 f"the checkpoint of step {step}", self.timeout_s, "parallel.timeout_s bounds it"
             ):
                 self.save(state)
+        self.last_step = step
         if not self.stop_agreed():
             return False
         if self.last_saved != step:

@@ -226,8 +226,9 @@ def test_killed_ranks_restart_in_place_and_the_job_ends_as_an_uninterrupted_run(
         assert rc == 0, out[-3000:] + _train_log_tail(cut)
         # Each attempt's line: attempt 1 after the kill after step 3, attempt 2 after the
         # kill in step 4's save; both continue from step 2.
-        assert "restart 1 of 2: the previous attempt failed" in out, out[-3000:]
-        assert "restart 2 of 2: the previous attempt failed" in out, out[-3000:]
+        assert "restart 1 of 2: the previous attempt failed at step 4" in out, out[-3000:]
+        # a failure in the save of step 4 is a failure of step 4 (it was not finished)
+        assert "restart 2 of 2: the previous attempt failed at step 4" in out, out[-3000:]
         assert out.count("continuing from step 2") == 2, out[-3000:]
         assert "resumed from" in out and "(step 2," in out, out[-3000:]
         assert steps(cut) == [1, 2, 3, 4]  # no row of a failed attempt repeated
