@@ -35,6 +35,15 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for init to reap it is dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.mark.timeout(300)
 def test_the_engine_core_dies_with_its_killed_owner(tiny_dir):
     owner = subprocess.Popen([sys.executable, "-c", OWNER, tiny_dir], stdout=subprocess.PIPE,
@@ -50,14 +59,14 @@ def test_the_engine_core_dies_with_its_killed_owner(tiny_dir):
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait(30)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{k}") for k in kids):
+        while time.monotonic() < deadline and any(alive(k) for k in kids):
             time.sleep(0.2)
-        left = [k for k in kids if os.path.exists(f"/proc/{k}")]
+        left = [k for k in kids if alive(k)]
         assert not left, f"processes of the killed engine's owner still alive: {left}"
     finally:
         if owner.poll() is None:
             owner.kill()
             owner.wait()
         for k in kids:  # only what this test started, by pid
-            if os.path.exists(f"/proc/{k}"):
+            if alive(k):
                 os.kill(k, signal.SIGKILL)
