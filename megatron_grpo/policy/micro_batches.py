@@ -15,6 +15,7 @@ end under a token budget (``PackedRows``; the batch contract: docs/architecture-
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -131,13 +132,22 @@ class PackedRows:
     @classmethod
     def build(
         cls, ids: torch.Tensor, lengths: list[int], multiple: int = 1,
-        routed: torch.Tensor | None = None,
+        routed: torch.Tensor | None = None, doc_multiple: int = 1,
     ) -> PackedRows:  # fmt: skip
-        """``routed``: the rows' [n, L, layers, k] experts, packed like their tokens."""
-        docs = [ids[i, :n] for i, n in enumerate(lengths)]
-        total = sum(lengths)
-        size = -(-max(total, 2) // multiple) * multiple
-        doc_lens = list(lengths) + ([size - total] if size > total else [])
+        """``routed``: the rows' [n, L, layers, k] experts, packed like their tokens.
+        ``doc_multiple``: every document is padded with token 0 to a multiple of it (context
+        parallelism's 2*cp chunks, ``policy.context_parallel``); the padding sits after the
+        document's real tokens in its own causal span, so they never see it, and is not
+        scored. The filler is then a multiple of both ``multiple`` and ``doc_multiple``."""
+        padded = [-(-n // doc_multiple) * doc_multiple for n in lengths]
+        docs = [
+            torch.nn.functional.pad(ids[i, :n], (0, p - n)) if p > n else ids[i, :n]
+            for i, (n, p) in enumerate(zip(lengths, padded))
+        ]
+        total = sum(padded)
+        step = math.lcm(multiple, doc_multiple)
+        size = -(-max(total, 2) // step) * step
+        doc_lens = list(padded) + ([size - total] if size > total else [])
         if size > total:
             docs.append(ids.new_zeros(size - total))
         starts = [0]
@@ -157,7 +167,7 @@ class PackedRows:
             rows=cat([torch.full((n - 1,), i) for i, n, _ in scored]),
             cols=cat([torch.arange(1, n) for _, n, _ in scored]),
             src=cat([torch.arange(s + 1, s + n) for _, n, s in scored]),
-            routed_experts=None if routed is None else _pack_routed(routed, lengths, size),
+            routed_experts=None if routed is None else _pack_routed(routed, lengths, starts, size),
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -194,14 +204,14 @@ class PackedRows:
         return out.index_put((self.rows, self.cols), packed[0, self.src])
 
 
-def _pack_routed(routed: torch.Tensor, lengths: list[int], size: int) -> torch.Tensor:
-    """[n, L, layers, k] -> [size, layers, k]: each row's first ``lengths[i]`` tokens end to
-    end, -1 for the filler."""
+def _pack_routed(
+    routed: torch.Tensor, lengths: list[int], starts: list[int], size: int
+) -> torch.Tensor:
+    """[n, L, layers, k] -> [size, layers, k]: row i's first ``lengths[i]`` tokens at the
+    pack's ``starts[i]``, -1 for the padding and the filler."""
     out = routed.new_full((size, *routed.shape[2:]), -1)
-    at = 0
     for i, n in enumerate(lengths):
-        out[at : at + n] = routed[i, :n]
-        at += n
+        out[starts[i] : starts[i] + n] = routed[i, :n]
     return out
 
 
