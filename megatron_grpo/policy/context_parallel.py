@@ -82,6 +82,8 @@ class ContextShard:
     cp: int
     group: Any
     chunks: tuple[tuple[int, int, int, int], ...]
+    local: torch.Tensor
+    """long [T/cp]: this rank's pack positions."""
     stacked: torch.Tensor
     """long [T]: every rank's pack positions in rank order."""
     order: torch.Tensor
@@ -92,7 +94,7 @@ class ContextShard:
         The backward of ``replicated_loss=True`` keeps this rank's rows of the gradient
         (every rank computes the same loss of the gathered values: log-probs); of False,
         it sums the ranks' gradients first (each rank's queries read all the keys: K/V)."""
-        out: torch.Tensor = _GatherTokens.apply(local, self, replicated_loss)
+        out: torch.Tensor = _GatherTokens.apply(local, self, replicated_loss)  # type: ignore[no-untyped-call]
         return out
 
 
@@ -106,14 +108,14 @@ class _GatherTokens(torch.autograd.Function):
     """All-gather of per-rank token rows into pack order; backward in ``ContextShard.gather``."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, local: torch.Tensor, shard: ContextShard, replicated_loss: bool
     ) -> torch.Tensor:
         ctx.shard, ctx.replicated_loss, ctx.n = shard, replicated_loss, local.shape[0]
         return _all_gather(local, shard.cp, shard.group)[shard.order]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         shard: ContextShard = ctx.shard
         rank = dist.get_rank(shard.group)
         stacked = grad[shard.stacked].contiguous()  # rank-ordered rows

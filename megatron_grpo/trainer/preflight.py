@@ -38,7 +38,13 @@ def check_run(cfg: Config, world_size: int) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     check_moe(resolve_spec(cfg.model.hf_path)[0], cfg)
-    resolve_kernels(cfg.model, rank_device(cfg.parallel))  # liger/compile/TE can run here
+    kernels = resolve_kernels(cfg.model, rank_device(cfg.parallel))  # liger/compile/TE run here
+    if cfg.parallel.cp > 1 and kernels.impl == "transformer_engine":
+        raise ConfigError(
+            f"parallel.cp={cfg.parallel.cp} runs in the project's own attention, and "
+            "model.transformer_impl=auto picked Transformer Engine (installed, on CUDA): set "
+            "model.transformer_impl=local."
+        )
     data = cfg.data
     if data.template == "chat":  # needs the model's tokenizer: checked when it is loaded
         data = dataclasses.replace(data, template="{prompt}")
