@@ -208,3 +208,29 @@ def test_policy_at_cp_equals_cp1(hf_dir, tp, cp, budget):
             assert (r["grads"][n] - g).abs().max().item() <= 1e-5 * scale, n
         for n, w in want["weights"].items():
             assert (r["weights"][n] - w).abs().max().item() <= 1e-6, n
+
+
+def test_bridge_treats_cp_ranks_as_data_parallel_replicas():
+    """The weights do not depend on CP: ``MegatronLayout.of`` counts dp x cp replicas, and
+    the bridge's rank order over them is megatron's own (its RankGenerator, order
+    tp-cp-ep-dp-pp), so the sync plan of a cp=2 trainer is the one of dp=2."""
+    from types import SimpleNamespace
+
+    from megatron.core.parallel_state import RankGenerator
+
+    from megatron_grpo.bridge.plan import rank_lookup
+    from megatron_grpo.layouts.megatron import MegatronLayout
+
+    tp, cp, dp, pp = 2, 2, 2, 2
+    ctx = SimpleNamespace(tp=tp, pp=pp, vpp=None, dp=dp, cp=cp, ep=1)
+    layout = MegatronLayout.of(ctx)
+    assert layout == MegatronLayout(tp, pp, 1, dp * cp)
+    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    rank_of = rank_lookup(layout)
+
+    def index(axis: str, rank: int) -> int:
+        return next(g.index(rank) for g in gen.get_ranks(axis) if rank in g)
+
+    for rank in range(tp * cp * dp * pp):
+        replica = index("dp", rank) * cp + index("cp", rank)
+        assert rank_of(replica, index("pp", rank), index("tp", rank)) == rank
