@@ -154,7 +154,7 @@ class ParallelConfig:
     """Context-parallel size: each packed micro-batch's tokens split over ``cp`` ranks (the
     zigzag share of every document), attention over the whole document through an
     all-gather of K/V per layer; needs ``grpo.batch.pack_sequences``, the SDPA attention and
-    packed RoPE, and (for now) pp=1, ep=1, no sequence parallelism.
+    packed RoPE, and (for now) ep=1 and no sequence parallelism.
     docs/context-parallel.md."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (requires tp > 1; GPU). Micro-batches are then padded
@@ -833,8 +833,8 @@ def _check_context_parallel(cfg: Config) -> None:
         why = f"model.local_attention={m.local_attention}: set sdpa"
     elif not m.kernels.packed_rope:
         why = "model.kernels.packed_rope=false: set true (RoPE of each rank's positions)"
-    elif p.pp > 1:
-        why = f"parallel.pp={p.pp}: set parallel.pp=1"
+    elif p.vpp:
+        why = f"parallel.vpp={p.vpp} (untested): set parallel.vpp=null"
     elif p.ep > 1:
         why = f"parallel.ep={p.ep}: set parallel.ep=1"
     elif p.sequence_parallel:

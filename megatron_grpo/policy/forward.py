@@ -230,8 +230,8 @@ def refuse_context_parallel(
         why = f"model.local_attention={model_cfg.local_attention}: set sdpa"
     elif not packed_rope:
         why = "model.kernels.packed_rope=false: set true (RoPE of each rank's positions)"
-    elif ctx.pp > 1:
-        why = f"parallel.pp={ctx.pp}: set parallel.pp=1"
+    elif ctx.vpp:
+        why = f"parallel.vpp={ctx.vpp} (untested): set parallel.vpp=null"
     elif ctx.ep > 1:
         why = f"parallel.ep={ctx.ep}: set parallel.ep=1"
     elif ctx.sequence_parallel:

@@ -151,7 +151,7 @@ def pg_loss(logp, entropy, mb, *, n_tokens: float):
     return loss, {"tokens": mask.sum()}
 
 
-def _policy_worker(rank, world, tp, cp, hf_dir, budget):
+def _policy_worker(rank, world, tp, cp, hf_dir, budget, pp=1):
     from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
     from megatron_grpo.distributed import distributed_context
     from megatron_grpo.layouts import load_hf_into_megatron
@@ -159,7 +159,7 @@ def _policy_worker(rank, world, tp, cp, hf_dir, budget):
     from megatron_grpo.policy import build_policy
 
     spec = load_spec(hf_dir)
-    with distributed_context(ParallelConfig(tp=tp, cp=cp), spec, seed=1) as ctx:
+    with distributed_context(ParallelConfig(tp=tp, cp=cp, pp=pp), spec, seed=1) as ctx:
         batch = _batch(spec.vocab_size)
         policy = build_policy(
             spec, ctx, ModelConfig(), OptimConfig(lr=1e-2, clip_grad=0.0, adam_eps=1e-1),
@@ -169,7 +169,7 @@ def _policy_worker(rank, world, tp, cp, hf_dir, budget):
         loss_fn = partial(pg_loss, n_tokens=float(batch.loss_mask.sum()))
         metrics = policy.train_step(batch, loss_fn, 2, token_budget=budget)
         return {
-            "tp_rank": ctx.tp_rank,
+            "tp_rank": (ctx.tp_rank, ctx.pp_rank),
             "logp": lp["logp"], "entropy": lp["entropy"],
             "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
             "grads": {n: p.main_grad.clone() for n, p in policy.models[0].named_parameters()},
@@ -188,14 +188,18 @@ def hf_dir(tmp_path_factory) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("tp,cp,budget", [(1, 2, 25), (1, 4, 1000), (2, 2, 25)])
-def test_policy_at_cp_equals_cp1(hf_dir, tp, cp, budget):
+@pytest.mark.parametrize(
+    "tp,pp,cp,budget", [(1, 1, 4, 1000), (2, 1, 2, 25), (1, 2, 2, 25)]
+)
+def test_policy_at_cp_equals_cp1(hf_dir, tp, pp, cp, budget):
     """Log-probs, entropies, the loss, the grad norm, every gradient and the updated weights
     of a packed batch (rows of 14, 6, 10, 1, 9, 3 tokens: every document straddles the
-    ranks' chunks) at CP=cp equal CP=1 at the same TP."""
-    ref = {r["tp_rank"]: r for r in run_distributed(_policy_worker, tp, tp, 1, hf_dir, budget)}
-    got = run_distributed(_policy_worker, tp * cp, tp, cp, hf_dir, budget, timeout=280)
-    assert len(got) == tp * cp
+    ranks' chunks) at CP=cp equal CP=1 at the same TP and PP (per (tp, pp) rank)."""
+    ref = {
+        r["tp_rank"]: r for r in run_distributed(_policy_worker, tp * pp, tp, 1, hf_dir, budget, pp)
+    }
+    got = run_distributed(_policy_worker, tp * pp * cp, tp, cp, hf_dir, budget, pp, timeout=280)
+    assert len(got) == tp * pp * cp
     for r in got:
         want = ref[r["tp_rank"]]
         assert want["logp"].abs().max() > 0.1
