@@ -188,9 +188,7 @@ def hf_dir(tmp_path_factory) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "tp,pp,cp,budget", [(1, 1, 4, 1000), (2, 1, 2, 25), (1, 2, 2, 25)]
-)
+@pytest.mark.parametrize("tp,pp,cp,budget", [(1, 1, 4, 1000), (2, 1, 2, 25), (1, 2, 2, 25)])
 def test_policy_at_cp_equals_cp1(hf_dir, tp, pp, cp, budget):
     """Log-probs, entropies, the loss, the grad norm, every gradient and the updated weights
     of a packed batch (rows of 14, 6, 10, 1, 9, 3 tokens: every document straddles the
@@ -238,3 +236,48 @@ def test_bridge_treats_cp_ranks_as_data_parallel_replicas():
     for rank in range(tp * cp * dp * pp):
         replica = index("dp", rank) * cp + index("cp", rank)
         assert rank_of(replica, index("pp", rank), index("tp", rank)) == rank
+
+
+def test_plan_counts_cp_in_activations_and_the_optimizer():
+    """``plan``: a rank's activations and scoring of a 32k-token micro-batch fall about 1/cp
+    (the gathered K/V of each layer added), and the distributed optimizer shards over dp x
+    cp; the trainer line names cp."""
+    from megatron_grpo.config.schema import Config, DataConfig, ParallelConfig, RolloutConfig
+    from megatron_grpo.dry_run.memory import activation_bytes, estimate_memory
+    from megatron_grpo.models.shapes import preset_spec
+    from megatron_grpo.models.spec import megatron_padded_vocab
+    from megatron_grpo.policy.fused_logprob import CHUNK_TOKENS
+    from megatron_grpo.policy.scoring import scoring_bytes
+
+    spec = preset_spec("Qwen2.5-7B")
+
+    def cfg(cp: int) -> Config:
+        return Config(
+            parallel=ParallelConfig(tp=2, cp=cp),
+            data=DataConfig(max_prompt_tokens=1024),
+            rollout=RolloutConfig(max_new_tokens=31744, max_model_len=32768),
+        )
+
+    act = {cp: activation_bytes(spec, cfg(cp), 1, False, 32768) for cp in (1, 2, 4)}
+    kv_layer = 32768 * 2 * (spec.num_kv_heads // 2) * spec.head_dim * 2  # bf16
+    # what does not shrink with the tokens (at most): scoring's one chunk of fp32
+    # temporaries and the output weight's gradient
+    fixed = scoring_bytes("fused", CHUNK_TOKENS, megatron_padded_vocab(spec.vocab_size, 2) // 2,
+                          spec.hidden_size, 2)  # fmt: skip
+    for cp in (2, 4):
+        gathered = spec.num_layers * kv_layer
+        assert act[1] / cp < act[cp] <= (act[1] - fixed) / cp + gathered + fixed, cp
+    mem = {
+        cp: estimate_memory(
+            spec,
+            cfg(cp),
+            dp=2,
+            num_engines=1,
+            colocated=False,
+            capacity_bytes=80 << 30,
+            budget=32768,
+        )  # fmt: skip
+        for cp in (1, 2)
+    }
+    opt = [mem[cp].per_role["train"].components["optimizer"] for cp in (1, 2)]
+    assert opt[1] * 2 == opt[0]
