@@ -153,8 +153,8 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel size: each packed micro-batch's tokens split over ``cp`` ranks (the
     zigzag share of every document), attention over the whole document through an
-    all-gather of K/V per layer; needs ``grpo.batch.pack_sequences``, the SDPA attention and
-    packed RoPE, and (for now) ep=1 and no sequence parallelism.
+    all-gather of K/V per layer (padded rows are packed: ``policy.forward``); needs the SDPA
+    attention and packed RoPE, and (for now) ep=1 and no sequence parallelism.
     docs/context-parallel.md."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (requires tp > 1; GPU). Micro-batches are then padded
@@ -825,9 +825,7 @@ def _check_context_parallel(cfg: Config) -> None:
     if p.cp == 1:
         return
     why = None
-    if not cfg.grpo.batch.pack_sequences:
-        why = "grpo.batch.pack_sequences=false (it splits packs): set it true"
-    elif m.transformer_impl == "transformer_engine":
+    if m.transformer_impl == "transformer_engine":
         why = "model.transformer_impl=transformer_engine (TE's own CP is not wired): set local"
     elif m.local_attention != "sdpa":
         why = f"model.local_attention={m.local_attention}: set sdpa"

@@ -66,6 +66,11 @@ class MicroBatchForward:
             refuse_context_parallel(ctx, model_cfg, self.packed_rope is not None)
 
     def split(self, batch: R, micro_batch_size: int, token_budget: int | None) -> MicroBatches[R]:
+        if self.ctx.cp > 1 and token_budget is None:
+            # context parallelism splits packs: padded rows (sync.verify, eval, a caller
+            # without a budget) are packed instead, micro_batch_size full-width rows' worth
+            # at a time; the log-probs are the padded ones (tests/policy/test_packing.py)
+            token_budget = micro_batch_size * batch.input_ids.shape[1]
         return split_batch(
             batch, micro_batch_size, token_budget, self._length_multiple, can_pack=self.can_pack,
             cp=self.ctx.cp, cp_rank=self.ctx.cp_rank,
