@@ -292,3 +292,49 @@ def test_plan_counts_cp_in_activations_and_the_optimizer():
     }
     opt = [mem[cp].per_role["train"].components["optimizer"] for cp in (1, 2)]
     assert opt[1] * 2 == opt[0]
+
+
+def _resume_worker(rank, world, cp, hf_dir, run_dir, save):
+    """cp=1 (``save``): a step, a checkpoint, a second step. cp>1: load that checkpoint and
+    run the second step. Returns the second step's metrics and updated weights."""
+    from megatron_grpo.checkpoint import LoopState, load_checkpoint, save_checkpoint
+    from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
+    from megatron_grpo.distributed import distributed_context
+    from megatron_grpo.layouts import load_hf_into_megatron
+    from megatron_grpo.models.spec import load_spec
+    from megatron_grpo.policy import build_policy
+
+    spec = load_spec(hf_dir)
+    with distributed_context(ParallelConfig(cp=cp), spec, seed=1) as ctx:
+        batch = _batch(spec.vocab_size)
+        loss_fn = partial(pg_loss, n_tokens=float(batch.loss_mask.sum()))
+        policy = build_policy(
+            spec, ctx, ModelConfig(), OptimConfig(lr=1e-2, clip_grad=0.0, adam_eps=1e-1),
+            init_weights=lambda ch: load_hf_into_megatron(ch, hf_dir, spec, ctx),
+        )  # fmt: skip
+        if save:
+            policy.train_step(batch, loss_fn, 2, token_budget=25)
+            parts = {"policy": policy.sharded_state_dict}
+            save_checkpoint(run_dir, LoopState(step=1), parts, save_rng=False)
+        else:
+            templates = {"policy": partial(policy.sharded_state_dict, True)}
+            loaded = load_checkpoint(run_dir, templates, restore_rng=False)
+            policy.load_sharded_state_dict(loaded.state_dicts["policy"])
+        metrics = policy.train_step(batch, loss_fn, 2, token_budget=25)
+        weights = {n: p.detach().clone() for n, p in policy.named_shards()}
+        return {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "weights": weights}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_checkpoint_saved_at_cp1_resumes_at_cp2(hf_dir, tmp_path):
+    """The weights and the optimizer state do not depend on CP: a checkpoint saved at CP=1
+    after one step, loaded at CP=2, gives the second step's loss, grad norm and updated
+    weights of the uninterrupted CP=1 run."""
+    run_dir = str(tmp_path)
+    (want,) = run_distributed(_resume_worker, 1, 1, hf_dir, run_dir, True, timeout=280)
+    for r in run_distributed(_resume_worker, 2, 2, hf_dir, run_dir, False, timeout=280):
+        assert r["loss"] == pytest.approx(want["loss"], abs=1e-6)
+        assert r["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        for n, w in want["weights"].items():
+            assert (r["weights"][n] - w).abs().max().item() <= 1e-6, n
