@@ -151,8 +151,11 @@ class ParallelConfig:
     experts; EP ranks are carved from the data-parallel ranks, so ep must divide dp.
     A dense model needs 1. docs/moe.md."""
     cp: int = 1
-    """Context-parallel size. Only 1: no sequence is split across context-parallel ranks
-    yet (that needs the batch sliced per CP rank and log-probs gathered back)."""
+    """Context-parallel size: each packed micro-batch's tokens split over ``cp`` ranks (the
+    zigzag share of every document), attention over the whole document through an
+    all-gather of K/V per layer (padded rows are packed: ``policy.forward``); needs the SDPA
+    attention and packed RoPE, and (for now) ep=1 and no sequence parallelism.
+    docs/context-parallel.md."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (requires tp > 1; GPU). Micro-batches are then padded
     to a multiple of tp tokens (``policy/micro_batches.py`` ``micro_batches``)."""
@@ -169,12 +172,6 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _positive("parallel", self, "tp", "pp", "ep", "cp")
         _non_negative("parallel", self, "dp")
-        if self.cp > 1:
-            raise ConfigError(
-                f"parallel.cp={self.cp} is not supported: the trainer does not split sequences "
-                "across context-parallel ranks (each rank would train on whole sequences); "
-                "set parallel.cp=1 and use parallel.tp/pp for long contexts."
-            )
         if self.vpp is not None:
             _positive("parallel", self, "vpp")
             if self.pp < 2:
@@ -875,6 +872,7 @@ class Config:
                 "them): set model.local_attention=sdpa or grpo.batch.pack_sequences=false."
             )
         _check_budget(self)
+        _check_context_parallel(self)
         r = self.rollout
         if r.sleep_between_rollouts and r.sleep_level == 2 and self.sync.can_lag:
             every = (f"sync.interval={self.sync.interval}" if self.sync.mode == "fixed" else
@@ -897,6 +895,29 @@ class Config:
                 f"({self.rollout.max_new_tokens}) exceeds rollout.max_model_len"
                 f"({self.rollout.max_model_len}): raise rollout.max_model_len or shorten them."
             )
+
+
+def _check_context_parallel(cfg: Config) -> None:
+    """What ``parallel.cp`` > 1 does not run with yet, refused in one line
+    (docs/context-parallel.md; the policy's own guard: ``policy.forward``)."""
+    p, m = cfg.parallel, cfg.model
+    if p.cp == 1:
+        return
+    why = None
+    if m.transformer_impl == "transformer_engine":
+        why = "model.transformer_impl=transformer_engine (TE's own CP is not wired): set local"
+    elif m.local_attention != "sdpa":
+        why = f"model.local_attention={m.local_attention}: set sdpa"
+    elif not m.kernels.packed_rope:
+        why = "model.kernels.packed_rope=false: set true (RoPE of each rank's positions)"
+    elif p.vpp:
+        why = f"parallel.vpp={p.vpp} (untested): set parallel.vpp=null"
+    elif p.ep > 1:
+        why = f"parallel.ep={p.ep}: set parallel.ep=1"
+    elif p.sequence_parallel:
+        why = "parallel.sequence_parallel=true: set it false"
+    if why is not None:
+        raise ConfigError(f"parallel.cp={p.cp} does not run with {why} or parallel.cp=1.")
 
 
 def _check_budget(cfg: Config) -> None:

@@ -57,6 +57,8 @@ class LaunchPlan:
     rollout: Any = None
     """The rollout config section (sleep and offload keys) the memory phases assume."""
     sync_interval: float | None = None
+    cp: int = 1
+    """Context-parallel ranks per DP replica (``parallel.cp``)."""
     """Steps per sync: sync.interval (fixed), or the observed mean interval of an adaptive
     run (``plan --mean-interval``); None for adaptive without one."""
 
@@ -77,7 +79,13 @@ class LaunchPlan:
             "train_ranks": self.ranks.train_ranks,
             "rollout_ranks": self.ranks.rollout_ranks,
             "engines": self.ranks.engines,
-            "parallel": {"tp": self.tp, "pp": self.pp, "dp": self.dp, "vpp": self.vpp},
+            "parallel": {
+                "tp": self.tp,
+                "pp": self.pp,
+                "cp": self.cp,
+                "dp": self.dp,
+                "vpp": self.vpp,
+            },
             "rollout_tp": self.rollout_tp,
             "dtype": self.dtype,
             "recompute": self.recompute,
@@ -128,7 +136,9 @@ class LaunchPlan:
             f"{self.world_size}, {self.gpu_memory_bytes / GIB:.0f} GiB per GPU",
             f"placement    {r.placement}: train ranks {_ranges(r.train_ranks)}, rollout ranks "
             f"{_ranges(r.rollout_ranks)}",
-            f"trainer      tp={self.tp} pp={self.pp} dp={self.dp}"
+            f"trainer      tp={self.tp} pp={self.pp}"
+            + (f" cp={self.cp}" if self.cp > 1 else "")
+            + f" dp={self.dp}"
             + (f" vpp={self.vpp}" if self.vpp else "")
             + f", recompute={'full' if self.recompute else 'none'}",
             *([f"micro-batch  {self.budget.line()}"] if self.budget else []),
@@ -250,8 +260,8 @@ def build_launch_plan(
     )  # fmt: skip
     _check_memory(mem, capacity, gpu_memory_gb, cfg, spec, warnings, budget)
     dtype = plan_dtype(cfg)
-    layout = MegatronLayout(
-        p.tp, p.pp, p.vpp or 1, dp,
+    layout = MegatronLayout(  # CP ranks hold the same weights: dp x cp replicas (bridge)
+        p.tp, p.pp, p.vpp or 1, dp * p.cp,
         padded_vocab=megatron_padded_vocab(spec.vocab_size, p.tp, cfg.model.make_vocab_size_divisible_by),
         ep=p.ep,
     )  # fmt: skip
@@ -264,7 +274,7 @@ def build_launch_plan(
     )
     plan = LaunchPlan(
         nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_bytes=capacity, model=model,
-        spec=spec, ranks=ranks, tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, rollout_tp=r.tp,
+        spec=spec, ranks=ranks, tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, rollout_tp=r.tp, cp=p.cp,
         dtype=dtype, recompute=recompute or cfg.model.recompute == "full", memory=mem, sync=report,
         cross_node_sync_bytes=cross_node, warnings=warnings, budget=budget,
         max_model_len=r.max_model_len,
@@ -350,7 +360,11 @@ def _check_memory(
         if m.total > capacity:
             top = sorted(m.components.items(), key=lambda kv: -kv[1])[:4]
             parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in top if v)
-            fixes = ["raise parallel.tp or parallel.pp"]
+            fixes = [
+                "raise parallel.tp, parallel.pp or parallel.cp"
+                if cfg.grpo.batch.pack_sequences
+                else "raise parallel.tp or parallel.pp"
+            ]
             if not distributed_optimizer_on(cfg):
                 fixes.append("set optim.distributed_optimizer=on")
             if "vllm_kv_cache" in m.components and m.components["vllm_kv_cache"]:

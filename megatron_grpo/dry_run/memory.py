@@ -8,6 +8,7 @@ phases, each with its formula and source: docs/launch.md, "The memory model, ter
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from megatron_grpo.config.schema import Config
@@ -104,10 +105,15 @@ def activation_bytes(
     n, h, t = micro_batch_tokens(cfg, budget), spec.hidden_size, p.tp
     elem = DTYPE_BYTES[plan_dtype(cfg)]
     scale = elem / 2  # the formula counts 16-bit activations
-    full_layer = n * h * (34 / t if p.sequence_parallel else 10 + 24 / t) * scale
+    # context parallelism: a rank holds n/cp of the pack's tokens, and each layer keeps the
+    # K/V of all n it gathered (policy.context_parallel; docs/context-parallel.md)
+    local = n / p.cp
+    gathered_kv = n * 2 * max(1, spec.num_kv_heads // t) * spec.head_dim * elem if p.cp > 1 else 0
+    full_layer = local * h * (34 / t if p.sequence_parallel else 10 + 24 / t) * scale
+    full_layer += gathered_kv
     layers = spec.num_layers // p.pp
     if recompute:
-        per_micro = layers * 2 * n * h * scale / (t if p.sequence_parallel else 1)
+        per_micro = layers * 2 * local * h * scale / (t if p.sequence_parallel else 1)
         per_micro += full_layer
     else:
         per_micro = layers * full_layer
@@ -116,7 +122,7 @@ def activation_bytes(
     micro_batches = max(1, batch * s // max(dp, 1) // n)
     in_flight = min(p.pp, micro_batches)
     padded = megatron_padded_vocab(spec.vocab_size, t, cfg.model.make_vocab_size_divisible_by)
-    scoring = scoring_bytes(cfg.model.logprob_impl, n, padded // t, h, elem)
+    scoring = scoring_bytes(cfg.model.logprob_impl, math.ceil(local), padded // t, h, elem)
     return int(per_micro * in_flight + scoring)
 
 
@@ -194,8 +200,8 @@ def estimate_memory(
     n = trainer_params_per_rank(spec, cfg)
     opt_per_param = 8 + (4 if elem < 4 else 0)
     opt = n * opt_per_param
-    if distributed_optimizer_on(cfg):
-        opt //= dp
+    if distributed_optimizer_on(cfg):  # megatron shards it over the dp x cp group
+        opt //= dp * cfg.parallel.cp
     trainer = {
         "params": n * elem,
         "grads": n * 4,

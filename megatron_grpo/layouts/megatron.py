@@ -52,7 +52,11 @@ class MegatronLayout:
     pp: int = 1
     vpp: int = 1
     dp: int = 1
-    """Data-parallel replicas: every one holds the same shards (more sources for the bridge)."""
+    """Data-parallel replicas: every one holds the same shards (more sources for the bridge).
+    Context-parallel ranks hold the same shards too (they split tokens, not weights), so
+    ``of`` counts dp x cp replicas: megatron's rank order ``tp-cp-ep-dp-pp`` with cp and dp
+    merged into one replica index (``dp_rank * cp + cp_rank``) is this layout's
+    ``tp-dp-pp``, and the sync plan is the one of dp x cp data-parallel replicas."""
     _: KW_ONLY
     padded_vocab: int | None = None
     """Rows of the embedding/output layer over all TP ranks; None means Megatron's rule
@@ -68,10 +72,11 @@ class MegatronLayout:
         cls, ctx: Any, param_names: Iterable[str] = (), padded_vocab: int | None = None
     ) -> MegatronLayout:
         """The layout of a running trainer: sizes from ``ctx`` (the
-        ``distributed.ParallelContext``, or anything with its ``tp``/``pp``/``vpp``/``dp``),
-        norm naming from this rank's parameter names."""
+        ``distributed.ParallelContext``, or anything with its ``tp``/``pp``/``vpp``/``dp``,
+        and ``cp``: replicas like dp), norm naming from this rank's parameter names."""
+        replicas = getattr(ctx, "dp", 1) * getattr(ctx, "cp", 1)
         return cls(
-            ctx.tp, ctx.pp, getattr(ctx, "vpp", None) or 1, getattr(ctx, "dp", 1),
+            ctx.tp, ctx.pp, getattr(ctx, "vpp", None) or 1, replicas,
             padded_vocab=padded_vocab, norm_style=detect_norm_style(list(param_names)),
             ep=getattr(ctx, "ep", 1),
         )  # fmt: skip

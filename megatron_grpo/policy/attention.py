@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_grpo.config.schema import ConfigError
+from megatron_grpo.policy.context_parallel import context_parallel_attention
 from megatron_grpo.policy.rope import apply_rope
 
 
@@ -27,8 +28,6 @@ def _unsupported(config: Any) -> str | None:
         return f"window_size={config.window_size} (sliding-window attention)"
     if getattr(config, "softmax_type", "vanilla") != "vanilla":
         return f"softmax_type={config.softmax_type!r} (needs 'vanilla')"
-    if config.context_parallel_size != 1:
-        return f"context_parallel_size={config.context_parallel_size} (needs 1)"
     return None
 
 
@@ -92,6 +91,11 @@ class SDPAttention(torch.nn.Module):
             raise ValueError(
                 f"SDPAttention: packed_seq_params.qkv_format={packed_seq_params.qkv_format!r} "
                 "is not supported; use 'thd' or no packing."
+            )
+        if self.config.context_parallel_size > 1:
+            raise ValueError(
+                f"SDPAttention: context_parallel_size={self.config.context_parallel_size} "
+                "splits packed (thd) micro-batches only; set grpo.batch.pack_sequences=true."
             )
         from megatron.core.transformer.enums import AttnMaskType
 
@@ -167,8 +171,14 @@ def packed_attention(
     """Block-diagonal causal attention of packed documents: query [t, nq, hn], key/value
     [t, nkv, hn], documents from ``packed_seq_params`` (``bounds``, else ``cu_seqlens_q``);
     returns [t, nq * hn]. When the params carry the pack's ``rope`` (cos, sin), q and k are
-    rotated here first (``policy.rope``: the model then applied none)."""
+    rotated here first (``policy.rope``: the model then applied none). When they carry a
+    ``cp`` shard (``policy.context_parallel``), q, k, v are this context-parallel rank's
+    tokens and the documents' full context is gathered over its group."""
     t = query.shape[0]
+    rope = getattr(packed_seq_params, "rope", None)
+    shard = getattr(packed_seq_params, "cp", None)
+    if shard is not None:
+        return context_parallel_attention(query, key, value, shard, scale, rope)
     bounds = _document_bounds(packed_seq_params, t)
     if not value.is_contiguous():
         # megatron's value is a view of the layer's whole fused QKV output: saved for the
@@ -176,7 +186,6 @@ def packed_attention(
         # into copies) alive; its own copy keeps nkv/(nq + 2 nkv) of it (bench ops, saved
         # bytes per token per layer)
         value = value.contiguous()
-    rope = getattr(packed_seq_params, "rope", None)
     if rope is not None:
         cos, sin = (x if x.dtype == query.dtype else x.to(query.dtype) for x in rope)
         query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.algorithms.step_batch import Metrics, Rows, ScoreFn
-from megatron_grpo.config.schema import ModelConfig
+from megatron_grpo.config.schema import ConfigError, ModelConfig
 from megatron_grpo.distributed.setup import ParallelContext
+from megatron_grpo.policy.context_parallel import ContextShard
 from megatron_grpo.policy.kernels import resolve_transformer_impl
 from megatron_grpo.policy.micro_batches import (
     MicroBatches,
@@ -61,11 +62,19 @@ class MicroBatchForward:
             if getattr(models[0].rotary_pos_emb, "packed_by_core_attention", False)
             else None
         )
+        if ctx.cp > 1:
+            refuse_context_parallel(ctx, model_cfg, self.packed_rope is not None)
 
     def split(self, batch: R, micro_batch_size: int, token_budget: int | None) -> MicroBatches[R]:
+        if self.ctx.cp > 1 and token_budget is None:
+            # context parallelism splits packs: padded rows (sync.verify, eval, a caller
+            # without a budget) are packed instead, micro_batch_size full-width rows' worth
+            # at a time; the log-probs are the padded ones (tests/policy/test_packing.py)
+            token_budget = micro_batch_size * batch.input_ids.shape[1]
         return split_batch(
-            batch, micro_batch_size, token_budget, self._length_multiple, can_pack=self.can_pack
-        )
+            batch, micro_batch_size, token_budget, self._length_multiple, can_pack=self.can_pack,
+            cp=self.ctx.cp, cp_rank=self.ctx.cp_rank,
+        )  # fmt: skip
 
     def run(
         self, chunks: list[Any], mbs: MicroBatches[R], score: ScoreFn[R], *, temperature: float,
@@ -159,13 +168,20 @@ class MicroBatchForward:
             # micro-batch, applied by the core attention (policy.rope); without it (TE's
             # attention) megatron applies RoPE per document from cu_seqlens. position_ids
             # feed only learned absolute embeddings, which a RoPE model has none of.
+            # Under context parallelism the model runs on this CP rank's tokens only
+            # (policy.context_parallel: the zigzag share of every document), with their
+            # positions; the core attention gathers the rest of each document's K/V.
+            shard = self._shard(pack)
+            ids, positions = pack.input_ids, pack.positions
+            if shard is not None:
+                ids, positions = ids[:, shard.local], positions[shard.local]
             rope = None
             if self.packed_rope is not None:
-                rope = self.packed_rope.cos_sin(pack.positions, self.config.params_dtype)
+                rope = self.packed_rope.cos_sin(positions, self.config.params_dtype)
             params = pack.packed_seq_params(rope)
-            positions = pack.positions.unsqueeze(0)
+            params.cp = shard
             out: torch.Tensor = model(
-                pack.input_ids, positions, None, packed_seq_params=params,
+                ids, positions.unsqueeze(0), None, packed_seq_params=params,
                 **self.scoring.forward_kwargs,
             )  # fmt: skip
             return out
@@ -184,11 +200,46 @@ class MicroBatchForward:
         ids = mb.input_ids
         if pack is None:
             return self.scoring.token_logprobs(out, ids, temperature)
-        logp, ent = self.scoring.token_logprobs(out, pack.input_ids, temperature)
+        logp, ent = self.scoring.token_logprobs(
+            out, pack.input_ids, temperature, shard=self._shard(pack)
+        )
         shape = (ids.shape[0], ids.shape[1])
         return pack.unpack(logp, shape), pack.unpack(ent, shape)
+
+    def _shard(self, pack: PackedRows) -> ContextShard | None:
+        """This CP rank's share of ``pack`` (tensors on the device), or None without CP."""
+        if pack.cp_local is None or pack.cp_stacked is None or pack.cp_order is None:
+            return None
+        return ContextShard(
+            self.ctx.cp, self.ctx.cp_group, pack.cp_chunks, pack.cp_local, pack.cp_stacked,
+            pack.cp_order,
+        )  # fmt: skip
 
     def broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         if self.ctx.pp > 1:
             dist.broadcast(t, src=self.ctx.last_stage_rank, group=self.ctx.pp_group)
         return t
+
+
+def refuse_context_parallel(
+    ctx: ParallelContext, model_cfg: ModelConfig, packed_rope: bool
+) -> None:
+    """One ConfigError line for a layout the context-parallel path does not run yet
+    (``parallel.cp`` > 1; docs/context-parallel.md, "What it does not do yet"); the config
+    refuses the same before any work (``config.schema``), this guards policies built
+    directly."""
+    why = None
+    if resolve_transformer_impl(model_cfg, ctx.device) == "transformer_engine":
+        why = "model.transformer_impl=transformer_engine (TE's own CP is not wired): set local"
+    elif model_cfg.local_attention != "sdpa":
+        why = f"model.local_attention={model_cfg.local_attention}: set sdpa"
+    elif not packed_rope:
+        why = "model.kernels.packed_rope=false: set true (RoPE of each rank's positions)"
+    elif ctx.vpp:
+        why = f"parallel.vpp={ctx.vpp} (untested): set parallel.vpp=null"
+    elif ctx.ep > 1:
+        why = f"parallel.ep={ctx.ep}: set parallel.ep=1"
+    elif ctx.sequence_parallel:
+        why = "parallel.sequence_parallel=true: set it false"
+    if why is not None:
+        raise ConfigError(f"parallel.cp={ctx.cp} does not run with {why} or parallel.cp=1.")

@@ -15,6 +15,7 @@ end under a token budget (``PackedRows``; the batch contract: docs/architecture-
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -23,6 +24,7 @@ import torch
 
 from megatron_grpo.algorithms.step_batch import Rows
 from megatron_grpo.config.schema import Config, ConfigError
+from megatron_grpo.policy.context_parallel import ZigzagSplit
 
 R = TypeVar("R", bound=Rows)
 MicroBatches = Sequence[tuple[slice, int, R, "PackedRows | None"]]
@@ -125,19 +127,40 @@ class PackedRows:
     """int [T, MoE layers, top-k]: vLLM's experts of each token of the pack, -1 for none
     (the filler, each row's last token); None without routing replay
     (policy/routing_replay.py)."""
+    cp_local: torch.Tensor | None = None
+    """long [T/cp]: the pack positions this context-parallel rank holds (``split_for``);
+    None without context parallelism."""
+    cp_stacked: torch.Tensor | None = None
+    """long [T]: every CP rank's pack positions, stacked in rank order."""
+    cp_order: torch.Tensor | None = None
+    """long [T]: the stacked row of each pack position."""
+    cp_chunks: tuple[tuple[int, int, int, int], ...] = ()
+    """This CP rank's query chunks (``ZigzagSplit.chunks``)."""
 
-    TENSORS = ("input_ids", "cu_seqlens", "positions", "rows", "cols", "src", "routed_experts")
+    TENSORS = (
+        "input_ids", "cu_seqlens", "positions", "rows", "cols", "src", "routed_experts",
+        "cp_local", "cp_stacked", "cp_order",
+    )  # fmt: skip
 
     @classmethod
     def build(
         cls, ids: torch.Tensor, lengths: list[int], multiple: int = 1,
-        routed: torch.Tensor | None = None,
+        routed: torch.Tensor | None = None, doc_multiple: int = 1,
     ) -> PackedRows:  # fmt: skip
-        """``routed``: the rows' [n, L, layers, k] experts, packed like their tokens."""
-        docs = [ids[i, :n] for i, n in enumerate(lengths)]
-        total = sum(lengths)
-        size = -(-max(total, 2) // multiple) * multiple
-        doc_lens = list(lengths) + ([size - total] if size > total else [])
+        """``routed``: the rows' [n, L, layers, k] experts, packed like their tokens.
+        ``doc_multiple``: every document is padded with token 0 to a multiple of it (context
+        parallelism's 2*cp chunks, ``policy.context_parallel``); the padding sits after the
+        document's real tokens in its own causal span, so they never see it, and is not
+        scored. The filler is then a multiple of both ``multiple`` and ``doc_multiple``."""
+        padded = [-(-n // doc_multiple) * doc_multiple for n in lengths]
+        docs = [
+            torch.nn.functional.pad(ids[i, :n], (0, p - n)) if p > n else ids[i, :n]
+            for i, (n, p) in enumerate(zip(lengths, padded))
+        ]
+        total = sum(padded)
+        step = math.lcm(multiple, doc_multiple)
+        size = -(-max(total, 2) // step) * step
+        doc_lens = list(padded) + ([size - total] if size > total else [])
         if size > total:
             docs.append(ids.new_zeros(size - total))
         starts = [0]
@@ -157,7 +180,16 @@ class PackedRows:
             rows=cat([torch.full((n - 1,), i) for i, n, _ in scored]),
             cols=cat([torch.arange(1, n) for _, n, _ in scored]),
             src=cat([torch.arange(s + 1, s + n) for _, n, s in scored]),
-            routed_experts=None if routed is None else _pack_routed(routed, lengths, size),
+            routed_experts=None if routed is None else _pack_routed(routed, lengths, starts, size),
+        )
+
+    def split_for(self, cp: int, rank: int) -> PackedRows:
+        """This pack with context-parallel rank ``rank`` of ``cp``'s share of its tokens
+        (``policy.context_parallel.ZigzagSplit``; built with ``doc_multiple=2*cp``)."""
+        split = ZigzagSplit(cp, rank, self.bounds)
+        local, stacked, order = split.tensors()
+        return dataclasses.replace(
+            self, cp_local=local, cp_stacked=stacked, cp_order=order, cp_chunks=split.chunks()
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -194,24 +226,28 @@ class PackedRows:
         return out.index_put((self.rows, self.cols), packed[0, self.src])
 
 
-def _pack_routed(routed: torch.Tensor, lengths: list[int], size: int) -> torch.Tensor:
-    """[n, L, layers, k] -> [size, layers, k]: each row's first ``lengths[i]`` tokens end to
-    end, -1 for the filler."""
+def _pack_routed(
+    routed: torch.Tensor, lengths: list[int], starts: list[int], size: int
+) -> torch.Tensor:
+    """[n, L, layers, k] -> [size, layers, k]: row i's first ``lengths[i]`` tokens at the
+    pack's ``starts[i]``, -1 for the padding and the filler."""
     out = routed.new_full((size, *routed.shape[2:]), -1)
-    at = 0
     for i, n in enumerate(lengths):
-        out[at : at + n] = routed[i, :n]
-        at += n
+        out[starts[i] : starts[i] + n] = routed[i, :n]
     return out
 
 
 def packed_micro_batches(
-    batch: R, token_budget: int, multiple: int = 1
+    batch: R, token_budget: int, multiple: int = 1, cp: int = 1, cp_rank: int = 0
 ) -> list[tuple[slice, int, R, PackedRows]]:
     """Split ``batch`` into micro-batches of consecutive rows holding at most
     ``token_budget`` real tokens each (a row longer than the budget is a micro-batch of its
     own), packed end to end (``PackedRows``): no compute on padding, and the number of rows
     per micro-batch follows their lengths (verl's / NeMo-RL's dynamic batch size).
+
+    With ``cp`` > 1 every document is padded to a multiple of 2*cp tokens and the pack
+    carries context-parallel rank ``cp_rank``'s share (``PackedRows.split_for``); the
+    token budget counts real tokens, as without it.
 
     Returns (row slice, trimmed length, rows dict for ``loss_fn`` [n, length], pack).
     """
@@ -230,7 +266,12 @@ def packed_micro_batches(
     for rows in groups:
         length = max(lengths[rows])
         routed = None if batch.routed_experts is None else batch.routed_experts[rows]
-        pack = PackedRows.build(batch.input_ids[rows], lengths[rows], multiple, routed)
+        pack = PackedRows.build(
+            batch.input_ids[rows], lengths[rows], multiple, routed,
+            doc_multiple=2 * cp if cp > 1 else 1,
+        )  # fmt: skip
+        if cp > 1:
+            pack = pack.split_for(cp, cp_rank)
         out.append((rows, length, _slice_rows(batch, rows, length), pack))
     return out
 
@@ -242,10 +283,18 @@ def split_batch(
     multiple: int = 1,
     *,
     can_pack: bool = True,
+    cp: int = 1,
+    cp_rank: int = 0,
 ) -> MicroBatches[R]:
     """Micro-batches of ``batch``: packed under ``token_budget`` when it is given, else
     ``micro_batch_size`` padded rows (pack None). ``can_pack`` is False under megatron's
-    unfused attention, which refuses packed sequences."""
+    unfused attention, which refuses packed sequences. ``cp`` > 1 (context parallelism)
+    splits packs only: ``packed_micro_batches``."""
+    if token_budget is None and cp > 1:
+        raise ConfigError(
+            f"parallel.cp={cp} splits packed micro-batches only, and this batch is cut into "
+            "padded rows: set grpo.batch.pack_sequences=true."
+        )
     if token_budget is None:
         return [
             (rows, n, mb, None) for rows, n, mb in micro_batches(batch, micro_batch_size, multiple)
@@ -257,7 +306,7 @@ def split_batch(
             "refuses packed sequences): set model.local_attention=sdpa or "
             "grpo.batch.pack_sequences=false."
         )
-    return packed_micro_batches(batch, token_budget, multiple)
+    return packed_micro_batches(batch, token_budget, multiple, cp, cp_rank)
 
 
 def agreed_count(num_micro_batches: int, group: Any, size: int) -> int:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.config.schema import ConfigError
+from megatron_grpo.policy.context_parallel import ContextShard
 from megatron_grpo.policy.fused_logprob import fused_logprob_entropy, fused_peak_bytes
 from megatron_grpo.policy.logprob import logprob_peak_bytes, vocab_parallel_logprob_entropy
 
@@ -96,9 +97,26 @@ class Scoring:
         )
 
     def token_logprobs(
-        self, out: HiddenStates | torch.Tensor, input_ids: torch.Tensor, temperature: float
+        self,
+        out: HiddenStates | torch.Tensor,
+        input_ids: torch.Tensor,
+        temperature: float,
+        shard: ContextShard | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _aligned(lambda target: self._score(out, target, temperature), input_ids)
+        """With a context-parallel ``shard``, ``out`` holds this CP rank's tokens of the pack
+        ``input_ids`` [1, T]: they are scored against their next tokens in the pack, and the
+        scores gathered back in pack order on every CP rank (the loss is then the same on
+        each, and each rank's backward keeps its own tokens' rows:
+        ``ContextShard.gather``)."""
+        if shard is None:
+            return _aligned(lambda target: self._score(out, target, temperature), input_ids)
+
+        def score(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logp, ent = self._score(out, target[:, shard.local], temperature)
+            logp, ent = (shard.gather(x[0], replicated_loss=True) for x in (logp, ent))
+            return logp.unsqueeze(0), ent.unsqueeze(0)
+
+        return _aligned(score, input_ids)
 
     def _fused(
         self, out: HiddenStates, target: torch.Tensor, temperature: float

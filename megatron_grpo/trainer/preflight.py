@@ -43,7 +43,13 @@ def check_run(cfg: Config, world_size: int) -> int:
     engines = validate_world(cfg, world_size)
     check_moe(spec, cfg)
     check_wandb(cfg)
-    resolve_kernels(cfg.model, rank_device(cfg.parallel))  # liger/compile/TE can run here
+    kernels = resolve_kernels(cfg.model, rank_device(cfg.parallel))  # liger/compile/TE run here
+    if cfg.parallel.cp > 1 and kernels.impl == "transformer_engine":
+        raise ConfigError(
+            f"parallel.cp={cfg.parallel.cp} runs in the project's own attention, and "
+            "model.transformer_impl=auto picked Transformer Engine (installed, on CUDA): set "
+            "model.transformer_impl=local."
+        )
     data = cfg.data
     if data.template == "chat":  # needs the model's tokenizer: checked when it is loaded
         data = dataclasses.replace(data, template="{prompt}")

@@ -34,7 +34,7 @@ def test_7b_one_node_colocated(tmp_path: Path, capsys) -> None:
     assert d["world_size"] == 8
     assert d["train_ranks"] == list(range(8)) and d["rollout_ranks"] == list(range(8))
     assert d["engines"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert d["parallel"] == {"tp": 2, "pp": 1, "dp": 4, "vpp": None}
+    assert d["parallel"] == {"tp": 2, "pp": 1, "cp": 1, "dp": 4, "vpp": None}
     mem = d["memory_per_gpu_bytes"]
     for key in ("params", "grads", "optimizer", "activations", "vllm_weights", "vllm_kv_cache"):
         assert mem[key] > 0, key
