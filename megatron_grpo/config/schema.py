@@ -903,21 +903,29 @@ def _check_context_parallel(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     if p.cp == 1:
         return
-    why = None
-    if m.transformer_impl == "transformer_engine":
-        why = "model.transformer_impl=transformer_engine (TE's own CP is not wired): set local"
-    elif m.local_attention != "sdpa":
-        why = f"model.local_attention={m.local_attention}: set sdpa"
-    elif not m.kernels.packed_rope:
-        why = "model.kernels.packed_rope=false: set true (RoPE of each rank's positions)"
-    elif p.vpp:
-        why = f"parallel.vpp={p.vpp} (untested): set parallel.vpp=null"
-    elif p.ep > 1:
-        why = f"parallel.ep={p.ep}: set parallel.ep=1"
-    elif p.sequence_parallel:
-        why = "parallel.sequence_parallel=true: set it false"
+    why = context_parallel_gap(m.transformer_impl, m.local_attention, m.kernels.packed_rope,
+                               p.vpp, p.ep, p.sequence_parallel)  # fmt: skip
     if why is not None:
         raise ConfigError(f"parallel.cp={p.cp} does not run with {why} or parallel.cp=1.")
+
+
+def context_parallel_gap(transformer_impl: str, local_attention: str, packed_rope: bool,
+                         vpp: int | None, ep: int, sequence_parallel: bool) -> str | None:  # fmt: skip
+    """The first setting the context-parallel path does not run with yet, and its fix; None
+    when it runs (the config's check and the policy's guard read this one list)."""
+    if transformer_impl == "transformer_engine":
+        return "model.transformer_impl=transformer_engine (TE's own CP is not wired): set local"
+    if local_attention != "sdpa":
+        return f"model.local_attention={local_attention}: set sdpa"
+    if not packed_rope:
+        return "model.kernels.packed_rope=false: set true (RoPE of each rank's positions)"
+    if vpp:
+        return f"parallel.vpp={vpp} (untested): set parallel.vpp=null"
+    if ep > 1:
+        return f"parallel.ep={ep}: set parallel.ep=1"
+    if sequence_parallel:
+        return "parallel.sequence_parallel=true: set it false"
+    return None
 
 
 def _check_budget(cfg: Config) -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.algorithms.step_batch import Metrics, Rows, ScoreFn
-from megatron_grpo.config.schema import ConfigError, ModelConfig
+from megatron_grpo.config.schema import ConfigError, ModelConfig, context_parallel_gap
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.policy.context_parallel import ContextShard
 from megatron_grpo.policy.kernels import resolve_transformer_impl
@@ -228,18 +228,8 @@ def refuse_context_parallel(
     (``parallel.cp`` > 1; docs/context-parallel.md, "What it does not do yet"); the config
     refuses the same before any work (``config.schema``), this guards policies built
     directly."""
-    why = None
-    if resolve_transformer_impl(model_cfg, ctx.device) == "transformer_engine":
-        why = "model.transformer_impl=transformer_engine (TE's own CP is not wired): set local"
-    elif model_cfg.local_attention != "sdpa":
-        why = f"model.local_attention={model_cfg.local_attention}: set sdpa"
-    elif not packed_rope:
-        why = "model.kernels.packed_rope=false: set true (RoPE of each rank's positions)"
-    elif ctx.vpp:
-        why = f"parallel.vpp={ctx.vpp} (untested): set parallel.vpp=null"
-    elif ctx.ep > 1:
-        why = f"parallel.ep={ctx.ep}: set parallel.ep=1"
-    elif ctx.sequence_parallel:
-        why = "parallel.sequence_parallel=true: set it false"
+    impl = resolve_transformer_impl(model_cfg, ctx.device)
+    why = context_parallel_gap(impl, model_cfg.local_attention, packed_rope, ctx.vpp, ctx.ep,
+                               ctx.sequence_parallel)  # fmt: skip
     if why is not None:
         raise ConfigError(f"parallel.cp={ctx.cp} does not run with {why} or parallel.cp=1.")
