@@ -115,6 +115,7 @@ def stopped_copy(full: Path, part: Path, step: int) -> None:
     metrics.jsonl rows after its checkpoint and runs those steps again, so ``full`` needs no
     second, interrupted run beside it."""
     shutil.copytree(full, part, symlinks=True)
+    (part / "summary.json").unlink(missing_ok=True)  # a run stopped early writes none
     kept = []
     for ckpt in sorted((part / "checkpoints").glob("step_*")):
         if int(ckpt.name.split("_")[1]) > step:
