@@ -53,7 +53,7 @@ test: $(STAMP)
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 # `make test-fast`, the inner loop: every test not marked slow (none starts a process or an
-# engine; the conftest refuses one that does), ~40 s on 2 cores.
+# engine; the conftest refuses one that does), ~80 s on 2 cores.
 # CI runs `make test`.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow" $(PYTEST_ARGS); rc=$$?; \
