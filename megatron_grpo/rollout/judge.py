@@ -27,12 +27,12 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import asdict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from megatron_grpo.distributed.spawn import TORCHRUN_ENV
 from megatron_grpo.rewards.judge import JudgeSpec, expected_value, parse_verdict, render
+from megatron_grpo.rewards.remote import reward_server
 
 log = logging.getLogger(__name__)
 
@@ -127,38 +127,6 @@ class Batcher:
                 start += len(its)
 
 
-def make_handler(batcher: Batcher) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive: the client keeps its connections
-
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
-            try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                items = body["items"]
-                if not isinstance(items, list):
-                    raise TypeError("items is not a list")
-            except (ValueError, KeyError, TypeError) as e:
-                return self._answer(400, {"error": f'expected {{"items": [...]}}: {e}'})
-            try:
-                rewards = batcher.submit(items).result()
-            except Exception as e:  # noqa: BLE001 - the client retries a 5xx
-                return self._answer(500, {"error": f"{type(e).__name__}: {e}"})
-            self._answer(200, {"rewards": rewards})
-
-        def _answer(self, status: int, payload: dict[str, Any]) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-            log.debug(format, *args)
-
-    return Handler
-
-
 # ---------------------------------------------------------------------------- the process
 class JudgeProcess:
     """The judge's process, started by ``start_judge``; ``url`` to POST to; ``close()``
@@ -222,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     spec = JudgeSpec(**{**raw, "choices": tuple(raw["choices"]), "values": tuple(raw["values"])})
     signal.signal(signal.SIGTERM, _interrupt)  # close(): stop the engine, then exit
     judge = Judge(spec)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(Batcher(judge)))
-    server.daemon_threads = True
+    batcher = Batcher(judge)
+    server = reward_server(lambda items: batcher.submit(items).result())
     tmp = Path(a.port_file).with_suffix(".tmp")
     tmp.write_text(str(server.server_address[1]))
     tmp.replace(a.port_file)  # whole or absent: the starter reads it once it exists

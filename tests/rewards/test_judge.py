@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import threading
-from http.server import ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +22,8 @@ from megatron_grpo.rewards.judge import (
     parse_verdict,
     render,
 )
-from megatron_grpo.rollout.judge import Batcher, Judge, make_handler
+from megatron_grpo.rewards.remote import reward_server
+from megatron_grpo.rollout.judge import Batcher, Judge
 
 
 def test_the_template_is_filled_from_the_item_and_keeps_unknown_braces():
@@ -129,8 +129,8 @@ def test_requests_that_arrive_together_are_scored_in_one_engine_call():
 @pytest.fixture
 def judge_server():
     j = judge()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(Batcher(j)))
-    server.daemon_threads = True
+    batcher = Batcher(j)
+    server = reward_server(lambda items: batcher.submit(items).result())
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield j, f"http://127.0.0.1:{server.server_address[1]}/judge"
     server.shutdown()
