@@ -25,7 +25,7 @@ from megatron_grpo.metrics.pass_at_k import mean_pass_at_k
 from megatron_grpo.models.spec import check_heads, load_spec
 from megatron_grpo.policy.policy import build_policy
 from megatron_grpo.rewards import build_reward
-from megatron_grpo.rewards.judge import JudgeSpec, client_config, is_judge
+from megatron_grpo.rewards.judge import client_config, is_judge
 from megatron_grpo.rewards.scoring import env_scored
 from megatron_grpo.rollout.colocated import build_colocated
 from megatron_grpo.rollout.interface import sampling_args
@@ -298,9 +298,8 @@ def _judge_served(cfg: Any) -> Iterator[Any]:
     if not is_judge(cfg.reward.name):
         yield cfg.reward
         return
-    spec = JudgeSpec.of(cfg.reward, cfg.rollout.cpu_kv_cache_gb, cfg.seed)
     with tempfile.TemporaryDirectory(prefix="megatron-grpo-judge-") as tmp:
-        judge = start_judge(spec, Path(tmp), cfg.parallel.timeout_s)
+        judge = start_judge(cfg, Path(tmp))
         try:
             yield client_config(cfg.reward, judge.url)
         finally:

@@ -145,9 +145,13 @@ class JudgeProcess:
                 self.proc.wait()
 
 
-def start_judge(spec: JudgeSpec, workdir: Path, timeout_s: float) -> JudgeProcess:
-    """Start the judge's process (its output in ``workdir/judge.log``) and wait until it
-    listens; RuntimeError naming the log when it dies or does not listen in ``timeout_s``."""
+def start_judge(cfg: Any, workdir: Path) -> JudgeProcess:
+    """Start the judge of the run's config ``cfg`` (``reward.name=judge:DIR``, its ``reward.judge_*``;
+    on CPU ``rollout.cpu_kv_cache_gb`` of KV cache, seeded ``seed``) in a process of its own,
+    its output in ``workdir/judge.log``, and wait until it listens; RuntimeError naming the
+    log when it dies or does not listen within ``parallel.timeout_s``."""
+    spec = JudgeSpec.of(cfg.reward, cfg.rollout.cpu_kv_cache_gb, cfg.seed)
+    timeout_s = cfg.parallel.timeout_s
     workdir.mkdir(parents=True, exist_ok=True)
     port_file, log_file = workdir / "judge.port", workdir / "judge.log"
     port_file.unlink(missing_ok=True)

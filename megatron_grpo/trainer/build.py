@@ -36,7 +36,7 @@ from megatron_grpo.models.spec import ModelSpec, load_spec
 from megatron_grpo.policy import Policy
 from megatron_grpo.policy.policy import build_policy
 from megatron_grpo.rewards import RewardFn, build_reward
-from megatron_grpo.rewards.judge import JudgeSpec, client_config, is_judge
+from megatron_grpo.rewards.judge import client_config, is_judge
 from megatron_grpo.rewards.scoring import GroupScorer
 from megatron_grpo.rollout.ahead import WindowBuffer
 from megatron_grpo.rollout.interface import Rollout, RolloutFactory, build_rollout, sampling_args
@@ -180,10 +180,10 @@ def _build_reward(
 
     def start() -> str:
         t0 = time.perf_counter()
-        spec = JudgeSpec.of(cfg.reward, cfg.rollout.cpu_kv_cache_gb, cfg.seed)
         workdir = Path(cfg.run_dir) / "judge" / f"rank{ctx.rank}"
-        started.append(start_judge(spec, workdir, cfg.parallel.timeout_s))
-        say(f"judge {spec.model} up in {time.perf_counter() - t0:.1f}s (log: {workdir}/judge.log)")
+        started.append(start_judge(cfg, workdir))
+        say(f"judge {cfg.reward.name} up in {time.perf_counter() - t0:.1f}s "
+            f"(log: {workdir}/judge.log)")  # fmt: skip
         return started[-1].url
 
     try:
