@@ -4,7 +4,7 @@
 # Shared logic of the sbatch templates in slurm/: knobs, rendezvous from the Slurm
 # environment, resume detection, the GPU-free preflight plan, and preemption handling.
 # Sourced by each template, which then ends in
-#     srun "${MG_SRUN_ARGS[@]}" torchrun "${MG_TORCHRUN_ARGS[@]}" -m megatron_grpo.cli.main \
+#     srun "${MG_SRUN_ARGS[@]}" "${MG_TORCHRUN[@]}" "${MG_TORCHRUN_ARGS[@]}" -m megatron_grpo.cli.main \
 #         train "${MG_TRAIN_ARGS[@]}" "$@" &
 #     mg_wait_step $!
 #
@@ -37,6 +37,10 @@
 #   CONTAINER_IMAGE pyxis/enroot image (e.g. a .sqsh file or nvcr.io#nvidia/pytorch:...):
 #                   srun --container-image; unset (default) runs on the host
 #   CONTAINER_MOUNTS srun --container-mounts (default: the repository, mounted at its path)
+#   TORCHRUN        the torchrun executable on each node (default: torchrun through `$PYTHON -m
+#                   megatron_grpo.distributed.quiet_torchrun`, which leaves out torchrun's
+#                   ChildFailedError report after a configuration refusal: the job log then
+#                   holds the one error line; any other failure prints torchrun's report)
 #   NCCL_* / UCX_*  exported variables reach every task (srun --export=ALL); see
 #                   docs/launch.md "NCCL settings"
 #
@@ -136,6 +140,12 @@ MG_SRUN_ARGS=(--nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --label
 if [[ -n "$CONTAINER_IMAGE" ]]; then
     MG_SRUN_ARGS+=(--container-image="$CONTAINER_IMAGE" --container-mounts="$CONTAINER_MOUNTS"
         --container-workdir="$REPO")
+fi
+# torchrun less its report of a refusal (megatron_grpo/distributed/quiet_torchrun.py).
+if [[ -n "${TORCHRUN:-}" ]]; then
+    MG_TORCHRUN=("$TORCHRUN")
+else
+    MG_TORCHRUN=("$PYTHON" -m megatron_grpo.distributed.quiet_torchrun)
 fi
 # --signals-to-handle: torchrun forwards these to its workers and then waits
 # --shutdown-timeout seconds for them before SIGKILL (torch/distributed/run.py; USR1 is not

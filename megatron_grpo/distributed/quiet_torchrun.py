@@ -5,16 +5,22 @@
 refusal (cli/errors.py): rank 0 has printed the one ``error:`` line, and torchrun's
 ``failed (exitcode: 2)`` log line and its ``ChildFailedError`` traceback (~35 lines) would
 only bury it. Then it exits 2 with nothing more. Any other failure (a crash, a rank killed,
-exit 1 or 3) prints torchrun's report as torchrun does.
+exit 1 or 3) prints torchrun's report as torchrun does. A signal that stops torchrun itself
+(srun's TERM to the other nodes once one node's torchrun exited, a ``scancel``, a
+pre-emption warning it forwarded to its ranks) is one line, not the ~30-line traceback of
+its ``SignalException``, and exit 1 as torchrun's (the Slurm templates read no more into it);
+so is a lost rendezvous (``RendezvousError``: the node that held the store has stopped, or
+its address is wrong), which is how another node's torchrun often learns of the stop.
 
-Used by ``train`` run as one process (``spawn.run_under_torchrun``) and by
-launchers/cpu_demo.sh and launchers/torchrun.sh; a torchrun a user types prints its report
-(docs/launch.md).
+Used by ``train`` run as one process (``spawn.run_under_torchrun``), by
+launchers/cpu_demo.sh and launchers/torchrun.sh, and by the slurm/ templates; a torchrun a
+user types prints its report (docs/launch.md).
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 REFUSED = 2
@@ -38,13 +44,31 @@ class _HoldStopLines(logging.Filter):
         return True
 
 
+class _DropTracesOf(logging.Filter):
+    """Drops a record that carries the traceback of an exception of ``kinds``: torchrun's log
+    tailer (``--tee``) logs the ``SignalException`` that stops it once per rank as a
+    traceback (elastic/multiprocessing/tail_log.py), beside the one line said for it."""
+
+    def __init__(self, *kinds: type[BaseException]) -> None:
+        super().__init__()
+        self.kinds = kinds
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], self.kinds))
+
+
 def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun
 
     logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     hold = _HoldStopLines()
     logger.addFilter(hold)
+    tailer = logging.getLogger("torch.distributed.elastic.multiprocessing.tail_log")
+    drop = _DropTracesOf(SignalException)
+    tailer.addFilter(drop)
     refused = False
     try:
         torchrun(argv)
@@ -53,8 +77,18 @@ def main(argv: list[str]) -> int:
         if refused:
             return REFUSED
         raise
+    except SignalException as e:
+        name = signal.Signals(e.sigval).name
+        print(f"torchrun: stopped by {name}; its ranks were sent {name} too", file=sys.stderr)
+        return 1
+    except RendezvousError as e:
+        print(f"torchrun: lost the rendezvous ({type(e).__name__}: {e}): the node holding its "
+              "store stopped (see the other nodes' lines) or --rdzv-endpoint is wrong",
+              file=sys.stderr)  # fmt: skip
+        return 1
     finally:  # anything but a refusal (a crash, a signal): torchrun's lines, then its report
         logger.removeFilter(hold)
+        tailer.removeFilter(drop)
         for record in [] if refused else hold.held:
             logger.handle(record)
     return 0

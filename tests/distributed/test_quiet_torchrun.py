@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 
 import pytest
 import torch.distributed.run as torch_run
@@ -13,6 +14,7 @@ from megatron_grpo.distributed import quiet_torchrun
 from megatron_grpo.distributed.spawn import torchrun_argv
 
 API = "torch.distributed.elastic.multiprocessing.api"
+TAIL = "torch.distributed.elastic.multiprocessing.tail_log"
 
 
 def _fake_torchrun(*codes: int):
@@ -40,6 +42,45 @@ def test_refusal_is_quiet_and_other_failures_keep_the_report(monkeypatch, caplog
         "failed (exitcode: 1) local_rank: 0",
     ]
     assert not logging.getLogger(API).filters  # the filter does not outlive the call
+
+
+def test_a_signal_that_stops_torchrun_is_one_line(monkeypatch, caplog, capsys):
+    """srun's TERM to a node whose ranks did not refuse yet (another node's torchrun exited 2),
+    or a scancel: one line and exit 1 (torchrun's own status then), no SignalException trace."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def stopped(argv):
+        logging.getLogger(API).warning("Sending process %s closing signal %s", 11, "SIGTERM")
+        stop = SignalException("Process 7 got signal: 15", sigval=signal.SIGTERM)
+        try:  # torchrun's log tailer (--tee) logs the exception's traceback as it stops
+            raise stop
+        except SignalException:
+            logging.getLogger(TAIL).exception("error in log tailer for %s%s", "default", 0)
+        raise stop
+
+    caplog.set_level(logging.INFO, logger=API)
+    caplog.set_level(logging.INFO, logger=TAIL)
+    monkeypatch.setattr(torch_run, "main", stopped)
+    assert quiet_torchrun.main([]) == 1
+    assert capsys.readouterr().err == "torchrun: stopped by SIGTERM; its ranks were sent SIGTERM too\n"
+    assert [r.getMessage() for r in caplog.records] == ["Sending process 11 closing signal SIGTERM"]
+    assert not logging.getLogger(TAIL).filters
+
+
+def test_a_lost_rendezvous_is_one_line(monkeypatch, capsys):
+    """Another node's torchrun held the store and exited (its ranks refused): one line."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    def lost(argv):
+        raise RendezvousConnectionError("The connection to the C10d store has failed.")
+
+    monkeypatch.setattr(torch_run, "main", lost)
+    assert quiet_torchrun.main([]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "torchrun: lost the rendezvous (RendezvousConnectionError: The connection to the C10d "
+        "store has failed.): the node holding its store stopped (see the other nodes' lines) "
+        "or --rdzv-endpoint is wrong"
+    ]
 
 
 def test_only_the_self_spawned_torchrun_is_quiet():
