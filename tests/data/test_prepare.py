@@ -70,3 +70,49 @@ def test_missing_data_file_names_hub_datasets_and_the_data_command(tmp_path):
     with pytest.raises(FileNotFoundError) as e:
         _read_rows(cfg.data)
     assert "Hugging Face hub dataset" in str(e.value) and "megatron-grpo data" in str(e.value)
+
+
+def test_the_hub_path_reads_through_datasets(tmp_path, monkeypatch, capsys):
+    """Without --input, the rows come from ``datasets.load_dataset(hub, config, split=)``:
+    here the real library over a local dataset repository (a directory of split files, as a
+    hub repo is) in the preset's place, so no network; --split and --limit are honoured."""
+    import dataclasses
+
+    from megatron_grpo.data import prepare
+
+    repo = tmp_path / "gsm8k_repo"
+    repo.mkdir()
+    (repo / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GSM8K))
+    (repo / "test.jsonl").write_text(json.dumps(GSM8K[1]) + "\n")
+    local = dataclasses.replace(prepare.PRESETS["gsm8k"], hub=str(repo), hub_config=None)
+    monkeypatch.setitem(prepare.PRESETS, "gsm8k", local)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # its cache, not the user's
+    out = tmp_path / "test.jsonl"
+    assert main(["data", "gsm8k", "--split", "test", "--out", str(out)]) == 0
+    assert _rows(out) == [{"question": GSM8K[1]["question"], "answer": "1000"}]
+    out = tmp_path / "train.jsonl"
+    assert main(["data", "gsm8k", "--limit", "1", "--out", str(out)]) == 0
+    assert _rows(out) == [{"question": GSM8K[0]["question"], "answer": "7"}]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_hub_unreachable_is_one_line(tmp_path):
+    """Offline (no network here; HF_HUB_OFFLINE=1 makes it certain and quick), the hub path
+    is one line that says what to do instead, and writes nothing."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "gsm8k.jsonl"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    r = subprocess.run([sys.executable, "-m", "megatron_grpo.cli.main", "data", "gsm8k",
+                        "--out", str(out)], env=env, capture_output=True, text=True,
+                       timeout=110)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: loading openai/gsm8k (split train) from the hub failed ("
+    ), r.stderr
+    assert lines[0].endswith("download it on an online machine and pass --input FILE."), lines
+    assert not out.exists()
