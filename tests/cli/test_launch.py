@@ -436,8 +436,17 @@ def test_launchers_pass_max_restarts_and_resume_auto(slurm_env, tmp_path: Path, 
         ), one.stderr
         return
     assert rc == 0 and one.returncode == 0, job.text() + one.stderr
-    slurm_line, node_line = (Path(env["FAKE_SLURM_DIR"]) / "torchrun.log").read_text().splitlines()
+    log = Path(env["FAKE_SLURM_DIR"]) / "torchrun.log"
+    slurm_line, node_line = log.read_text().splitlines()
     assert f"--max-restarts={max_restarts or 2} " in slurm_line, slurm_line
     assert f"--max-restarts={max_restarts or 0} " in node_line, node_line
     for line in (slurm_line, node_line):
         assert " train " in line and " --resume auto steps=10" in line, line
+    # Several nodes: no in-job restarts by default (they do not work across nodes yet:
+    # slurm/common.sh, docs/launch.md "Restarts"); a given MAX_RESTARTS is passed as it is.
+    log.unlink()
+    multi = Job(["--nodes=2", "slurm/multi_node.sbatch", "steps=10"], env, tmp_path / "job2.log")
+    jobs.append(multi)
+    assert multi.wait(60) == 0, multi.text()
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2 and all(f"--max-restarts={max_restarts or 0} " in x for x in lines), lines
