@@ -342,3 +342,90 @@ def test_checkpoint_saved_at_cp1_resumes_at_cp2(hf_dir, tmp_path):
         assert r["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
         for n, w in want["weights"].items():
             assert (r["weights"][n] - w).abs().max().item() <= 1e-6, n
+
+
+# ------------------------------------------------------------------ experts (MoE)
+
+
+def test_an_empty_micro_batch_splits_over_the_cp_ranks():
+    """The filler an expert-parallel rank adds to reach the agreed count is a multiple of
+    2*cp tokens and carries this CP rank's share, as a real pack does."""
+    from megatron_grpo.policy.micro_batches import empty_micro_batch
+    from tests.helpers.batches import rows
+
+    ids = torch.arange(1, 13).view(2, 6)
+    routed = torch.zeros(2, 6, 3, 2, dtype=torch.int16)
+    like = rows(ids, routed_experts=routed)
+    pack = PackedRows.build(ids, [6, 6], routed=routed, doc_multiple=4)
+    shares = [empty_micro_batch(like, pack, 1, cp=2, cp_rank=r)[1] for r in (0, 1)]
+    for r, share in enumerate(shares):
+        assert share is not None and share.bounds == (0, 4) and share.rows.numel() == 0
+        assert share.cp_local is not None and share.cp_local.tolist() == [[0, 3], [1, 2]][r]
+        assert share.routed_experts is not None and (share.routed_experts == -1).all()
+
+
+def _moe_cp_worker(rank, world, cp, hf_dir):
+    """EP=2 at CP=cp (the tiny MoE, fp32): per routing replay off/on, the log-probs,
+    entropies, loss, grad norm and updated weights of one step on this DP rank's batch
+    (packed, tests/policy/test_moe_packing.py's rows and given experts)."""
+    from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
+    from megatron_grpo.distributed import distributed_context
+    from megatron_grpo.layouts import load_hf_into_megatron
+    from megatron_grpo.models.spec import load_spec
+    from megatron_grpo.policy import build_policy
+    from tests.policy.test_moe_packing import BUDGET, LENGTHS, _rank_batch
+
+    torch.set_num_threads(1)
+    spec = load_spec(hf_dir)
+    with distributed_context(ParallelConfig(ep=2, cp=cp), spec, seed=1) as ctx:
+        batch = _rank_batch(spec.vocab_size, spec.num_layers, ctx.dp_rank)
+        n_tokens = float(sum(n - 2 for lengths in LENGTHS.values() for n in lengths))
+        loss_fn = partial(pg_loss, n_tokens=n_tokens)
+        out: dict = {"dp_rank": ctx.dp_rank, "ep_rank": ctx.ep_rank}
+        for replay in (False, True):
+            policy = build_policy(
+                spec, ctx, ModelConfig(), OptimConfig(lr=1e-2, clip_grad=0.0, adam_eps=1e-1),
+                init_weights=lambda ch: load_hf_into_megatron(ch, hf_dir, spec, ctx),
+                routing_replay=replay,
+            )  # fmt: skip
+            lp = policy.compute_logprobs(batch, 2, token_budget=BUDGET)
+            metrics = policy.train_step(batch, loss_fn, 2, token_budget=BUDGET)
+            out[replay] = {
+                "logp": lp["logp"], "entropy": lp["entropy"], "loss": metrics["loss"],
+                "grad_norm": metrics["grad_norm"],
+                "weights": {n: p.detach().clone() for n, p in policy.named_shards()},
+            }  # fmt: skip
+        return out
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> str:
+    from megatron_grpo.models.tiny import build_hf_model
+
+    return str(build_hf_model(tmp_path_factory.mktemp("cp_moe") / "m", "tiny-moe", seed=3))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_moe_at_ep2_cp2_equals_cp1_with_routing_replay(moe_dir):
+    """The tiny MoE at EP=2 x CP=2 (4 ranks; megatron's expert ranks tp-ep-dp-pp fold CP
+    into expert DP, so here each replica's two CP ranks are its two EP ranks) gives the
+    log-probs, entropies, loss, grad norm and updated weights of EP=2 x CP=1 (2 ranks), per
+    DP rank, with the router's own choice and with routing replay of given experts (each
+    token's experts taken at its rank's zigzag share); replaying changes the forward."""
+    ref = {r["dp_rank"]: r for r in run_distributed(_moe_cp_worker, 2, 1, moe_dir, timeout=380)}
+    got = run_distributed(_moe_cp_worker, 4, 2, moe_dir, timeout=380)
+    for r in got:
+        want = ref[r["dp_rank"]]
+        # the expert shards: those of the reference rank with the same EP rank
+        want_w = next(x for x in ref.values() if x["ep_rank"] == r["ep_rank"])
+        for replay in (False, True):
+            g, w = r[replay], want[replay]
+            assert w["logp"].abs().max() > 0.1
+            for key in ("logp", "entropy"):
+                torch.testing.assert_close(g[key], w[key], atol=TOL, rtol=0)
+            assert g["loss"] == pytest.approx(w["loss"], abs=1e-6)
+            assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5)
+            for n, x in want_w[replay]["weights"].items():
+                assert (g["weights"][n] - x).abs().max().item() <= 1e-6, n
+        assert (r[True]["logp"] - r[False]["logp"]).abs().max() > 1e-3
