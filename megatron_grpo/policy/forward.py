@@ -141,7 +141,8 @@ class MicroBatchForward:
                 if not real:  # an empty micro-batch: a zero loss whose backward still runs
                     # the MoE layers' alltoalls (and scoring's TP collectives) as a real one's
                     ids = mb.input_ids if pack is None else pack.input_ids
-                    logp, _ = self.scoring.token_logprobs(out, ids, temperature)
+                    shard = None if pack is None else self._shard(pack)  # CP: its share
+                    logp, _ = self.scoring.token_logprobs(out, ids, temperature, shard=shard)
                     return logp.sum() * 0.0, one, {}
                 logp, ent = self._row_logp_entropy(out, mb, pack, temperature)
                 loss, reduced = score(logp, ent, mb)
