@@ -904,13 +904,13 @@ def _check_context_parallel(cfg: Config) -> None:
     if p.cp == 1:
         return
     why = context_parallel_gap(m.transformer_impl, m.local_attention, m.kernels.packed_rope,
-                               p.vpp, p.ep, p.sequence_parallel)  # fmt: skip
+                               p.vpp, p.sequence_parallel)  # fmt: skip
     if why is not None:
         raise ConfigError(f"parallel.cp={p.cp} does not run with {why} or parallel.cp=1.")
 
 
 def context_parallel_gap(transformer_impl: str, local_attention: str, packed_rope: bool,
-                         vpp: int | None, ep: int, sequence_parallel: bool) -> str | None:  # fmt: skip
+                         vpp: int | None, sequence_parallel: bool) -> str | None:  # fmt: skip
     """The first setting the context-parallel path does not run with yet, and its fix; None
     when it runs (the config's check and the policy's guard read this one list)."""
     if transformer_impl == "transformer_engine":
@@ -921,10 +921,13 @@ def context_parallel_gap(transformer_impl: str, local_attention: str, packed_rop
         return "model.kernels.packed_rope=false: set true (RoPE of each rank's positions)"
     if vpp:
         return f"parallel.vpp={vpp} (untested): set parallel.vpp=null"
-    if ep > 1:
-        return f"parallel.ep={ep}: set parallel.ep=1"
     if sequence_parallel:
-        return "parallel.sequence_parallel=true: set it false"
+        # sequence parallelism needs TE's norms (policy.model_builder.check_sequence_parallel)
+        # and context parallelism the local spec's core attention: no spec has both yet
+        return (
+            "parallel.sequence_parallel=true (it needs Transformer-Engine layers, context "
+            "parallelism the local spec): set it false"
+        )
     return None
 
 

@@ -97,7 +97,9 @@ class MicroBatchForward:
             (mb, pack, True) for _, _, mb, pack in mbs
         ]
         if num_mb > len(mbs):
-            empty, empty_pack = empty_micro_batch(mbs[0][2], mbs[0][3], self._length_multiple)
+            empty, empty_pack = empty_micro_batch(
+                mbs[0][2], mbs[0][3], self._length_multiple, self.ctx.cp, self.ctx.cp_rank
+            )
             items += [(empty, empty_pack, False)] * (num_mb - len(mbs))
         shapes = [(mb.input_ids if pack is None else pack.input_ids).shape for mb, pack, _ in items]
         iters: list[Iterator[Any]] = [iter(items) for _ in chunks]
@@ -127,6 +129,10 @@ class MicroBatchForward:
             mb, pack = self._to_device(mb, pack)
             if self.routing is not None:  # this micro-batch's vLLM experts, on every stage
                 routed = mb.routed_experts if pack is None else pack.routed_experts
+                if routed is not None and pack is not None and pack.cp_local is not None:
+                    # context parallelism: the experts of this CP rank's tokens, in their
+                    # zigzag order (the model runs on those only, ``_model_forward``)
+                    routed = routed[pack.cp_local]
                 self.routing.set_targets(routed, packed=pack is not None)
             out = self._model_forward(model, mb, pack)
 
@@ -135,7 +141,8 @@ class MicroBatchForward:
                 if not real:  # an empty micro-batch: a zero loss whose backward still runs
                     # the MoE layers' alltoalls (and scoring's TP collectives) as a real one's
                     ids = mb.input_ids if pack is None else pack.input_ids
-                    logp, _ = self.scoring.token_logprobs(out, ids, temperature)
+                    shard = None if pack is None else self._shard(pack)  # CP: its share
+                    logp, _ = self.scoring.token_logprobs(out, ids, temperature, shard=shard)
                     return logp.sum() * 0.0, one, {}
                 logp, ent = self._row_logp_entropy(out, mb, pack, temperature)
                 loss, reduced = score(logp, ent, mb)
@@ -229,7 +236,7 @@ def refuse_context_parallel(
     refuses the same before any work (``config.schema``), this guards policies built
     directly."""
     impl = resolve_transformer_impl(model_cfg, ctx.device)
-    why = context_parallel_gap(impl, model_cfg.local_attention, packed_rope, ctx.vpp, ctx.ep,
+    why = context_parallel_gap(impl, model_cfg.local_attention, packed_rope, ctx.vpp,
                                ctx.sequence_parallel)  # fmt: skip
     if why is not None:
         raise ConfigError(f"parallel.cp={ctx.cp} does not run with {why} or parallel.cp=1.")

@@ -327,14 +327,16 @@ def agreed_count(num_micro_batches: int, group: Any, size: int) -> int:
 
 
 def empty_micro_batch(
-    like: Rows, pack: PackedRows | None, multiple: int = 1
+    like: Rows, pack: PackedRows | None, multiple: int = 1, cp: int = 1, cp_rank: int = 0
 ) -> tuple[Rows, PackedRows | None]:
     """A micro-batch that carries no row, for a rank that runs more micro-batches than it
     has (``agreed_count``): a pack of only the filler document (a ``multiple`` of at least 2
     tokens of token 0) when ``pack`` is given, else one row of them; every token's routed
     experts -1 (the router's own choice, no mismatch counted) where ``like`` carries them.
     The forward step gives it a zero loss (``policy.forward``): it moves the MoE layers'
-    alltoalls, not the gradient, nor the metrics."""
+    alltoalls, not the gradient, nor the metrics. With ``cp`` > 1 the filler is a multiple
+    of 2*cp tokens and the pack carries CP rank ``cp_rank``'s share of it, as a real pack
+    does (``packed_micro_batches``): the CP ranks' attention gathers its K/V together."""
     size = -(-2 // multiple) * multiple
     ids = like.input_ids.new_zeros(0 if pack is not None else 1, size)
     routed = like.routed_experts
@@ -343,4 +345,8 @@ def empty_micro_batch(
     rows = Rows(input_ids=ids, attention_mask=None, routed_experts=routed)
     if pack is None:
         return rows, None
-    return rows, PackedRows.build(ids, [], multiple, routed)
+    if cp == 1:
+        return rows, PackedRows.build(ids, [], multiple, routed)
+    return rows, PackedRows.build(ids, [], multiple, routed, doc_multiple=2 * cp).split_for(
+        cp, cp_rank
+    )

@@ -30,6 +30,7 @@ SHAPES = {
         hf_config_dict("Qwen2.5-0.5B")
     ),
     "r1-distill-qwen-1.5b-deepscaler.yaml": _r1_distill_1p5b,
+    "r1-distill-qwen-1.5b-deepscaler-64k.yaml": _r1_distill_1p5b,
     "qwen2.5-7b-throughput.yaml": lambda: spec_from_hf_config(hf_config_dict("Qwen2.5-7B")),
 }
 

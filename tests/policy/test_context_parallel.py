@@ -151,7 +151,7 @@ def pg_loss(logp, entropy, mb, *, n_tokens: float):
     return loss, {"tokens": mask.sum()}
 
 
-def _policy_worker(rank, world, tp, cp, hf_dir, budget, pp=1, dist_opt="off"):
+def _policy_worker(rank, world, tp, cp, hf_dir, budget, pp=1, dist_opt="off", model_kw=None):
     from megatron_grpo.bench.ops.count import SavedBytes
     from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
     from megatron_grpo.distributed import distributed_context
@@ -163,7 +163,8 @@ def _policy_worker(rank, world, tp, cp, hf_dir, budget, pp=1, dist_opt="off"):
     with distributed_context(ParallelConfig(tp=tp, cp=cp, pp=pp), spec, seed=1) as ctx:
         batch = _batch(spec.vocab_size)
         policy = build_policy(
-            spec, ctx, ModelConfig(), OptimConfig(lr=1e-2, clip_grad=0.0, adam_eps=1e-1, distributed_optimizer=dist_opt),
+            spec, ctx, ModelConfig(**(model_kw or {})),
+            OptimConfig(lr=1e-2, clip_grad=0.0, adam_eps=1e-1, distributed_optimizer=dist_opt),
             init_weights=lambda ch: load_hf_into_megatron(ch, hf_dir, spec, ctx),
         )  # fmt: skip
         lp = policy.compute_logprobs(batch, 2, token_budget=budget)
@@ -172,6 +173,7 @@ def _policy_worker(rank, world, tp, cp, hf_dir, budget, pp=1, dist_opt="off"):
             metrics = policy.train_step(batch, loss_fn, 2, token_budget=budget)
         return {
             "tp_rank": (ctx.tp_rank, ctx.pp_rank),
+            "recompute": policy.config.recompute_granularity,
             "saved_bytes": saved.bytes,
             "logp": lp["logp"], "entropy": lp["entropy"],
             "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
@@ -225,6 +227,45 @@ def test_policy_at_cp_equals_cp1(hf_dir, tp, pp, cp, budget, dist_opt):
             f"{want['saved_bytes']} B at cp=1"
         )
         assert r["saved_bytes"] < want["saved_bytes"] * (0.8 if cp == 2 else 0.6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype,recompute", [("float32", "full"), ("bfloat16", "none")])
+def test_recompute_and_bf16_at_cp2_equal_cp1(hf_dir, dtype, recompute, capsys):
+    """CP=2 with ``model.recompute=full`` (the core attention's K/V all-gather runs again in
+    the backward pass) equals CP=1 with it in fp32 (<= 1e-5); bf16 with megatron's
+    distributed optimizer (sharded over dp x cp) equals CP=1 in bf16 within bf16's rounding:
+    the two differ in where each sum rounds (per-chunk attention, gradients summed over the
+    CP ranks), not in what they compute."""
+    model_kw = {"dtype": dtype, "recompute": recompute}
+    dist_opt = "on" if dtype == "bfloat16" else "off"
+    args = (hf_dir, 25, 1, dist_opt, model_kw)
+    (want,) = run_distributed(_policy_worker, 1, 1, 1, *args, timeout=280)
+    got = run_distributed(_policy_worker, 2, 1, 2, *args, timeout=280)
+    bf16 = dtype == "bfloat16"
+    # bf16 (measured, docs/context-parallel.md: log-probs 3.1e-5 apart, grad norm rel 7e-5,
+    # weights one bf16 step, 2^-7 of their size): log-probs within 1e-3, the loss and grad
+    # norm within 1e-3 relative, the updated weights within two bf16 steps (2 x 2^-7)
+    tol = 1e-3 if bf16 else TOL
+    for r in got:
+        assert r["recompute"] == want["recompute"] == (None if recompute == "none" else "full")
+        assert all(w.dtype == getattr(torch, dtype) for w in r["weights"].values())
+        assert want["logp"].abs().max() > 0.1
+        gaps = {k: (r[k] - want[k]).abs().max().item() for k in ("logp", "entropy")}
+        w_gap = max(
+            ((r["weights"][n].float() - w.float()).abs() / w.float().abs().clamp_min(1e-2))
+            .max().item()
+            for n, w in want["weights"].items()
+        )  # fmt: skip
+        with capsys.disabled():
+            print(f"\ncp=2 vs cp=1 {dtype} recompute={recompute}: {gaps}, loss "
+                  f"{r['loss']:.6f} vs {want['loss']:.6f}, grad norm {r['grad_norm']:.6f} vs "
+                  f"{want['grad_norm']:.6f}, weights rel {w_gap:.2e}")  # fmt: skip
+        assert max(gaps.values()) <= tol, gaps
+        assert r["loss"] == pytest.approx(want["loss"], rel=1e-3 if bf16 else 0, abs=1e-6)
+        assert r["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3 if bf16 else 1e-5)
+        assert w_gap <= (2 * 2**-7 if bf16 else 1e-5), w_gap
 
 
 def test_bridge_treats_cp_ranks_as_data_parallel_replicas():
@@ -342,3 +383,97 @@ def test_checkpoint_saved_at_cp1_resumes_at_cp2(hf_dir, tmp_path):
         assert r["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
         for n, w in want["weights"].items():
             assert (r["weights"][n] - w).abs().max().item() <= 1e-6, n
+
+
+# ------------------------------------------------------------------ experts (MoE)
+
+
+def test_an_empty_micro_batch_splits_over_the_cp_ranks():
+    """The filler an expert-parallel rank adds to reach the agreed count is a multiple of
+    2*cp tokens and carries this CP rank's share, as a real pack does."""
+    from megatron_grpo.policy.micro_batches import empty_micro_batch
+    from tests.helpers.batches import rows
+
+    ids = torch.arange(1, 13).view(2, 6)
+    routed = torch.zeros(2, 6, 3, 2, dtype=torch.int16)
+    like = rows(ids, routed_experts=routed)
+    pack = PackedRows.build(ids, [6, 6], routed=routed, doc_multiple=4)
+    shares = [empty_micro_batch(like, pack, 1, cp=2, cp_rank=r)[1] for r in (0, 1)]
+    for r, share in enumerate(shares):
+        assert share is not None and share.bounds == (0, 4) and share.rows.numel() == 0
+        assert share.cp_local is not None and share.cp_local.tolist() == [[0, 3], [1, 2]][r]
+        assert share.routed_experts is not None and (share.routed_experts == -1).all()
+
+
+def _moe_cp_worker(rank, world, cp, hf_dir, ep=2, replays=(False, True)):
+    """EP=ep at CP=cp (the tiny MoE, fp32): per routing replay off/on, the log-probs,
+    entropies, loss, grad norm and updated weights of one step on this DP rank's batch
+    (packed, tests/policy/test_moe_packing.py's rows and given experts)."""
+    from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
+    from megatron_grpo.distributed import distributed_context
+    from megatron_grpo.layouts import load_hf_into_megatron
+    from megatron_grpo.models.spec import load_spec
+    from megatron_grpo.policy import build_policy
+    from tests.policy.test_moe_packing import BUDGET, LENGTHS, _rank_batch
+
+    torch.set_num_threads(1)
+    spec = load_spec(hf_dir)
+    with distributed_context(ParallelConfig(ep=ep, cp=cp), spec, seed=1) as ctx:
+        batch = _rank_batch(spec.vocab_size, spec.num_layers, ctx.dp_rank)
+        n_tokens = float(sum(n - 2 for lengths in LENGTHS.values() for n in lengths))
+        loss_fn = partial(pg_loss, n_tokens=n_tokens)
+        out: dict = {"dp_rank": ctx.dp_rank, "ep_rank": ctx.ep_rank}
+        for replay in replays:
+            policy = build_policy(
+                spec, ctx, ModelConfig(), OptimConfig(lr=1e-2, clip_grad=0.0, adam_eps=1e-1),
+                init_weights=lambda ch: load_hf_into_megatron(ch, hf_dir, spec, ctx),
+                routing_replay=replay,
+            )  # fmt: skip
+            out["count"] = len(policy.forward.split(batch, 2, BUDGET))
+            lp = policy.compute_logprobs(batch, 2, token_budget=BUDGET)
+            metrics = policy.train_step(batch, loss_fn, 2, token_budget=BUDGET)
+            out[replay] = {
+                "logp": lp["logp"], "entropy": lp["entropy"], "loss": metrics["loss"],
+                "grad_norm": metrics["grad_norm"],
+                "weights": {n: p.detach().clone() for n, p in policy.named_shards()},
+            }  # fmt: skip
+        return out
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> str:
+    from megatron_grpo.models.tiny import build_hf_model
+
+    return str(build_hf_model(tmp_path_factory.mktemp("cp_moe") / "m", "tiny-moe", seed=3))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_moe_at_ep_cp2_equals_cp1_with_routing_replay(moe_dir):
+    """The tiny MoE at CP=2 (4 ranks, 2 DP replicas) gives the log-probs, entropies, loss,
+    grad norm and updated weights of EP=2 x CP=1 (2 ranks), per DP rank, with the router's
+    own choice and with routing replay of given experts (each token's experts taken at its
+    rank's zigzag share); replaying changes the forward. megatron's expert ranks
+    (tp-ep-dp-pp) fold CP into expert DP: at EP=2 each replica's two CP ranks are its two EP
+    ranks; at EP=4 the EP group spans both replicas, whose batches pack into 1 and 3
+    micro-batches, so replica 0's CP ranks run two empty ones, split like a real pack."""
+    ref = {r["dp_rank"]: r for r in run_distributed(_moe_cp_worker, 2, 1, moe_dir, timeout=480)}
+    for ep, replays in ((2, (False, True)), (4, (True,))):
+        got = run_distributed(_moe_cp_worker, 4, 2, moe_dir, ep, replays, timeout=480)
+        assert [r["count"] for r in got] == [1, 1, 3, 3]  # rank order tp-cp-ep-dp-pp
+        for r in got:
+            want = ref[r["dp_rank"]]
+            # the expert shards: those of the reference rank with the same EP rank (at
+            # EP=4 a rank holds one expert: compared through the grad norm and log-probs)
+            want_w = next(x for x in ref.values() if x["ep_rank"] == r["ep_rank"] % 2)
+            for replay in replays:
+                g, w = r[replay], want[replay]
+                assert w["logp"].abs().max() > 0.1
+                for key in ("logp", "entropy"):
+                    torch.testing.assert_close(g[key], w[key], atol=TOL, rtol=0)
+                assert g["loss"] == pytest.approx(w["loss"], abs=1e-6)
+                assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5)
+                for n, x in want_w[replay]["weights"].items():
+                    if ep == 2 or ".experts." not in n:
+                        assert (g["weights"][n] - x).abs().max().item() <= 1e-6, (ep, n)
+            assert ep == 4 or (r[True]["logp"] - r[False]["logp"]).abs().max() > 1e-3
