@@ -258,7 +258,7 @@ _CHECKPOINTED: dict[type, type] = {}
 
 def _checkpointed(cls: type) -> type:
     """``cls`` with a forward that runs under the non-reentrant checkpoint when training with
-    gradients (one subclass per layer class, so a built model copies and pickles as one).
+    gradients (one subclass per layer class, made once).
     The layer's input goes in positionally, so the checkpoint saves it through autograd
     (where ``bench ops``'s ``SavedBytes`` sees it), as megatron's saved it."""
     if cls in _CHECKPOINTED.values():
