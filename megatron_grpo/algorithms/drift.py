@@ -49,7 +49,7 @@ def k3_drift_sums(logp_BT: Tensor, alpha_logp_BT: Tensor, mask_BT: Tensor) -> Te
 def drift_from_sums(sums: Tensor) -> float:
     """Token-mean drift from :func:`k3_drift_sums`' (possibly all-reduced) sums; 0 when no
     token was counted."""
-    total, count = (float(x) for x in sums)
+    total, count = sums.tolist()  # one read to the host, not two
     return total / count if count > 0 else 0.0
 
 

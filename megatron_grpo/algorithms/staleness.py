@@ -104,12 +104,14 @@ def decomposition_metrics(sums: Tensor, maxima: Tensor, with_tis: bool) -> dict[
     the fraction of response tokens and of sequences the TIS/MIS rule touches, on the
     numerics ratio (``tis_tokens_frac``, ``tis_seqs_frac``) and on the mixed ratio
     (``tis_mixed_*``: what it would touch without the split)."""
-    s = dict(zip(DECOMPOSITION_SUMS, (float(x) for x in sums), strict=True))
+    # one read to the host for all of them (bench ops --loop), not one per value
+    values = torch.cat([sums.double(), maxima.double()]).tolist()
+    s = dict(zip(DECOMPOSITION_SUMS, values[: len(sums)], strict=True))
     tokens, seqs = max(s["tokens"], 1.0), max(s["seqs"], 1.0)
     out = {}
     for i, part in enumerate(RATIO_PARTS):
         out[f"{part}_mean"] = s[f"{part}_sum"] / tokens
-        out[f"{part}_max_abs"] = float(maxima[i])
+        out[f"{part}_max_abs"] = values[len(sums) + i]
         out[f"{part}_kl"] = s[f"{part}_kl_sum"] / tokens
     if with_tis:
         for name in ("tis", "tis_mixed"):

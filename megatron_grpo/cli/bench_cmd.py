@@ -9,6 +9,7 @@ megatron-grpo bench train [--preset P] [--rows R] [--max-len N] [--micro-batch-s
     [--steps S] [--device auto|cuda|cpu] --json OUT.json
 megatron-grpo bench ops [--preset P] [--rows R] [--packs K] [--dtype bfloat16|float32]
     [--fused-adam auto|on|off] [--sides project,hf,hf-packed] [--recompute none,full] --json OUT.json
+megatron-grpo bench ops --loop [--loop-micro-batches 2,4] --json OUT.json
 megatron-grpo bench reproduce [--claims 1,2,3,4] [--seeds N] [--steps S] [--out-dir DIR]
     [key=value ...]
 megatron-grpo bench control [--channels store,zmq] [--repeats N] [--samples S] [--tokens T]
@@ -174,8 +175,14 @@ def run_ops(args: argparse.Namespace) -> int:
     and bytes saved for the backward pass per token per layer. --sides adds bench train's
     HF anchors on the same batch and weights, --recompute none,full both settings, with the
     project/anchor ratios. Counts are deterministic: the suite holds the tiny figures to
-    tests/op_budget.json and to the anchor's. Prints a table,
-    writes JSON (docs/benchmarks.md, "bench ops")."""
+    tests/op_budget.json and to the anchor's. --loop instead counts one tiny trainer step of
+    the real loop (a canned engine where vLLM would be) at each --loop-micro-batches: its
+    host-sync-prone calls and Python seconds by site, inside and outside the policy. Prints a
+    table, writes JSON (docs/benchmarks.md, "bench ops")."""
+    if args.loop:
+        from megatron_grpo.bench.ops.loop import LoopArgs, loop_table, run_bench_loop
+
+        return _measure(args, LoopArgs, run_bench_loop, loop_table)
     from megatron_grpo.bench.ops.run import BenchOpsArgs, ops_table, run_bench_ops
 
     return _measure(args, BenchOpsArgs, run_bench_ops, ops_table)

@@ -94,11 +94,13 @@ class ModelConfig:
     materializes the fp32 scores of every layer and cannot pack sequences (the parity
     reference)."""
     recompute: Literal["none", "full"] = "none"
-    """Activation recomputation. ``full``: megatron recomputes every layer in the backward
-    pass from its saved input (``recompute_granularity=full``, ``uniform``, one layer per
-    group), keeping ~``2*tokens*hidden`` bytes per layer instead of the layer's whole
-    activations: about 1/3 more compute for the longest sequences (``megatron-grpo plan``
-    counts either; its ``--recompute`` flag asks the same question of a config)."""
+    """Activation recomputation. ``full``: every layer is recomputed in the backward pass
+    from its saved input (the local spec: torch's non-reentrant checkpoint per layer, which
+    stops before the layer's fc2, ``policy.model_builder.checkpoint_layers``; TE layers:
+    megatron's ``recompute_granularity=full``, ``uniform``, one layer per group), keeping
+    ~``2*tokens*hidden`` bytes per layer instead of the layer's whole activations: about 1/3
+    more compute for the longest sequences (``megatron-grpo plan`` counts either; its
+    ``--recompute`` flag asks the same question of a config)."""
     logprob_impl: Literal["auto", "fused", "logits"] = "auto"
     """How the last pipeline stage turns hidden states into per-token log-probs and entropies
     (``policy/scoring.py``). ``fused``: the output layer's matmul, log-softmax and entropy in

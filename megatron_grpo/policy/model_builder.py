@@ -20,7 +20,10 @@ kernels: ``policy.kernels``. Dtype ``auto``: fp32 on CPU, bf16 on GPU.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -120,7 +123,6 @@ def transformer_config(
         moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=on_cpu,
         **FUSIONS_OFF,
-        **recompute_args(model_cfg),
         **moe_args(spec, model_cfg),
         **extra,
     )
@@ -158,15 +160,123 @@ def moe_args(spec: ModelSpec, model_cfg: ModelConfig) -> dict[str, Any]:
     )
 
 
-def recompute_args(model_cfg: ModelConfig) -> dict[str, Any]:
-    """TransformerConfig's activation-recompute fields for ``model.recompute``: ``full``
-    recomputes each layer from its input (megatron/core/transformer/transformer_block.py
-    ``_checkpointed_forward``, ``uniform`` with one layer per checkpoint)."""
-    if model_cfg.recompute == "full":
+def recompute_args(model_cfg: ModelConfig, impl: str) -> dict[str, Any]:
+    """TransformerConfig's activation-recompute fields for ``model.recompute``: with TE
+    layers, ``full`` is megatron's (each layer recomputed from its input,
+    megatron/core/recompute.py ``checkpointed_forward``, ``uniform`` with one layer per
+    checkpoint; TE's linear layers stay under megatron's checkpoint, as verified on a GPU);
+    with the local spec none: ``checkpoint_layers`` checkpoints the layers."""
+    if model_cfg.recompute == "full" and impl == "transformer_engine":
         return dict(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         )
     return {}
+
+
+def checkpoint_layers(model: Any) -> int:
+    """``model.recompute=full``: each transformer layer of the built chunk ``model`` runs,
+    while training with gradients, under torch's non-reentrant activation checkpoint
+    (``torch.utils.checkpoint``, ``use_reentrant=False``), in place of megatron's
+    ``recompute_granularity=full`` (``uniform``, one layer per checkpoint); returns how many
+    layers. Both keep each layer's input and recompute the layer in the backward pass; this
+    one stops once the tensors the layer saves are back, and the layer's last projection
+    (the local spec's fc2, a ``RowParallelLinear``), whose output nothing in the layer saves,
+    runs as a stand-in that only saves its ``(input, weight)`` while recomputing
+    (``_PackOnly``): megatron's linear is an autograd Function whose saved tensors are
+    packed after its product ran, so without the stand-in the early stop would come after
+    the product. Megatron's reentrant recompute re-ran the whole layer: 1.063x the
+    padding-free HF anchor's FLOPs per token on the tiny model, 1.009x now
+    (docs/benchmarks.md section 7). The same computation, so the same numbers bit for bit
+    (tests/policy/test_recompute.py).
+
+    What megatron's checkpoint did and this does not: restore the model-parallel RNG
+    tracker's states for dropout in the recomputed forward; the model has no dropout
+    (refused below if it had). TP/SP collectives before fc2 re-run on every rank alike;
+    each pipeline stage checkpoints its own layers; MoE experts are recomputed whole (no
+    stand-in). TE layers keep megatron's recompute (``recompute_args``)."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    if model.config.hidden_dropout or model.config.attention_dropout:
+        raise ValueError(
+            "model.recompute=full recomputes layers without megatron's RNG tracker: it needs "
+            "hidden_dropout = attention_dropout = 0."
+        )
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    for layer in layers:
+        layer.__class__ = _checkpointed(type(layer))
+        fc2: Any = getattr(getattr(layer, "mlp", None), "linear_fc2", None)
+        if type(fc2) is RowParallelLinear:
+            fc2._forward_impl = functools.partial(_fc2_forward, fc2._forward_impl)
+    return len(layers)
+
+
+_RECOMPUTING = threading.local()
+"""``on`` while this thread recomputes a checkpointed layer (the backward pass's thread)."""
+
+
+class _Recomputing:
+    """The checkpoint's recompute context (its ``context_fn``'s second)."""
+
+    def __enter__(self) -> None:
+        _RECOMPUTING.on = True
+
+    def __exit__(self, *exc: object) -> None:
+        _RECOMPUTING.on = False
+
+
+def _contexts() -> tuple[contextlib.AbstractContextManager[None], _Recomputing]:
+    return contextlib.nullcontext(), _Recomputing()
+
+
+class _PackOnly(torch.autograd.Function):
+    """fc2 while recomputing: saves what megatron's linear Function saves, ``(input,
+    weight)``, in that order (the checkpoint matches recomputed tensors by order), and
+    skips the product: the early stop ends the recompute at this save."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(input, weight)
+        return input.new_empty(*input.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        raise RuntimeError("the recompute's stand-in for fc2 is never differentiated")
+
+
+def _fc2_forward(forward: Any, input: torch.Tensor, weight: torch.Tensor, *args: Any,
+                 **kwargs: Any) -> Any:  # fmt: skip
+    """A checkpointed layer's ``RowParallelLinear._forward_impl``: the stand-in while
+    recomputing, else megatron's."""
+    if getattr(_RECOMPUTING, "on", False):
+        return _PackOnly.apply(input, weight)  # type: ignore[no-untyped-call]
+    return forward(input, weight, *args, **kwargs)
+
+
+_CHECKPOINTED: dict[type, type] = {}
+
+
+def _checkpointed(cls: type) -> type:
+    """``cls`` with a forward that runs under the non-reentrant checkpoint when training with
+    gradients (one subclass per layer class, made once).
+    The layer's input goes in positionally, so the checkpoint saves it through autograd
+    (where ``bench ops``'s ``SavedBytes`` sees it), as megatron's saved it."""
+    if cls in _CHECKPOINTED.values():
+        return cls
+    if cls not in _CHECKPOINTED:
+
+        def forward(self: Any, hidden_states: Any = None, *args: Any, **kwargs: Any) -> Any:
+            run = super(sub, self).forward  # type: ignore[arg-type]
+            if self.training and torch.is_grad_enabled():
+                from torch.utils.checkpoint import checkpoint
+
+                return checkpoint(run, hidden_states, *args, use_reentrant=False,
+                                  context_fn=_contexts, **kwargs)  # fmt: skip
+            return run(hidden_states, *args, **kwargs)
+
+        sub: type = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward})
+        _CHECKPOINTED[cls] = sub
+    return _CHECKPOINTED[cls]
 
 
 def cast_params_(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -229,7 +339,8 @@ def build_model(
     kernels = kernels or resolve_kernels(model_cfg, ctx.device)
     log.info("layer kernels: %s", kernels.describe())
     check_sequence_parallel(ctx.sequence_parallel, kernels.impl)
-    config = transformer_config(spec, ctx, model_cfg, **kernels.config_args())
+    config = transformer_config(spec, ctx, model_cfg, **kernels.config_args(),
+                                **recompute_args(model_cfg, kernels.impl))  # fmt: skip
     layers = layer_spec(spec, kernels.impl, model_cfg.local_attention)
     vocab = padded_vocab_size(spec, ctx, model_cfg)
     chunks = []
@@ -254,5 +365,7 @@ def build_model(
         model.to(ctx.device)
         cast_params_(model, config.params_dtype)
         apply_kernels(model, kernels)
+        if model_cfg.recompute == "full" and kernels.impl == "local":
+            checkpoint_layers(model)
         chunks.append(model)
     return chunks

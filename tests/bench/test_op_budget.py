@@ -7,7 +7,9 @@ megatron code path itself); ``tests/op_budget.json`` holds the budgets. Counts a
 deterministic for an install, so the check is exact, not timed. Also here: the per-layer op
 count does not grow with the documents in a pack (megatron-core 0.19's RoPE did: 443 ops
 per layer per micro-batch at 2 documents a pack, 1,091 at 8), and the parts that made the
-counts drop are exact against what they replace.
+counts drop are exact against what they replace. And ``bench ops --loop``: one trainer step
+of the real loop makes the same host-sync-prone calls at 2 and at 4 micro-batches, within
+the ``loop`` budget.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 from megatron_grpo.bench.ops.count import OpCounter, SavedBytes, SyncCounter, count_flops
+from megatron_grpo.bench.ops.loop import LoopArgs, loop_table, run_bench_loop
 from megatron_grpo.bench.ops.run import BenchOpsArgs, budget_for_packs, ops_table, run_bench_ops
 from megatron_grpo.policy.transfer import to_device
 from tests.helpers.batches import rows
@@ -68,26 +71,15 @@ def test_step_stays_within_its_budget(tiny_counts, phase):
     )
 
 
-FULL_RECOMPUTE_FLOPS = (
-    "megatron's full recompute re-runs each whole layer in the backward pass, fc2 included; "
-    "transformers' non-reentrant checkpoint stops once the saved tensors are recomputed, so it "
-    "skips each layer's down projection (tiny: 1.063x; docs/benchmarks.md section 7)"
-)
-
-
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    "mode, figure",
-    [
-        pytest.param(m, f, marks=pytest.mark.xfail(strict=True, reason=FULL_RECOMPUTE_FLOPS))
-        if (m, f) == ("full", "flops_per_token") else (m, f)
-        for m in MODES for f in ANCHOR["max_ratio"]
-    ],
-)  # fmt: skip
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("figure", list(ANCHOR["max_ratio"]))
 def test_train_step_is_at_or_below_the_anchor(tiny_counts, mode, figure):
     """Ops per layer per micro-batch, FLOPs per useful token and bytes saved for the backward
     pass per token per layer of the project's train step over the padding-free HF anchor's,
-    on the same batch and weights."""
+    on the same batch and weights. With recompute full the FLOPs held megatron's reentrant
+    recompute at 1.063x (it re-ran each layer's fc2); policy/model_builder.py
+    ``checkpoint_layers`` stops before it."""
     ratio = tiny_counts["ratios"][ANCHOR["side"]][mode]["train"][figure]
     limit = ANCHOR["max_ratio"][figure]
     assert ratio is not None and ratio <= limit, (
@@ -102,6 +94,23 @@ def test_anchor_counts_are_of_the_same_model(tiny_counts):
     same useful tokens): the anchor ran the project's model, not another shape."""
     for mode in MODES:
         assert tiny_counts["ratios"][ANCHOR["side"]][mode]["logprob"]["flops_per_token"] == 1.0
+
+
+@pytest.mark.slow  # the run's reward pool is a process
+@pytest.mark.timeout(300)
+def test_loop_step_host_syncs_are_constant_in_micro_batches():
+    """One trainer step of the real loop (bench ops --loop: canned engine, reference, pi_k and
+    alpha passes, drift and staleness, a sync, the metrics row) at 2 and at 4 micro-batches:
+    the same host-sync-prone calls, site by site, within the budget."""
+    budget = BUDGET["loop"]
+    res = run_bench_loop(LoopArgs(loop_micro_batches="2,4", warmup=False))
+    two, four = (r["host_syncs"] for r in res["runs"])
+    assert [r["micro_batches"] for r in res["runs"]] == [2, 4]
+    assert two["by_site"] == four["by_site"], f"grows with micro-batches: {res['grows']}"
+    assert two["total"] <= budget["host_syncs"], loop_table(res)
+    assert two["outside_policy"] <= budget["host_syncs_outside_policy"], loop_table(res)
+    policy = two["total"] - two["outside_policy"]
+    assert policy > 0 and any("policy/" in k for k in two["by_site"])  # the policy's are seen
 
 
 def test_saved_bytes_count_each_storage_once_without_parameters():
@@ -205,3 +214,11 @@ def test_bench_ops_command(tmp_path):
 def test_bad_sides_and_recompute_are_one_line(kw, match):
     with pytest.raises(ValueError, match=match):
         BenchOpsArgs(**kw)
+
+
+@pytest.mark.parametrize("value", ["3", "2,2", "0", "two", "16"])
+def test_bad_loop_micro_batches_are_one_line(value):
+    with pytest.raises(
+        ValueError, match=rf"^--loop-micro-batches='{value}': .* divide the step's 16 rows"
+    ):
+        LoopArgs(loop_micro_batches=value)

@@ -50,12 +50,12 @@ def _site(depth: int = 2) -> str:
             and name != _THIS_FILE
             and frame.f_code.co_name not in _MODE_HANDLERS
         ):
-            return f"{_short(name)}:{frame.f_lineno} {frame.f_code.co_name}"
+            return f"{short_path(name)}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
     return "<torch>"
 
 
-def _short(path: str) -> str:
+def short_path(path: str) -> str:
     """A site's file relative to its package root (``megatron/core/...``,
     ``megatron_grpo/...``)."""
     for marker in ("site-packages" + os.sep, *_OWN_ROOTS):

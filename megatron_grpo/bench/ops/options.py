@@ -29,3 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", default="none",
                    help="model.recompute settings counted, a comma list: none, full (the anchors: "
                    "gradient checkpointing)")  # fmt: skip
+    p.add_argument("--loop", action="store_true",
+                   help="instead: one tiny trainer step of the real loop (canned engine), its "
+                   "host-sync-prone calls and Python time by site, inside and outside the policy")  # fmt: skip
+    p.add_argument("--loop-micro-batches", default="2,4",
+                   help="--loop: the packed micro-batches of each run, a comma list (which sites "
+                   "grow with them)")  # fmt: skip
