@@ -449,4 +449,5 @@ def test_launchers_pass_max_restarts_and_resume_auto(slurm_env, tmp_path: Path, 
     jobs.append(multi)
     assert multi.wait(60) == 0, multi.text()
     lines = log.read_text().splitlines()
-    assert len(lines) == 2 and all(f"--max-restarts={max_restarts or 0} " in x for x in lines), lines
+    assert len(lines) == 2, lines
+    assert all(f"--max-restarts={max_restarts or 0} " in x for x in lines), lines

@@ -62,7 +62,8 @@ def test_a_signal_that_stops_torchrun_is_one_line(monkeypatch, caplog, capsys):
     caplog.set_level(logging.INFO, logger=TAIL)
     monkeypatch.setattr(torch_run, "main", stopped)
     assert quiet_torchrun.main([]) == 1
-    assert capsys.readouterr().err == "torchrun: stopped by SIGTERM; its ranks were sent SIGTERM too\n"
+    said = capsys.readouterr().err
+    assert said == "torchrun: stopped by SIGTERM; its ranks were sent SIGTERM too\n"
     assert [r.getMessage() for r in caplog.records] == ["Sending process 11 closing signal SIGTERM"]
     assert not logging.getLogger(TAIL).filters
 
