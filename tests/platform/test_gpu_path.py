@@ -46,8 +46,9 @@ def test_context_parallel_is_refused_where_it_does_not_run_yet():
     ParallelConfig(cp=2)  # the layout alone is fine: the world check divides it out
     Config(parallel=ParallelConfig(cp=2))
     Config(parallel=ParallelConfig(cp=2, pp=2))
-    with pytest.raises(ConfigError, match=r"parallel.cp=2 does not run with parallel.ep=2: set "):
-        Config(parallel=ParallelConfig(cp=2, ep=2))
+    Config(parallel=ParallelConfig(cp=2, ep=2))  # experts run with CP (issue 42)
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 does not run with parallel.sequence_"):
+        Config(parallel=ParallelConfig(cp=2, tp=2, sequence_parallel=True))
     with pytest.raises(ConfigError, match=r"packed_rope=false: set true .* or parallel.cp=1"):
         Config(
             parallel=ParallelConfig(cp=2),
