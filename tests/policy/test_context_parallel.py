@@ -173,7 +173,10 @@ def _policy_worker(rank, world, tp, cp, hf_dir, budget, pp=1, dist_opt="off", mo
             metrics = policy.train_step(batch, loss_fn, 2, token_budget=budget)
         return {
             "tp_rank": (ctx.tp_rank, ctx.pp_rank),
-            "recompute": policy.config.recompute_granularity,
+            # model.recompute=full with the local spec: each layer under torch's checkpoint
+            # (policy/model_builder.py checkpoint_layers), not megatron's recompute_granularity
+            "recompute": "full" if any(type(m).__name__.startswith("Checkpointed")
+                                       for m in policy.models[0].modules()) else None,  # fmt: skip
             "saved_bytes": saved.bytes,
             "logp": lp["logp"], "entropy": lp["entropy"],
             "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
