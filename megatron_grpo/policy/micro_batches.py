@@ -266,14 +266,19 @@ def packed_micro_batches(
     for rows in groups:
         length = max(lengths[rows])
         routed = None if batch.routed_experts is None else batch.routed_experts[rows]
-        pack = PackedRows.build(
-            batch.input_ids[rows], lengths[rows], multiple, routed,
-            doc_multiple=2 * cp if cp > 1 else 1,
-        )  # fmt: skip
-        if cp > 1:
-            pack = pack.split_for(cp, cp_rank)
+        pack = _rank_pack(batch.input_ids[rows], lengths[rows], multiple, routed, cp, cp_rank)
         out.append((rows, length, _slice_rows(batch, rows, length), pack))
     return out
+
+
+def _rank_pack(ids: torch.Tensor, lengths: list[int], multiple: int, routed: torch.Tensor | None,
+               cp: int, cp_rank: int) -> PackedRows:  # fmt: skip
+    """``PackedRows.build`` of a rank: with ``cp`` > 1 every document padded to a multiple of
+    2*cp tokens and the pack cut to context-parallel rank ``cp_rank``'s share."""
+    if cp == 1:
+        return PackedRows.build(ids, lengths, multiple, routed)
+    pack = PackedRows.build(ids, lengths, multiple, routed, doc_multiple=2 * cp)
+    return pack.split_for(cp, cp_rank)
 
 
 def split_batch(
@@ -345,8 +350,4 @@ def empty_micro_batch(
     rows = Rows(input_ids=ids, attention_mask=None, routed_experts=routed)
     if pack is None:
         return rows, None
-    if cp == 1:
-        return rows, PackedRows.build(ids, [], multiple, routed)
-    return rows, PackedRows.build(ids, [], multiple, routed, doc_multiple=2 * cp).split_for(
-        cp, cp_rank
-    )
+    return rows, _rank_pack(ids, [], multiple, routed, cp, cp_rank)
