@@ -218,9 +218,9 @@ def _measure(
         a = from_args(args_type, args)
     _quiet_libraries()
     res = run(a)
-    print(table(res))
-    if args.json_out:
+    if args.json_out:  # first: a table that fails to print loses no figure
         _write_json(res, args.json_out)
+    print(table(res))
     return 0
 
 

@@ -24,7 +24,13 @@ import torch
 
 from megatron_grpo.bench.ops.count import OpCounter, SavedBytes, SyncCounter, count_flops
 from megatron_grpo.bench.ops.loop import LoopArgs, loop_table, run_bench_loop
-from megatron_grpo.bench.ops.run import BenchOpsArgs, budget_for_packs, ops_table, run_bench_ops
+from megatron_grpo.bench.ops.run import (
+    BenchOpsArgs,
+    budget_for_packs,
+    kernel_kind,
+    ops_table,
+    run_bench_ops,
+)
 from megatron_grpo.policy.transfer import to_device
 from tests.helpers.batches import rows
 
@@ -147,6 +153,32 @@ def test_budget_for_packs_gives_that_many_packs():
         assert got <= packs
         if budget > max(lengths):  # and it is the smallest budget that does
             assert len(packed_micro_batches(rows(ids, mask), budget - 1)) > packs
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("nvjet_tst_192x192_64x4_2x1_v_bz_coopA_NTN", "gemm"),
+        ("void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
+        ("void multi_tensor_apply_kernel<TensorListMetadata<4>, AdamFunctor<float>>", "optimizer"),
+        ("_rms_norm_forward_kernel", "norm"),
+        ("Memcpy DtoD (Device -> Device)", "copy"),
+        (
+            "void at::native::reduce_kernel<512, 1, ReduceOp<float, func_wrapper_t<float, sum>>>",
+            "reduce",
+        ),
+        (
+            "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<c10::BFloat16>>",
+            "elementwise",
+        ),
+        ("_swiglu_forward_kernel", "elementwise"),
+    ],
+)
+def test_kernel_kinds_of_the_device_time_table(name, kind):
+    """bench ops on CUDA sums the kernels' time by kind (where the step's device time goes);
+    the kinds are read off the kernel names the H100 profiles showed."""
+    assert kernel_kind(name) == kind
 
 
 def test_counters_see_ops_and_host_syncs():

@@ -120,22 +120,73 @@ def budget_for_packs(lengths: list[int], packs: int) -> int:
     return lo
 
 
-def _profile_cuda(fn: Callable[[], Any]) -> dict:
-    """Kernel launches and host synchronizations of one call of ``fn`` (torch.profiler)."""
+KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "splitk")),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("optimizer", ("adam", "multi_tensor", "l2norm")),
+    ("norm", ("rms", "norm")),
+    ("copy", ("copy", "memcpy", "memset", "fill", "cat_", "index", "gather", "scatter")),
+    ("reduce", ("reduce", "softmax", "logsumexp", "max", "sum")),
+)
+"""Kernel kinds by name fragment, first match wins (``kernel_kind``); the rest are
+``elementwise`` (activations, casts, the loss's arithmetic, Triton's fused kernels)."""
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a CUDA kernel by its (demangled) name: where a step's device time goes."""
+    low = name.lower()
+    for kind, fragments in KERNEL_KINDS:
+        if any(f in low for f in fragments):
+            return kind
+    return "elementwise"
+
+
+def _profile_cuda(fn: Callable[[], Any], top: int = 12) -> dict:
+    """Kernel launches and host synchronizations of one call of ``fn`` (torch.profiler), and
+    where the device's time goes: the call's wall time, the kernels' summed time (``busy``:
+    their share of the wall; the rest is the device idle, waiting for the host), by kind and
+    the ``top`` kernels by time."""
+    import time
+
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
     launches = syncs = 0
+    kinds: dict[str, float] = {}
+    kernels: dict[str, float] = {}
     for e in prof.events():
-        if e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"):
+        if e.device_type == DeviceType.CUDA:
+            us = e.time_range.elapsed_us()
+            kind = kernel_kind(e.name)
+            kinds[kind] = kinds.get(kind, 0.0) + us
+            kernels[e.name] = kernels.get(e.name, 0.0) + us
+        elif e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"):
             launches += 1
         elif e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"):
             syncs += 1
         elif e.name.startswith("cudaMemcpy") and "Async" not in e.name:
             syncs += 1
-    return {"kernel_launches": launches, "host_syncs": syncs}
+    device_ms = sum(kinds.values()) / 1e3
+    return {
+        "kernel_launches": launches,
+        "host_syncs": syncs,
+        "wall_ms": round(wall_us / 1e3, 3),
+        "kernel_ms": round(device_ms, 3),
+        "busy": round(device_ms / (wall_us / 1e3), 4) if wall_us else None,
+        "kernel_ms_by_kind": {
+            k: round(v / 1e3, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
+        },
+        "top_kernels_ms": {
+            k[:120]: round(v / 1e3, 3)
+            for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+        },
+    }
 
 
 def count_call(fn: Callable[[], Any], top: int, device: torch.device) -> dict:
@@ -146,7 +197,7 @@ def count_call(fn: Callable[[], Any], top: int, device: torch.device) -> dict:
         fn()
     out = {"ops": ops.counts.to_dict(top), "syncs": syncs.counts.to_dict(top)}
     if device.type == "cuda":
-        out["cuda"] = _profile_cuda(fn)
+        out["cuda"] = _profile_cuda(fn, top)
     return out
 
 
@@ -334,9 +385,8 @@ def ops_table(res: dict) -> str:
         if cuda:
             cells += (c["cuda"]["kernel_launches"], f"/ {c['cuda']['host_syncs']}")
         rows.append(cells)
-    return format_table(
-        titles, rows, widths, " ", head=head, foot=_sides_lines(res) + _top_lines(res)
-    )
+    foot = _sides_lines(res) + (_device_time_lines(res) if cuda else []) + _top_lines(res)
+    return format_table(titles, rows, widths, " ", head=head, foot=foot)
 
 
 SIDE_TITLES = ("side", "recompute", "phase", "ops/layer/mb", "host syncs", "FLOP/token",
@@ -366,6 +416,20 @@ def _sides_lines(res: dict) -> list[str]:
     head = ["", "per useful token (x model: over 2N / 6N + attention); per layer: the 2-layer "
             "model less the 1-layer one; '/ side': project over that anchor"]  # fmt: skip
     return [format_table(SIDE_TITLES, rows, SIDE_WIDTHS, " ", head=head)]
+
+
+def _device_time_lines(res: dict) -> list[str]:
+    """On CUDA, each side's device time per phase: the call's wall time, the kernels' summed
+    time and its share of the wall (``busy``), and the kernels' time by kind."""
+    lines = ["", "device time per call (ms): wall, kernels (busy share), kernels by kind"]
+    for side, modes in res["sides"].items():
+        for mode, phases in modes.items():
+            for phase, c in phases.items():
+                d = c["cuda"]
+                kinds = ", ".join(f"{k} {v:.1f}" for k, v in d["kernel_ms_by_kind"].items())
+                lines.append(f"  {side:<10} {mode:<5} {phase:<8} {d['wall_ms']:9.1f} "
+                             f"{d['kernel_ms']:9.1f} ({d['busy']:.0%})  {kinds}")  # fmt: skip
+    return lines
 
 
 def _ratio(ratios: dict, key: str | None) -> str:
