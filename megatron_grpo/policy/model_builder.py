@@ -260,13 +260,22 @@ def _checkpointed(cls: type) -> type:
     """``cls`` with a forward that runs under the non-reentrant checkpoint when training with
     gradients (one subclass per layer class, made once).
     The layer's input goes in positionally, so the checkpoint saves it through autograd
-    (where ``bench ops``'s ``SavedBytes`` sees it), as megatron's saved it."""
+    (where ``bench ops``'s ``SavedBytes`` sees it), as megatron's saved it. Megatron's layer
+    keeps its mid-layer hidden state on itself (``mlp_norm_manager``) until its next forward;
+    under this checkpoint that tensor's graph holds the layer's checkpoint frame and every
+    tensor recomputed into it, so the forward drops it: left, it kept 9.2 GiB of a
+    16k-token Qwen2.5-1.5B step alive into the next (H200, docs/benchmarks.md section 6)."""
     if cls in _CHECKPOINTED.values():
         return cls
     if cls not in _CHECKPOINTED:
 
         def forward(self: Any, hidden_states: Any = None, *args: Any, **kwargs: Any) -> Any:
-            run = super(sub, self).forward  # type: ignore[arg-type]
+            def run(*a: Any, **k: Any) -> Any:
+                try:
+                    return super(sub, self).forward(*a, **k)  # type: ignore[arg-type]
+                finally:
+                    self.__dict__.pop("mlp_norm_manager", None)
+
             if self.training and torch.is_grad_enabled():
                 from torch.utils.checkpoint import checkpoint
 
