@@ -40,7 +40,7 @@ for part in $parts; do
             --max-len 1024 --sides project,hf-packed --json "$OUT/ops_0.5b.json"
         ;;
     suite)
-        timeout 160 "$PY" tests/gpu/run_gpu_suite.py --out "$OUT/gpu_figures.json"
+        timeout 300 "$PY" tests/gpu/run_gpu_suite.py --out "$OUT/gpu_figures.json"
         ;;
     *) echo "gpu_session.sh: unknown part '$part' (train, ops, suite)"; exit 2 ;;
     esac
