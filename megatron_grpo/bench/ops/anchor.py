@@ -20,6 +20,7 @@ SIDES = ("project", "hf", "hf-packed")
 RATIO_FIGURES = {
     "ops": ("ops", "total"),
     "ops_per_layer_per_micro_batch": ("ops", "per_layer_per_micro_batch"),
+    "python_calls_per_layer_per_micro_batch": ("python", "per_layer_per_micro_batch"),
     "host_syncs": ("syncs", "total"),
     "flops_per_token": ("flops", "per_token"),
     "saved_bytes_per_token": ("saved_bytes", "per_token"),

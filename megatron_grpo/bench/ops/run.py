@@ -235,6 +235,28 @@ class _Run:
         del self.policy
 
 
+def python_calls(fn: Callable[[], Any]) -> int:
+    """The Python-level calls (functions and builtins) of one call of ``fn``, on every
+    thread (the autograd engine's included): what the host runs around the ATen ops, which
+    bounds a small model's GPU step (docs/benchmarks.md section 6: the device busy 46% of a
+    0.5B step). Deterministic for an install, unlike a time on a shared machine."""
+    import threading
+
+    n = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal n
+        if event in ("call", "c_call"):
+            n += 1
+
+    threading.setprofile_all_threads(count)
+    try:
+        fn()
+    finally:
+        threading.setprofile_all_threads(None)
+    return n
+
+
 def count_side(run, top: int, device: torch.device) -> dict[str, dict]:
     """A side's two phases (``run.logprobs``, ``run.train_step``), each counted on calls
     after its first (which builds lazy state, the optimizer's moments): ops and host syncs,
@@ -243,6 +265,7 @@ def count_side(run, top: int, device: torch.device) -> dict[str, dict]:
     for phase, fn in (("logprob", run.logprobs), ("train", run.train_step)):
         fn()
         out[phase] = count_call(fn, top, device)
+        out[phase]["python"] = {"calls": python_calls(fn)}
         out[phase]["flops"] = {"total": count_flops(fn)}
         if phase == "train":
             with SavedBytes(run.params()) as saved:
@@ -267,6 +290,8 @@ def _per_token(
     for phase, c in full.items():
         marginal = two[phase]["ops"]["total"] - one[phase]["ops"]["total"]
         c["ops"]["per_layer_per_micro_batch"] = marginal / num_mb
+        calls = two[phase]["python"]["calls"] - one[phase]["python"]["calls"]
+        c["python"]["per_layer_per_micro_batch"] = calls / num_mb
         c["flops"]["per_token"] = c["flops"]["total"] / tokens
         c["flops"]["model_per_token"] = model[phase]
         c["flops"]["over_model"] = c["flops"]["per_token"] / model[phase]
@@ -390,9 +415,9 @@ def ops_table(res: dict) -> str:
     return format_table(titles, rows, widths, " ", head=head, foot=foot)
 
 
-SIDE_TITLES = ("side", "recompute", "phase", "ops/layer/mb", "host syncs", "FLOP/token",
-               "x model", "saved B/token", "/layer")  # fmt: skip
-SIDE_WIDTHS = (-10, -10, -8, 13, 11, 13, 8, 14, 10)
+SIDE_TITLES = ("side", "recompute", "phase", "ops/layer/mb", "py/layer/mb", "host syncs",
+               "FLOP/token", "x model", "saved B/token", "/layer")  # fmt: skip
+SIDE_WIDTHS = (-10, -10, -8, 13, 12, 11, 13, 8, 14, 10)
 
 
 def _sides_lines(res: dict) -> list[str]:
@@ -403,11 +428,12 @@ def _sides_lines(res: dict) -> list[str]:
             for phase, c in phases.items():
                 saved = c.get("saved_bytes", {})
                 rows.append((side, mode, phase, f"{c['ops']['per_layer_per_micro_batch']:.1f}",
-                             c["syncs"]["total"], f"{c['flops']['per_token']:.4g}",
+                             f"{c['python']['per_layer_per_micro_batch']:.0f}", c["syncs"]["total"], f"{c['flops']['per_token']:.4g}",
                              f"{c['flops']['over_model']:.3f}",
                              f"{saved['per_token']:.0f}" if saved else "",
                              f"{saved['per_token_per_layer']:.0f}" if saved else ""))  # fmt: skip
-    keys = ("ops_per_layer_per_micro_batch", "host_syncs", "flops_per_token", None,
+    keys = ("ops_per_layer_per_micro_batch", "python_calls_per_layer_per_micro_batch", "host_syncs",
+            "flops_per_token", None,
             "saved_bytes_per_token", "saved_bytes_per_token_per_layer")  # fmt: skip
     for side, modes in res["ratios"].items():
         for mode, phases in modes.items():
@@ -415,7 +441,8 @@ def _sides_lines(res: dict) -> list[str]:
                 cells = [_ratio(r, k) for k in keys]
                 rows.append((f"/ {side}", mode, phase, *cells))
     head = ["", "per useful token (x model: over 2N / 6N + attention); per layer: the 2-layer "
-            "model less the 1-layer one; '/ side': project over that anchor"]  # fmt: skip
+            "model less the 1-layer one; py: Python calls (the host's work "
+            "around the ops); '/ side': project over that anchor"]  # fmt: skip
     return [format_table(SIDE_TITLES, rows, SIDE_WIDTHS, " ", head=head)]
 
 
