@@ -22,7 +22,8 @@ from megatron_grpo.metrics.console import console_err, log_path
 EXIT_TIMEOUT = 3
 
 
-def _exit(message: str) -> None:
+def exit_timeout(message: str) -> None:
+    """Print ``message`` (console and train.log) and end the process with status 3."""
     if log_path() is not None:
         print(message, file=sys.stderr, flush=True)
     print(message, file=console_err(), flush=True)
@@ -31,7 +32,7 @@ def _exit(message: str) -> None:
 
 @contextlib.contextmanager
 def bounded(
-    what: str, seconds: float, setting: str, on_timeout: Callable[[str], object] = _exit
+    what: str, seconds: float, setting: str, on_timeout: Callable[[str], object] = exit_timeout
 ) -> Iterator[None]:
     """Run the body; if it has not finished after ``seconds``, call ``on_timeout`` with
     ``error: <what> did not finish within <seconds>s (<setting>): ...`` (default: print it
