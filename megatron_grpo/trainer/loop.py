@@ -54,10 +54,9 @@ from megatron_grpo.trainer.checkpointer import Checkpointer, loop_state_of
 from megatron_grpo.trainer.collate import collate, mini_batches, with_advantages
 from megatron_grpo.trainer.colocated_memory import ColocatedMemory
 from megatron_grpo.trainer.logprobs import StepLogprobs
-from megatron_grpo.trainer.restarts import note_failure
 from megatron_grpo.trainer.sync_schedule import SyncSchedule
 from megatron_grpo.trainer.validation import Validator
-from megatron_grpo.trainer.watchdog import bounded, exit_timeout
+from megatron_grpo.trainer.watchdog import bounded_step
 
 if TYPE_CHECKING:  # transformers is heavy: imported when the run is built (trainer.build)
     from transformers import PreTrainedTokenizerBase
@@ -254,17 +253,12 @@ class GRPOTrainer:
                   "are zero-variance groups, masked")  # fmt: skip
 
     def _bounded(self, what: str) -> contextlib.AbstractContextManager[None]:
-        """Every wait of the loop ends, at the latest after parallel.timeout_s (watchdog.py);
-        the timeout is this attempt's failure of the step, as an exception would be
-        (restarts.py: the restarted attempt names it, a restart loop of hangs ends)."""
-        seconds = self.cfg.parallel.timeout_s
-
-        def timed_out(line: str) -> None:
-            hang = TimeoutError(f"{what} did not finish within {seconds:g}s (parallel.timeout_s)")
-            note_failure(self.cfg.run_dir, self.ctx.rank, self.checkpointer.last_step + 1, hang)
-            exit_timeout(line)
-
-        return bounded(what, seconds, "parallel.timeout_s bounds it", on_timeout=timed_out)
+        """Every wait of the loop ends, at the latest after parallel.timeout_s, as a failure
+        of the step (watchdog.py)."""
+        step = self.checkpointer.last_step + 1
+        return bounded_step(
+            what, self.cfg.parallel.timeout_s, self.cfg.run_dir, self.ctx.rank, step
+        )
 
     def finish(self) -> dict[str, Any]:
         s = self.cfg.sync

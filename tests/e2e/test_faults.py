@@ -196,16 +196,16 @@ if __name__ == "__main__":
     if "KILL_AT" in env or "HANG_AT" in env:
         Checkpointer.after_step = killing_after_step
     if "HANG_AT" in env:  # the time the watchdog ends a rank, for the hang's detection time
-        from megatron_grpo.trainer import loop
+        from megatron_grpo.trainer import watchdog
 
-        exit_timeout = loop.exit_timeout
+        exit_timeout = watchdog.exit_timeout
 
         def timed_exit(line):
             with open(env["HANG_FILE"] + f".caught{os.getpid()}", "w") as fh:
                 fh.write(str(time.time()))
             exit_timeout(line)
 
-        loop.exit_timeout = timed_exit
+        watchdog.exit_timeout = timed_exit
     if "COMMIT_KILL_AT" in env and attempt == env["COMMIT_KILL_ATTEMPT"]:
         core._commit = dying_commit
     from megatron_grpo.cli.main import main
