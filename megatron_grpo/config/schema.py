@@ -164,7 +164,9 @@ class ParallelConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend. ``auto``: nccl when CUDA is present, else gloo."""
     timeout_s: float = 600.0
-    """Timeout of every collective, after which the run fails with an error instead of hanging."""
+    """Timeout of every collective and of every phase of the training loop (the watchdog,
+    trainer/watchdog.py), after which the rank fails with an error instead of hanging; what a
+    hung peer rank costs (docs/launch.md "Restarts"). Keep it above the longest phase."""
     heartbeat_timeout_s: float = 10.0
     """Disaggregated placement: a peer of the control channel (rollout/control.py; beats every
     2 s) that has been heard from and then stays silent this long is dead, and the waiting

@@ -46,7 +46,7 @@ from megatron_grpo.trainer.checkpointer import Checkpointer, Preemption
 from megatron_grpo.trainer.colocated_memory import ColocatedMemory
 from megatron_grpo.trainer.loop import GRPOTrainer
 from megatron_grpo.trainer.preflight import check_run
-from megatron_grpo.trainer.restarts import Attempt, record_failure, restart_line
+from megatron_grpo.trainer.restarts import Attempt, note_failure, restart_line
 from megatron_grpo.trainer.sync_schedule import SyncSchedule
 from megatron_grpo.trainer.validation import Validator
 
@@ -279,10 +279,4 @@ def train(cfg: Config, resume: bool = False) -> dict[str, Any]:
 def _record_failure(cfg: Config, trainer: GRPOTrainer, error: Exception) -> None:
     """Under torchrun --max-restarts: the step and cause for the restarted attempt, and the
     one line when no restart is left (trainer/restarts.py)."""
-    attempt = Attempt.current()
-    if attempt is None:
-        return
-    step = trainer.checkpointer.last_step + 1
-    line = record_failure(cfg.run_dir, attempt, trainer.ctx.rank, step, error)
-    if line is not None:
-        print(line, file=console_err(), flush=True)
+    note_failure(cfg.run_dir, trainer.ctx.rank, trainer.checkpointer.last_step + 1, error)

@@ -32,7 +32,7 @@ from megatron_grpo.distributed import ParallelContext
 from megatron_grpo.metrics.console import say_rank0
 from megatron_grpo.policy import Policy
 from megatron_grpo.trainer.colocated_memory import ColocatedMemory
-from megatron_grpo.trainer.watchdog import bounded
+from megatron_grpo.trainer.watchdog import bounded_step
 
 log = logging.getLogger("megatron_grpo.trainer")
 
@@ -88,8 +88,8 @@ class Checkpointer:
         A step is finished (``last_step``) once its checkpoint, when due, is written: a
         failure during the write is a failure of that step (restarts.py names it)."""
         if self.due(step):
-            with bounded(
-                f"the checkpoint of step {step}", self.timeout_s, "parallel.timeout_s bounds it"
+            with bounded_step(
+                f"the checkpoint of step {step}", self.timeout_s, self.run_dir, self.ctx.rank, step
             ):
                 self.save(state)
         self.last_step = step

@@ -56,7 +56,7 @@ from megatron_grpo.trainer.colocated_memory import ColocatedMemory
 from megatron_grpo.trainer.logprobs import StepLogprobs
 from megatron_grpo.trainer.sync_schedule import SyncSchedule
 from megatron_grpo.trainer.validation import Validator
-from megatron_grpo.trainer.watchdog import bounded
+from megatron_grpo.trainer.watchdog import bounded_step
 
 if TYPE_CHECKING:  # transformers is heavy: imported when the run is built (trainer.build)
     from transformers import PreTrainedTokenizerBase
@@ -117,10 +117,12 @@ class GRPOTrainer:
             if reward_info.get("ds_fill", 1.0) < 1.0:  # grpo.dynamic_sampling ran out of rounds
                 self._say_short_batch(step, reward_info)
             batch = collate(samples, self.tokenizer.pad_token_id)
-            with timer.phase("logprobs"):
+            with timer.phase("logprobs"), self._bounded(f"the reference log-probs of step {step}"):
                 pi_ref, kl_seq = self.logprobs.reference(batch)
             adv = self.group_advantages(rewards, kl_seq, step)
-            with timer.phase("train"):
+            # bounded too: a peer that hangs (not dies) leaves this rank in the DP group's
+            # all-reduce, which megatron's groups time out only after a whole minute at least
+            with timer.phase("train"), self._bounded(f"the training of step {step}"):
                 train, drift, ratio_parts = self.train_on(batch, adv, pi_ref, step)
             sync_report = eval_metrics = None
             if self.schedule.due(step, drift):
@@ -251,8 +253,12 @@ class GRPOTrainer:
                   "are zero-variance groups, masked")  # fmt: skip
 
     def _bounded(self, what: str) -> contextlib.AbstractContextManager[None]:
-        """Every wait of the loop ends, at the latest after parallel.timeout_s (watchdog.py)."""
-        return bounded(what, self.cfg.parallel.timeout_s, "parallel.timeout_s bounds it")
+        """Every wait of the loop ends, at the latest after parallel.timeout_s, as a failure
+        of the step (watchdog.py)."""
+        step = self.checkpointer.last_step + 1
+        return bounded_step(
+            what, self.cfg.parallel.timeout_s, self.cfg.run_dir, self.ctx.rank, step
+        )
 
     def finish(self) -> dict[str, Any]:
         s = self.cfg.sync

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_grpo.metrics.console import console_err
+
 RESTARTS_FILE = "restarts.jsonl"
 
 
@@ -80,6 +82,19 @@ def record_failure(
     if (first["rank"], first["step"], first["cause"]) != (rank, step, cause):
         return None
     return give_up_line(rows, attempt)
+
+
+def note_failure(
+    run_dir: str | os.PathLike[str], rank: int, step: int, error: BaseException
+) -> None:
+    """Under torchrun --max-restarts: record this rank's failure at ``step`` for the restarted
+    attempt, and print the one line when no restart is left (nothing outside torchrun)."""
+    attempt = Attempt.current()
+    if attempt is None:
+        return
+    line = record_failure(run_dir, attempt, rank, step, error)
+    if line is not None:
+        print(line, file=console_err(), flush=True)
 
 
 def give_up_line(rows: list[dict[str, Any]], attempt: Attempt) -> str:

@@ -16,13 +16,16 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from megatron_grpo.metrics.console import console_err, log_path
+from megatron_grpo.trainer.restarts import note_failure
 
 EXIT_TIMEOUT = 3
 
 
-def _exit(message: str) -> None:
+def exit_timeout(message: str) -> None:
+    """Print ``message`` (console and train.log) and end the process with status 3."""
     if log_path() is not None:
         print(message, file=sys.stderr, flush=True)
     print(message, file=console_err(), flush=True)
@@ -31,7 +34,7 @@ def _exit(message: str) -> None:
 
 @contextlib.contextmanager
 def bounded(
-    what: str, seconds: float, setting: str, on_timeout: Callable[[str], object] = _exit
+    what: str, seconds: float, setting: str, on_timeout: Callable[[str], object] = exit_timeout
 ) -> Iterator[None]:
     """Run the body; if it has not finished after ``seconds``, call ``on_timeout`` with
     ``error: <what> did not finish within <seconds>s (<setting>): ...`` (default: print it
@@ -51,3 +54,18 @@ def bounded(
         yield
     finally:
         done.set()
+
+
+def bounded_step(
+    what: str, seconds: float, run_dir: str | Path, rank: int, step: int
+) -> contextlib.AbstractContextManager[None]:
+    """``bounded`` for a wait of the training loop (``seconds``: parallel.timeout_s): the
+    timeout is also this attempt's failure of ``step``, as an exception would be
+    (restarts.py: the restarted attempt names it, a restart loop of hangs ends)."""
+
+    def timed_out(line: str) -> None:
+        hang = TimeoutError(f"{what} did not finish within {seconds:g}s (parallel.timeout_s)")
+        note_failure(run_dir, rank, step, hang)
+        exit_timeout(line)
+
+    return bounded(what, seconds, "parallel.timeout_s bounds it", on_timeout=timed_out)

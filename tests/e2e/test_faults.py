@@ -155,13 +155,17 @@ def test_kill_after_checkpoint_loses_no_row_leaves_no_orphan_and_resume_skips_da
         assert_no_leftovers(marker)
 
 
-# Two faults, one per attempt (TORCHELASTIC_RESTART_COUNT), each off unless its variables are
-# set. KILL_AT: rank KILL_RANK dies (SIGKILL) after step KILL_AT on attempt KILL_ATTEMPT, once
-# the step's collective is through (rank 0 has logged its row: it logs before after_step).
-# COMMIT_KILL_AT: rank 0 dies (SIGKILL) on attempt COMMIT_KILL_ATTEMPT in the middle of the
-# save of step COMMIT_KILL_AT, every rank's files written but the checkpoint not committed.
+# Three faults, one per attempt (TORCHELASTIC_RESTART_COUNT), each off unless its variables
+# are set. KILL_AT: rank KILL_RANK dies (SIGKILL) after step KILL_AT on attempt KILL_ATTEMPT,
+# once the step's collective is through (rank 0 has logged its row: it logs before
+# after_step). HANG_AT: the same, but rank HANG_RANK hangs (SIGSTOP: alive, every thread of it
+# frozen, as a rank stuck in a kernel or a deadlock) on attempt HANG_ATTEMPT, its pid and the
+# time written to HANG_FILE first; the other rank goes on into the next step and waits there
+# for it. COMMIT_KILL_AT: rank 0 dies (SIGKILL) on attempt COMMIT_KILL_ATTEMPT in the middle
+# of the save of step COMMIT_KILL_AT, every rank's files written but the checkpoint not
+# committed.
 KILLS = """
-import os, signal, sys
+import os, signal, sys, time
 
 if __name__ == "__main__":
     from megatron_grpo.checkpoint import core
@@ -170,11 +174,18 @@ if __name__ == "__main__":
     env, attempt = os.environ, os.environ["TORCHELASTIC_RESTART_COUNT"]
     commit, after_step = core._commit, Checkpointer.after_step
 
+    def fault(name, step, rank):
+        return (name + "_AT" in env and step == int(env[name + "_AT"])
+                and rank == int(env[name + "_RANK"]) and attempt == env[name + "_ATTEMPT"])
+
     def killing_after_step(self, step, state):
         out = after_step(self, step, state)
-        if (step == int(env["KILL_AT"]) and self.ctx.rank == int(env["KILL_RANK"])
-                and attempt == env["KILL_ATTEMPT"]):
+        if fault("KILL", step, self.ctx.rank):
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault("HANG", step, self.ctx.rank):
+            with open(env["HANG_FILE"], "w") as fh:
+                fh.write(f"{os.getpid()} {time.time()}")
+            os.kill(os.getpid(), signal.SIGSTOP)
         return out
 
     def dying_commit(tmp, final, root):
@@ -182,8 +193,19 @@ if __name__ == "__main__":
             os.kill(os.getpid(), signal.SIGKILL)
         commit(tmp, final, root)
 
-    if "KILL_AT" in env:
+    if "KILL_AT" in env or "HANG_AT" in env:
         Checkpointer.after_step = killing_after_step
+    if "HANG_AT" in env:  # the time the watchdog ends a rank, for the hang's detection time
+        from megatron_grpo.trainer import watchdog
+
+        exit_timeout = watchdog.exit_timeout
+
+        def timed_exit(line):
+            with open(env["HANG_FILE"] + f".caught{os.getpid()}", "w") as fh:
+                fh.write(str(time.time()))
+            exit_timeout(line)
+
+        watchdog.exit_timeout = timed_exit
     if "COMMIT_KILL_AT" in env and attempt == env["COMMIT_KILL_ATTEMPT"]:
         core._commit = dying_commit
     from megatron_grpo.cli.main import main
@@ -203,37 +225,55 @@ def final_weights(run: Path, step: int) -> dict:
 
 @pytest.mark.timeout(900)
 def test_killed_ranks_restart_in_place_and_the_job_ends_as_an_uninterrupted_run(tmp_path):
-    """torchrun --max-restarts 2 ... --resume auto with window-ahead rollouts
-    (rollout.ahead=1), two faults in a row: kill -9 of rank 1 after step 3 (attempt 0), then kill -9 of rank 0 in the middle of the save of step 4,
-    its files written but not committed (attempt 1). Each restart resumes from step 2's
-    checkpoint (the half-written step 4 is not taken), and the job finishes by itself with
-    every step's row once, the rewards, losses and final weights of the uninterrupted run.
-    (One job for both faults: one torchrun attempt fewer than a job per fault.)"""
+    """torchrun --max-restarts 3 ... --resume auto with window-ahead rollouts
+    (rollout.ahead=1), three faults in a row: kill -9 of rank 1 after step 3 (attempt 0),
+    then kill -9 of rank 0 in the middle of the save of step 4, its files written but not
+    committed (attempt 1), then rank 1 hung (SIGSTOP) after step 3 (attempt 2): rank 0 waits
+    for it in step 4's training all-reduce until the watchdog ends it after parallel.timeout_s
+    (set small here), and torchrun stops the hung rank and restarts both. Each restart resumes
+    from step 2's checkpoint (the half-written step 4 is not taken), and the job finishes by
+    itself with every step's row once, the rewards, losses and final weights of the
+    uninterrupted run, and no process of the hung attempt left. (One job for the three
+    faults: a torchrun attempt each, not a whole job each.)"""
     script = tmp_path / "kills.py"
     script.write_text(KILLS)
     marker = uuid.uuid4().hex
     # rollout.ahead=1: step k+1's rollout is in flight while step k trains, so a kill after
     # step 3 drops a generated window the restart must generate again, the same.
+    # parallel.timeout_s=15: the watchdog's bound on each phase's wait, which a hung peer
+    # costs (the default, 600 s, is the collective timeout of a real cluster).
     base = ["--steps", "4", *TWO_RANKS, "checkpoint.interval=2", "rollout.ahead=1",
-            "--resume", "auto"]  # fmt: skip
+            "parallel.timeout_s=15", "--resume", "auto"]  # fmt: skip
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     rc, out = torchrun(script, ["train", "--run-dir", str(whole), *base], marker, 400)
     try:
         assert rc == 0, out[-3000:]
     finally:
         assert_no_leftovers(marker)
-    rc, out = torchrun(script, ["train", "--run-dir", str(cut), *base], marker, 600,
+    hang = tmp_path / "hang"
+    rc, out = torchrun(script, ["train", "--run-dir", str(cut), *base], marker, 700,
                        KILL_AT="3", KILL_RANK="1", KILL_ATTEMPT="0", COMMIT_KILL_AT="4",
-                       COMMIT_KILL_ATTEMPT="1", MAX_RESTARTS="2")  # fmt: skip
+                       COMMIT_KILL_ATTEMPT="1", HANG_AT="3", HANG_RANK="1", HANG_ATTEMPT="2",
+                       HANG_FILE=str(hang), MAX_RESTARTS="3")  # fmt: skip
     try:
         assert rc == 0, out[-3000:] + _train_log_tail(cut)
         # Each attempt's line: attempt 1 after the kill after step 3, attempt 2 after the
-        # kill in step 4's save; both continue from step 2.
-        assert "restart 1 of 2: the previous attempt failed at step 4" in out, out[-3000:]
+        # kill in step 4's save, attempt 3 after the hang; all continue from step 2.
+        assert "restart 1 of 3: the previous attempt failed at step 4" in out, out[-3000:]
         # a failure in the save of step 4 is a failure of step 4 (it was not finished)
-        assert "restart 2 of 2: the previous attempt failed at step 4" in out, out[-3000:]
-        assert out.count("continuing from step 2") == 2, out[-3000:]
+        assert "restart 2 of 3: the previous attempt failed at step 4" in out, out[-3000:]
+        # the hang: rank 0's watchdog names the wait and its bound, and the restart its cause
+        caught = "error: rank 0: the training of step 4 did not finish within 15s "
+        assert caught in out, out[-3000:]
+        assert ("restart 3 of 3: the previous attempt failed at step 4 (TimeoutError: the "
+                "training of step 4 did not finish within 15s (parallel.timeout_s))") in out  # fmt: skip
+        assert out.count("continuing from step 2") == 3, out[-3000:]
         assert "resumed from" in out and "(step 2," in out, out[-3000:]
+        # torchrun stopped the hung rank (SIGTERM, then SIGKILL after its 30 s grace)
+        hung_pid, hung_at = hang.read_text().split()
+        assert not psutil.pid_exists(int(hung_pid)), out[-3000:]
+        [caught_at] = tmp_path.glob("hang.caught*")
+        print(f"hang caught {float(caught_at.read_text()) - float(hung_at):.1f}s after SIGSTOP")
         assert steps(cut) == [1, 2, 3, 4]  # no row of a failed attempt repeated
         assert (cut / "checkpoints" / "latest").read_text().strip() == "step_000004"
         assert (cut / "checkpoints" / "step_000004" / "state.json").is_file()
