@@ -160,9 +160,9 @@ def test_kill_after_checkpoint_loses_no_row_leaves_no_orphan_and_resume_skips_da
 # stuck in a kernel or a deadlock) after step HANG_AT on attempt HANG_ATTEMPT, once the step's
 # collective is through (rank 0 has logged its row: it logs before after_step), its pid and
 # the time written to HANG_FILE first; the other rank goes on into the next step and waits
-# there for it. COMMIT_KILL_AT: rank 0 dies (SIGKILL) on attempt COMMIT_KILL_ATTEMPT in the middle
-# of the save of step COMMIT_KILL_AT, every rank's files written but the checkpoint not
-# committed.
+# there for it. COMMIT_KILL_AT: rank 0 dies (SIGKILL) on attempt COMMIT_KILL_ATTEMPT in the
+# middle of the save of step COMMIT_KILL_AT, every rank's files written but the checkpoint
+# not committed.
 KILLS = """
 import os, signal, sys, time
 
@@ -173,13 +173,10 @@ if __name__ == "__main__":
     env, attempt = os.environ, os.environ["TORCHELASTIC_RESTART_COUNT"]
     commit, after_step = core._commit, Checkpointer.after_step
 
-    def fault(name, step, rank):
-        return (name + "_AT" in env and step == int(env[name + "_AT"])
-                and rank == int(env[name + "_RANK"]) and attempt == env[name + "_ATTEMPT"])
-
-    def killing_after_step(self, step, state):
+    def hanging_after_step(self, step, state):
         out = after_step(self, step, state)
-        if fault("HANG", step, self.ctx.rank):
+        if (step == int(env["HANG_AT"]) and self.ctx.rank == int(env["HANG_RANK"])
+                and attempt == env["HANG_ATTEMPT"]):
             with open(env["HANG_FILE"], "w") as fh:
                 fh.write(f"{os.getpid()} {time.time()}")
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -191,8 +188,8 @@ if __name__ == "__main__":
         commit(tmp, final, root)
 
     if "HANG_AT" in env:
-        Checkpointer.after_step = killing_after_step
-    if "HANG_AT" in env:  # the time the watchdog ends a rank, for the hang's detection time
+        Checkpointer.after_step = hanging_after_step
+        # the time the watchdog ends a rank, for the hang's detection time
         from megatron_grpo.trainer import watchdog
 
         exit_timeout = watchdog.exit_timeout

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -146,8 +148,6 @@ def _profile_cuda(fn: Callable[[], Any], top: int = 12) -> dict:
     where the device's time goes: the call's wall time, the kernels' summed time (``busy``:
     their share of the wall; the rest is the device idle, waiting for the host), by kind and
     the ``top`` kernels by time."""
-    import time
-
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -184,8 +184,7 @@ def _profile_cuda(fn: Callable[[], Any], top: int = 12) -> dict:
             k: round(v / 1e3, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
         },
         "top_kernels_ms": {
-            k[:120]: round(v / 1e3, 3)
-            for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+            k: round(v / 1e3, 3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
         },
     }
 
@@ -240,8 +239,6 @@ def python_calls(fn: Callable[[], Any]) -> int:
     thread (the autograd engine's included): what the host runs around the ATen ops, which
     bounds a small model's GPU step (docs/benchmarks.md section 6: the device busy 46% of a
     0.5B step). Deterministic for an install, unlike a time on a shared machine."""
-    import threading
-
     n = 0
 
     def count(frame: Any, event: str, arg: Any) -> None:
@@ -428,13 +425,14 @@ def _sides_lines(res: dict) -> list[str]:
             for phase, c in phases.items():
                 saved = c.get("saved_bytes", {})
                 rows.append((side, mode, phase, f"{c['ops']['per_layer_per_micro_batch']:.1f}",
-                             f"{c['python']['per_layer_per_micro_batch']:.0f}", c["syncs"]["total"], f"{c['flops']['per_token']:.4g}",
+                             f"{c['python']['per_layer_per_micro_batch']:.0f}",
+                             c["syncs"]["total"], f"{c['flops']['per_token']:.4g}",
                              f"{c['flops']['over_model']:.3f}",
                              f"{saved['per_token']:.0f}" if saved else "",
                              f"{saved['per_token_per_layer']:.0f}" if saved else ""))  # fmt: skip
-    keys = ("ops_per_layer_per_micro_batch", "python_calls_per_layer_per_micro_batch", "host_syncs",
-            "flops_per_token", None,
-            "saved_bytes_per_token", "saved_bytes_per_token_per_layer")  # fmt: skip
+    keys = ("ops_per_layer_per_micro_batch", "python_calls_per_layer_per_micro_batch",
+            "host_syncs", "flops_per_token", None, "saved_bytes_per_token",
+            "saved_bytes_per_token_per_layer")  # fmt: skip
     for side, modes in res["ratios"].items():
         for mode, phases in modes.items():
             for phase, r in phases.items():
