@@ -48,8 +48,13 @@ demo: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" launchers/cpu_demo.sh
 
 # pytest exits 5 when it collects no test; that is a failure of the suite, not a pass.
+# TEST_WORKERS pytest-xdist workers (0: one process), each taking whole test files
+# (--dist loadfile keeps a file's module fixtures in one worker). An end-to-end test keeps
+# ~1.2 of 2 cores busy (vLLM's engine start is three serial ~10 s imports), so two workers
+# fill the machine; more would only add memory (README "Development").
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 # `make test-fast`, the inner loop: every test not marked slow (none starts a process or an

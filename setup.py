@@ -68,7 +68,7 @@ setup(
         # logging.wandb_project: Weights & Biases (optional; metrics/logger.py imports it).
         "wandb": ["wandb"],
         # mypy pinned: a new release can find new errors (`make lint`, tests/test_typecheck.py).
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "mypy==2.4.1"],
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "ruff", "mypy==2.4.1"],
     },
     entry_points={
         "console_scripts": ["megatron-grpo=megatron_grpo.cli.main:main"],
