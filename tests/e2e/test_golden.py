@@ -13,6 +13,9 @@ Two runs cover the main paths, v=2 in both (a sync after steps 2 and 4, lag 0 an
   ``ratio_mode=one``, ``loss_agg=seq_mean_token_mean`` with ``loss_normalizer=all``
   (the paper configs' objective), DAPO overlong shaping, T=0.7, ``sync.verify=true``.
 
+The TP2 run at ``parallel.tp=1 parallel.cp=2`` must give the TP2 table; the CP tests of
+issue 42 through the loop close the file (docs/context-parallel.md).
+
 Determinism: measured on the 2-core CPU machine, two runs of each gave bit-identical
 metrics (vLLM's seeded sampling, Megatron and gloo on CPU are deterministic with
 OMP_NUM_THREADS=1). The tolerance (rel 1e-4) absorbs the float differences of the CPUs the
@@ -165,7 +168,7 @@ def test_moe_at_cp2_resumes_at_cp1_with_the_same_rows(tmp_path):
     (``configs/tiny_moe_cpu.yaml``, EP=2, routing replay on) at ``parallel.cp=2`` (dp=1:
     a replica's CP ranks are its EP ranks) saves at step 2; that checkpoint resumed at
     cp=1 (the shipped layout, EP=2 x DP=2) trains steps 3-4 to the uninterrupted CP=2 run's
-    samples, rewards, loss and grad norm (rel 1e-4), the syncs verified. So a checkpoint
+    rewards, loss, grad norm and routing mismatch (rel 1e-4), the syncs verified. So a checkpoint
     saved at one CP resumes at another, and an MoE train step (rollout with replayed
     routes, scoring, update, sync) at CP=1 equals CP=2's (docs/context-parallel.md)."""
     moe = ["--config", str(ROOT / "configs" / "tiny_moe_cpu.yaml"), *COMMON,
