@@ -125,13 +125,14 @@ def _say_run(
 
 
 def run_line(cfg: Config, ctx: ParallelContext, hf_dir: Path, spec: ModelSpec, engines: int) -> str:
-    """The start line: the model (its experts, if any), the layout (ep for an MoE model) and
-    the sync schedule."""
+    """The start line: the model (its experts, if any), the layout (cp where > 1, ep for an
+    MoE model) and the sync schedule."""
     experts = f", {spec.num_experts} experts top-{spec.moe_topk}" if spec.is_moe else ""
+    cp = f" cp={ctx.cp}" if ctx.cp > 1 else ""
     ep = f" ep={ctx.ep}" if spec.is_moe else ""
     return (
         f"model {hf_dir} ({spec.family}{experts}, {spec.num_parameters:,} params); "
-        f"world {ctx.world_size}: tp={ctx.tp} pp={ctx.pp} dp={ctx.dp}{ep}, {engines} "
+        f"world {ctx.world_size}: tp={ctx.tp}{cp} pp={ctx.pp} dp={ctx.dp}{ep}, {engines} "
         f"vLLM engine(s) of tp={cfg.rollout.tp}, {_schedule_text(cfg)}"
     )
 

@@ -176,7 +176,7 @@ def loop_state_of(trainer: Any, step: int) -> LoopState:
     return LoopState(
         step=step, policy_version=version, sync_phase=step - version,
         data_state=trainer.window.data_state(),
-        extra={"layout": {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp},
+        extra={"layout": {"tp": ctx.tp, "cp": ctx.cp, "pp": ctx.pp, "dp": ctx.dp},
                "weight_syncs": trainer.sender.syncs,
                # the schedule's state is policy_version; kept to show which mode ran
                "sync_schedule": {"mode": trainer.schedule.mode}},

@@ -13,6 +13,9 @@ Two runs cover the main paths, v=2 in both (a sync after steps 2 and 4, lag 0 an
   ``ratio_mode=one``, ``loss_agg=seq_mean_token_mean`` with ``loss_normalizer=all``
   (the paper configs' objective), DAPO overlong shaping, T=0.7, ``sync.verify=true``.
 
+The TP2 run at ``parallel.tp=1 parallel.cp=2`` must give the TP2 table; the CP tests of
+issue 42 through the loop close the file (docs/context-parallel.md).
+
 Determinism: measured on the 2-core CPU machine, two runs of each gave bit-identical
 metrics (vLLM's seeded sampling, Megatron and gloo on CPU are deterministic with
 OMP_NUM_THREADS=1). The tolerance (rel 1e-4) absorbs the float differences of the CPUs the
@@ -34,7 +37,7 @@ import pytest
 
 from tests.helpers.commands import cli
 from tests.helpers.numerics import cpu_kind
-from tests.helpers.runs import FAST, torchrun_train
+from tests.helpers.runs import FAST, rows, stopped_copy, torchrun_train
 
 pytestmark = pytest.mark.slow
 
@@ -157,3 +160,38 @@ def test_golden_cp2_equals_tp2(tmp_path):
     assert rc == 0, out[-3000:]
     assert not left, left
     _check(_rows(run), GOLDEN_TP2)
+
+
+@pytest.mark.timeout(1100)
+def test_moe_at_cp2_resumes_at_cp1_with_the_same_rows(tmp_path):
+    """Issue 42 through the train loop, two launches for two checks: the MoE demo
+    (``configs/tiny_moe_cpu.yaml``, EP=2, routing replay on) at ``parallel.cp=2`` (dp=1:
+    a replica's CP ranks are its EP ranks) saves at step 2; that checkpoint resumed at
+    cp=1 (the shipped layout, EP=2 x DP=2) trains steps 3-4 to the uninterrupted CP=2 run's
+    rewards, loss, grad norm and routing mismatch (rel 1e-4), the syncs verified. So a checkpoint
+    saved at one CP resumes at another, and an MoE train step (rollout with replayed
+    routes, scoring, update, sync) at CP=1 equals CP=2's (docs/context-parallel.md)."""
+    moe = ["--config", str(ROOT / "configs" / "tiny_moe_cpu.yaml"), *COMMON,
+           "rollout.routing_replay=on", "checkpoint.interval=2"]  # fmt: skip
+    run, part = tmp_path / "cp2", tmp_path / "cp1"
+    rc, out, left = torchrun_train(run, *moe, "parallel.cp=2", timeout=500, one_process=True)
+    assert rc == 0, out[-3000:]
+    assert not left, left
+    assert "world 2: tp=1 cp=2 pp=1 dp=1 ep=2," in out, out[-3000:]
+    stopped_copy(run, part, 2)
+    rc, out, left = torchrun_train(part, *moe, "--resume", timeout=500, one_process=True)
+    assert rc == 0, out[-3000:]
+    assert not left, left
+    assert "world 2: tp=1 pp=1 dp=2 ep=2," in out and "step_000002 (step 2," in out, out[-3000:]
+    layouts = [json.loads((part / "checkpoints" / f"step_00000{s}" / "state.json").read_text())
+               ["loop_state"]["extra"]["layout"] for s in (2, 4)]  # fmt: skip
+    assert layouts == [{"tp": 1, "cp": 2, "pp": 1, "dp": 1}, {"tp": 1, "cp": 1, "pp": 1, "dp": 2}]
+    want, got = rows(run), rows(part)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for x, y in zip(want[2:], got[2:]):
+        for key in ("loss", "reward_mean", "grad_norm", "routing_mismatch", "policy_version"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (x["step"], key)
+    assert [r["synced"] for r in got] == [False, True, False, True]
+    for r in got[2:]:
+        if r["synced"]:
+            assert r["verify_checksums_ok"] and r["verify_parity_ok"], r

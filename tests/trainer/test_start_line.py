@@ -10,8 +10,8 @@ from megatron_grpo.models.shapes import preset_spec
 from megatron_grpo.trainer.build import run_line
 
 
-def _line(preset: str, ep: int) -> str:
-    ctx = SimpleNamespace(world_size=2, tp=1, pp=1, dp=2, ep=ep)
+def _line(preset: str, ep: int, cp: int = 1) -> str:
+    ctx = SimpleNamespace(world_size=2, tp=1, cp=cp, pp=1, dp=2 // cp, ep=ep)
     return run_line(load_config(None, []), ctx, Path("hf"), preset_spec(preset), 1)  # type: ignore[arg-type]
 
 
@@ -23,3 +23,9 @@ def test_moe_line_names_experts_and_ep():
 def test_dense_line_has_no_ep():
     line = _line("tiny", 1)
     assert "tp=1 pp=1 dp=2," in line and "ep=" not in line and "experts" not in line
+
+
+def test_context_parallel_line_names_cp():
+    """Issue 42: a run at parallel.cp=2 says so (its dp=1 alone would hide a rank)."""
+    assert "tp=1 cp=2 pp=1 dp=1 ep=2," in _line("tiny-moe", 2, cp=2)
+    assert "cp=" not in _line("tiny", 1)
