@@ -25,8 +25,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from tests.bad_inputs import RANK0_LATE, delay_env
+from tests.helpers.runs import assert_same_rows, final_weights
+from tests.helpers.runs import rows as metrics_rows
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_SLURM = REPO / "tests" / "fake_slurm"
@@ -164,6 +167,9 @@ LAYOUTS = {
     "slurm/single_node.sbatch": (1, 2),
     "slurm/multi_node.sbatch": (2, 1),
 }
+# Each layout's finished run (metrics rows, final weights), compared with the other's: the
+# same world of 2 ranks and config, one run pre-empted, the other losing a rank first too.
+_FINISHED: dict[str, tuple[list[dict], dict]] = {}
 
 
 @pytest.mark.slow
@@ -220,6 +226,14 @@ def test_preempt_requeue_resume(template: str, slurm_env, tmp_path: Path) -> Non
     rows = _steps(run_dir)
     assert rows == list(range(1, steps + 1)), rows  # each step exactly once
     assert rows[saved] == saved + 1  # the resumed run's first step
+    # The same rows and weights as the other layout's run, when it ran in this session.
+    finished = (metrics_rows(run_dir), final_weights(run_dir, steps))
+    for other, (other_rows, other_weights) in _FINISHED.items():
+        assert_same_rows(other_rows, finished[0])
+        assert other_weights.keys() == finished[1].keys() and other_weights, other
+        for k in other_weights:
+            assert torch.equal(other_weights[k], finished[1][k]), (other, k)
+    _FINISHED[template] = finished
     assert _requeued(env) == [env["SLURM_JOB_ID"]]  # no second requeue
     # Per-rank logs of every node next to the job log (torchrun --log-dir/--tee).
     assert len(list((tmp_path / "logs").glob("**/stdout.log"))) >= 2 * nodes * gpus
@@ -427,8 +441,9 @@ printf '%s\\n' "$*" >>"$FAKE_SLURM_DIR/torchrun.log"
 @pytest.mark.parametrize("max_restarts", [None, "5", "x"])
 def test_launchers_pass_max_restarts_and_resume_auto(slurm_env, tmp_path: Path, max_restarts):
     """Every launch carries `train --resume auto`, so torchrun's in-job restarts (and a
-    requeue) resume from the latest checkpoint: MAX_RESTARTS defaults to 2 under Slurm and
-    to 0 on one node; a value that is not a count is refused in one line."""
+    requeue) resume from the latest checkpoint: MAX_RESTARTS defaults to 2 under Slurm (one
+    node or several) and to 0 with launchers/torchrun.sh; a value that is not a count is
+    refused in one line."""
     env, jobs = slurm_env
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
