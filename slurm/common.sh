@@ -22,9 +22,9 @@
 #   RESUME          auto (default): `train --resume auto`, which resumes when RUN_DIR holds a
 #                   checkpoint and starts afresh otherwise; 1: --resume (must resume); 0: neither
 #   MAX_RESTARTS    torchrun --max-restarts: in-job restarts of every node's ranks after a rank
-#                   fails; they resume from the latest checkpoint (default 2 on one node, 0 on
-#                   several: restarts across nodes do not work yet, docs/launch.md "Restarts";
-#                   0 turns them off;
+#                   fails, on every node; they resume from the latest checkpoint (default 2;
+#                   0 turns them off; each node's torchrun counts the restarts of its own
+#                   failures, docs/launch.md "Restarts";
 #                   a configuration refusal prints its line once, the later attempts exit
 #                   quietly; docs/launch.md "Restarts"). A pre-emption warning is not a
 #                   failure: it requeues instead
@@ -90,10 +90,9 @@ SRUN_MPI=${SRUN_MPI:-}
 PYTHON=${PYTHON:-python}
 MAX_REQUEUES=${MAX_REQUEUES:-10}
 # Across nodes, torchrun's agent of a node whose ranks did not fail restarts them with its
-# TORCHELASTIC_RESTART_COUNT unchanged, and the restarted ranks of different nodes then use
-# different attempt stores (distributed/setup.py attempt_store) and never meet: no in-job
-# restarts by default there until the attempt is agreed job-wide (docs/launch.md "Restarts").
-MAX_RESTARTS=${MAX_RESTARTS:-$((NNODES > 1 ? 0 : 2))}
+# TORCHELASTIC_RESTART_COUNT unchanged; the restarted ranks agree the attempt through the
+# store instead (distributed/setup.py attempt_store), so restarts work there too.
+MAX_RESTARTS=${MAX_RESTARTS:-2}
 [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || mg_die "MAX_RESTARTS=$MAX_RESTARTS: use a number >= 0."
 LOG_DIR=${LOG_DIR:-logs/${SLURM_JOB_NAME:-megatron-grpo}-$SLURM_JOB_ID}
 CONTAINER_IMAGE=${CONTAINER_IMAGE:-}

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import os
+import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -110,17 +112,80 @@ def rank_device(parallel: ParallelConfig) -> torch.device:
     return torch.device("cuda" if _resolve_backend(parallel) == "nccl" else "cpu")
 
 
-def restart_attempt() -> int:
-    """torchrun's restart count of this worker (TORCHELASTIC_RESTART_COUNT; 0: first start)."""
+_ATTEMPT_KEYS = "megatron_grpo/attempts/"
+_job_attempt: int | None = None
+"""The job-wide attempt this process agreed in ``attempt_store`` (None before, or outside
+torchrun restarts)."""
+
+
+def node_restart_count() -> int:
+    """torchrun's restart count of this node's agent (TORCHELASTIC_RESTART_COUNT; 0: first
+    start). Per node: an agent whose ranks did not fail restarts them with it unchanged
+    (torch/distributed/elastic/agent/server/api.py ``_invoke_run``: a membership change is not
+    a retry), so across nodes it is not the attempt; ``restart_attempt`` is."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def attempt_store(store: Any) -> Any:
-    """``store`` with keys of this attempt only. A worker torchrun restarted (--max-restarts)
-    meets its agent's store still holding the failed attempt's keys (torch/distributed/
-    rendezvous.py reuses it without a prefix): gloo's mesh, or the control channel's inbox
-    addresses, would name the dead ranks and be refused."""
-    attempt = restart_attempt()
+def restart_attempt() -> int:
+    """The job-wide attempt of this worker (0: the job's first), as agreed through the store
+    by ``attempt_store``; before that, or without it, this node's restart count."""
+    return node_restart_count() if _job_attempt is None else _job_attempt
+
+
+def _agree_attempt(store: Any, rank: int, world_size: int) -> int:
+    """The same attempt number on every rank of this start of the worker group, however
+    many restarts each node's agent counted. Rank 0 takes the next number (one more than the
+    last one it published, and at least its node's count, so a failure before any rank got
+    here still counts) and answers every other rank under a key named by a fresh token of
+    that rank's: an answer left in the store by an earlier attempt can never be read as this
+    one's (the agent's store outlives the workers)."""
+    if rank != 0:
+        token = uuid.uuid4().hex
+        store.set(f"{_ATTEMPT_KEYS}hello_{rank}", token)
+        attempt = int(store.get(f"{_ATTEMPT_KEYS}answer_{token}"))
+        store.set(f"{_ATTEMPT_KEYS}ack_{attempt}_{rank}", "1")
+        return attempt
+    last = f"{_ATTEMPT_KEYS}last"
+    attempt = node_restart_count()
+    if store.check([last]):
+        attempt = max(attempt, int(store.get(last)) + 1)
+    store.set(last, str(attempt))
+    answered: dict[int, bytes] = {}
+    waiting = set(range(1, world_size))
+    deadline = time.monotonic() + store.timeout.total_seconds()
+    while waiting:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"attempt {attempt}: ranks {sorted(waiting)} did not reach the store within "
+                f"{store.timeout}: see their logs (torchrun --log-dir)."
+            )
+        for r in sorted(waiting):
+            if store.check([f"{_ATTEMPT_KEYS}ack_{attempt}_{r}"]):
+                waiting.discard(r)
+            elif store.check([f"{_ATTEMPT_KEYS}hello_{r}"]):
+                token = store.get(f"{_ATTEMPT_KEYS}hello_{r}")
+                if answered.get(r) != token:  # a new hello (an old one's answer is harmless)
+                    store.set(f"{_ATTEMPT_KEYS}answer_{token.decode()}", str(attempt))
+                    answered[r] = token
+        if waiting:
+            time.sleep(0.02)
+    return attempt
+
+
+def attempt_store(store: Any, rank: int, world_size: int) -> Any:
+    """``store`` with keys of this attempt only, the attempt agreed job-wide first (every
+    rank of the world calls it once per process, under torchrun ``--max-restarts``). A worker
+    torchrun restarted meets its agent's store still holding the failed attempt's keys
+    (torch/distributed/rendezvous.py reuses it without a prefix): gloo's mesh, or the control
+    channel's inbox addresses, would name the dead ranks and be refused. The prefix is not
+    the node's TORCHELASTIC_RESTART_COUNT, which differs between nodes after one node's rank
+    failed (``node_restart_count``): the restarted ranks of two nodes would never meet."""
+    global _job_attempt
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) < 1:
+        return store  # nothing restarts: the store holds no earlier attempt
+    if _job_attempt is None:
+        _job_attempt = _agree_attempt(store, rank, world_size)
+    attempt = _job_attempt
     return dist.PrefixStore(f"megatron_grpo/attempt_{attempt}/", store) if attempt else store
 
 
@@ -145,11 +210,11 @@ def _init_process_group(
         dist.init_process_group(
             backend=pg_backend, timeout=timeout, rank=rank, world_size=world_size, store=store
         )
-    elif restart_attempt() > 0:
+    elif int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
         store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
         dist.init_process_group(
             backend=pg_backend, timeout=timeout, rank=rank, world_size=world_size,
-            store=attempt_store(store),
+            store=attempt_store(store, rank, world_size),
         )  # fmt: skip
     elif "WORLD_SIZE" in os.environ:
         dist.init_process_group(

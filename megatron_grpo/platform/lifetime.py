@@ -15,7 +15,9 @@ We start that Manager ourselves, before the first save, so that it
   when the last process holding its pipe is gone; and
 - runs in its own session, so a pre-emption warning that torchrun sends to the worker's
   whole process group (``--signals-to-handle``) does not kill it: the rank handles the
-  warning by saving a checkpoint, and that save needs the Manager alive.
+  warning by saving a checkpoint, and that save needs the Manager alive; also when the
+  warning comes while the Manager is starting (the first save of an attempt: a restarted
+  attempt's can fall right on the warning), for SIGUSR1, SIGHUP and SIGQUIT.
 """
 
 from __future__ import annotations
@@ -53,8 +55,17 @@ def _watch_parent(parent_pid: int, sig: int) -> None:
     os.kill(os.getpid(), sig)
 
 
+# The signals torchrun forwards to its workers' process group (slurm/common.sh
+# --signals-to-handle): blocked while the Manager starts, so one that arrives before its
+# os.setsid() (a spawned interpreter takes about a second to get there) does not kill it.
+_GROUP_SIGNALS = (signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM, signal.SIGINT)
+
+
 def _manager_init(parent_pid: int) -> None:
+    for sig in _GROUP_SIGNALS:  # drops one pending from before the setsid
+        signal.signal(sig, signal.SIG_IGN)
     os.setsid()  # out of the rank's process group: torchrun's group-wide signals miss it
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _GROUP_SIGNALS)
     die_with_parent(parent_pid)
 
 
@@ -73,6 +84,13 @@ def start_checkpoint_manager() -> None:
     from multiprocessing.managers import SyncManager
 
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_manager_init, initargs=(os.getpid(),))
+    # The spawned child starts with SIGUSR1, SIGHUP and SIGQUIT still blocked (measured; it
+    # comes up with SIGTERM and SIGINT unblocked, so those can still kill a Manager that is
+    # starting); this rank gets a signal that came meanwhile when it unblocks them.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _GROUP_SIGNALS)
+    try:
+        manager.start(initializer=_manager_init, initargs=(os.getpid(),))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     fa._results_queue = manager.Queue()
     fa._mgrpo_manager = manager  # keeps the manager (and so its process) referenced

@@ -110,7 +110,7 @@ def join_world(cfg: Config) -> DisaggregatedWorld:
     placement = place_ranks(cfg.rollout, world)
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
     store, rank, _ = next(dist.rendezvous("env://", timeout=timeout))
-    store = attempt_store(store)  # a restarted attempt must not read the dead one's keys
+    store = attempt_store(store, rank, world)  # not the keys of an earlier attempt
     out = DisaggregatedWorld(rank, placement, store, cfg.parallel.timeout_s)
     if rank == 0 or not out.is_trainer:  # bound now, so an abort reaches it from the start
         out.channel = Channel(store, peer_name(rank, placement), out.timeout_s, out._host(),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_grpo.distributed.setup import node_restart_count, restart_attempt
 from megatron_grpo.metrics.console import console_err
 
 RESTARTS_FILE = "restarts.jsonl"
@@ -24,9 +25,13 @@ RESTARTS_FILE = "restarts.jsonl"
 class Attempt:
     """This worker's attempt, from torchrun's environment (torch/distributed/elastic)."""
 
-    number: int  # TORCHELASTIC_RESTART_COUNT: 0 for the first start
+    number: int  # job-wide, agreed through the store (distributed/setup.py restart_attempt)
     max_restarts: int  # TORCHELASTIC_MAX_RESTARTS (torchrun --max-restarts)
     run_id: str  # TORCHELASTIC_RUN_ID: one per torchrun job, the same across its restarts
+    node_restarts: int | None = None
+    """This node's agent's count (TORCHELASTIC_RESTART_COUNT), when it differs from
+    ``number``: across nodes only the agent of a failing node counts a restart, and it is
+    that agent which stops the job when it has none left."""
 
     @classmethod
     def current(cls) -> Attempt | None:
@@ -34,13 +39,16 @@ class Attempt:
         env = os.environ
         if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) < 1:
             return None
-        return cls(int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                   int(env["TORCHELASTIC_MAX_RESTARTS"]), env.get("TORCHELASTIC_RUN_ID", ""))  # fmt: skip
+        number, node = restart_attempt(), node_restart_count()
+        return cls(number, int(env["TORCHELASTIC_MAX_RESTARTS"]),
+                   env.get("TORCHELASTIC_RUN_ID", ""), None if node == number else node)  # fmt: skip
 
     @property
     def last(self) -> bool:
-        """No restart is left after this attempt."""
-        return self.number >= self.max_restarts
+        """This node's torchrun has no restart left after this attempt: a failure here stops
+        the job."""
+        count = self.number if self.node_restarts is None else self.node_restarts
+        return count >= self.max_restarts
 
 
 def failures(run_dir: str | os.PathLike[str], attempt: Attempt) -> list[dict[str, Any]]:

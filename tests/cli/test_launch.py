@@ -25,8 +25,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from tests.bad_inputs import RANK0_LATE, delay_env
+from tests.helpers.runs import assert_same_rows, final_weights
+from tests.helpers.runs import rows as metrics_rows
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_SLURM = REPO / "tests" / "fake_slurm"
@@ -164,18 +167,31 @@ LAYOUTS = {
     "slurm/single_node.sbatch": (1, 2),
     "slurm/multi_node.sbatch": (2, 1),
 }
+# Each layout's finished run (metrics rows, final weights), compared with the other's: the
+# same world of 2 ranks and config, one run pre-empted, the other losing a rank first too.
+_FINISHED: dict[str, tuple[list[dict], dict]] = {}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("template", list(LAYOUTS))
 def test_preempt_requeue_resume(template: str, slurm_env, tmp_path: Path) -> None:
+    """A pre-emption warning: the job saves, exits 0 and is requeued; the requeued job
+    resumes. On two nodes the first job loses a rank first: rank 1 (node 1) is killed after
+    step 3 (tests/rank_fault_site), and the template's in-job restarts (MAX_RESTARTS=2,
+    --resume auto) restart both nodes' ranks, which continue from step 2's checkpoint (only
+    node 1's torchrun counts the restart: slurm/common.sh)."""
     env, jobs = slurm_env
     nodes, gpus = LAYOUTS[template]
     env["GPUS_PER_NODE"] = str(gpus)
     run_dir = Path(env["RUN_DIR"])
     steps = 10
     args = [f"--nodes={nodes}", template, f"steps={steps}", "checkpoint.interval=2", *TINY]
+    killed = nodes > 1
+    if killed:
+        path = [str(REPO / "tests" / "rank_fault_site"), str(REPO), env.get("PYTHONPATH")]
+        env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, path)),
+               "MEGATRON_GRPO_TEST_KILL": "1:3"}  # fmt: skip
 
     first = Job(args, env, tmp_path / "job.log")
     jobs.append(first)
@@ -183,7 +199,8 @@ def test_preempt_requeue_resume(template: str, slurm_env, tmp_path: Path) -> Non
     # the Manager process dist-checkpointing starts at the first save, so the pre-emption
     # save died with BrokenPipeError (platform/lifetime.py keeps it out of that group).
     latest = run_dir / "checkpoints" / "latest"
-    first.wait_for(lambda: latest.is_file() and len(_steps(run_dir)) >= 3, 240,
+    # Killed: step 4 logged means the restarted attempt is training.
+    first.wait_for(lambda: latest.is_file() and len(_steps(run_dir)) >= 3 + killed, 400,
                    "the first checkpoint and step 3")  # so a save follows the signal  # fmt: skip
     os.kill(first.proc.pid, signal.SIGUSR1)  # Slurm's warning, to the batch script only
     assert first.wait(240) == 0, first.text()
@@ -195,7 +212,10 @@ def test_preempt_requeue_resume(template: str, slurm_env, tmp_path: Path) -> Non
     assert "BrokenPipeError" not in log1, log1
     assert _requeued(env) == [env["SLURM_JOB_ID"]], log1
     assert (run_dir / "checkpoints" / "latest").read_text().strip().endswith(f"{saved:06d}")
-    assert _steps(run_dir) == list(range(1, saved + 1))
+    assert _steps(run_dir) == list(range(1, saved + 1))  # killed: step 3 once, run twice
+    if killed:
+        assert re.search(r"resumed from \S+step_000002 \(step 2,", log1), log1
+        assert "restart 1 of 2: the previous attempt" in log1, log1
 
     env2 = {**env, "SLURM_RESTART_COUNT": "1"}  # the requeued job: same id, same run dir
     second = Job(args, env2, tmp_path / "job2.log")
@@ -206,6 +226,14 @@ def test_preempt_requeue_resume(template: str, slurm_env, tmp_path: Path) -> Non
     rows = _steps(run_dir)
     assert rows == list(range(1, steps + 1)), rows  # each step exactly once
     assert rows[saved] == saved + 1  # the resumed run's first step
+    # The same rows and weights as the other layout's run, when it ran in this session.
+    finished = (metrics_rows(run_dir), final_weights(run_dir, steps))
+    for other, (other_rows, other_weights) in _FINISHED.items():
+        assert_same_rows(other_rows, finished[0])
+        assert other_weights.keys() == finished[1].keys() and other_weights, other
+        for k in other_weights:
+            assert torch.equal(other_weights[k], finished[1][k]), (other, k)
+    _FINISHED[template] = finished
     assert _requeued(env) == [env["SLURM_JOB_ID"]]  # no second requeue
     # Per-rank logs of every node next to the job log (torchrun --log-dir/--tee).
     assert len(list((tmp_path / "logs").glob("**/stdout.log"))) >= 2 * nodes * gpus
@@ -413,8 +441,9 @@ printf '%s\\n' "$*" >>"$FAKE_SLURM_DIR/torchrun.log"
 @pytest.mark.parametrize("max_restarts", [None, "5", "x"])
 def test_launchers_pass_max_restarts_and_resume_auto(slurm_env, tmp_path: Path, max_restarts):
     """Every launch carries `train --resume auto`, so torchrun's in-job restarts (and a
-    requeue) resume from the latest checkpoint: MAX_RESTARTS defaults to 2 under Slurm and
-    to 0 on one node; a value that is not a count is refused in one line."""
+    requeue) resume from the latest checkpoint: MAX_RESTARTS defaults to 2 under Slurm (one
+    node or several) and to 0 with launchers/torchrun.sh; a value that is not a count is
+    refused in one line."""
     env, jobs = slurm_env
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -442,12 +471,11 @@ def test_launchers_pass_max_restarts_and_resume_auto(slurm_env, tmp_path: Path, 
     assert f"--max-restarts={max_restarts or 0} " in node_line, node_line
     for line in (slurm_line, node_line):
         assert " train " in line and " --resume auto steps=10" in line, line
-    # Several nodes: no in-job restarts by default (they do not work across nodes yet:
-    # slurm/common.sh, docs/launch.md "Restarts"); a given MAX_RESTARTS is passed as it is.
+    # Several nodes: the same default, each node's torchrun started with it.
     log.unlink()
     multi = Job(["--nodes=2", "slurm/multi_node.sbatch", "steps=10"], env, tmp_path / "job2.log")
     jobs.append(multi)
     assert multi.wait(60) == 0, multi.text()
     lines = log.read_text().splitlines()
     assert len(lines) == 2, lines
-    assert all(f"--max-restarts={max_restarts or 0} " in x for x in lines), lines
+    assert all(f"--max-restarts={max_restarts or 2} " in x for x in lines), lines

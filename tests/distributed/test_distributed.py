@@ -142,3 +142,37 @@ def test_init_distributed_tp2_pp2():
         assert out["pp_ranks"] == [r % 2, r % 2 + 2]
         assert out["last"] == r % 2 + 2 and out["is_last"] == (r >= 2)
         assert out["destroyed"]
+
+
+def test_the_attempt_is_agreed_job_wide_whatever_each_node_counted(monkeypatch):
+    """Across nodes only the failing node's torchrun counts a restart: the restarted ranks of
+    two nodes start with different TORCHELASTIC_RESTART_COUNTs, and still agree one attempt
+    (and so one store prefix) through the store that outlives them; an answer an earlier
+    attempt left in it is never read as this one's."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_grpo.distributed import setup
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=30))
+    counts: dict[int, int] = {}  # rank -> its node's restart count
+    local = threading.local()  # the rank of the thread that plays it
+    monkeypatch.setattr(setup, "node_restart_count", lambda: counts[local.rank])
+
+    def start(rank: int) -> int:
+        local.rank = rank
+        return setup._agree_attempt(store, rank, 3)
+
+    def attempt(node_counts: dict[int, int]) -> list[int]:
+        counts.update(node_counts)
+        with ThreadPoolExecutor(3) as pool:
+            return list(pool.map(start, [2, 1, 0]))  # rank 0 last: others' hellos wait
+
+    assert attempt({0: 0, 1: 0, 2: 0}) == [0, 0, 0]
+    assert attempt({0: 0, 1: 1, 2: 1}) == [1, 1, 1]  # node 1 (ranks 1, 2) failed
+    assert attempt({0: 1, 1: 1, 2: 1}) == [2, 2, 2]  # then node 0
+    assert attempt({0: 5, 1: 1, 2: 1}) == [5, 5, 5]  # node 0 failed before the store, thrice

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import torch
 
-from tests.helpers.runs import assert_same_rows, rows
+from tests.helpers.runs import assert_same_rows, final_weights, rows
 
 pytestmark = pytest.mark.slow
 
@@ -206,15 +206,6 @@ if __name__ == "__main__":
 
     sys.exit(main(sys.argv[1:]))
 """
-
-
-def final_weights(run: Path, step: int) -> dict:
-    """The policy's tensors (weights and optimizer state) in the checkpoint of ``step``."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = run.parent / f"{run.name}_weights.pt"
-    dcp_to_torch_save(run / "checkpoints" / f"step_{step:06d}" / "policy", out)
-    return {k: v for k, v in torch.load(out, weights_only=False).items() if torch.is_tensor(v)}
 
 
 @pytest.mark.timeout(900)

@@ -1,7 +1,7 @@
 """Real ``megatron-grpo train`` runs for the end-to-end tests: the small fast overrides
 (``FAST``), one process (``train``) or under torchrun (``torchrun_train``, which also reports
 the run's processes left alive), and metrics.jsonl rows compared step by step
-(``assert_same_rows``)."""
+(``assert_same_rows``), and a checkpoint's tensors (``final_weights``)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,16 @@ def assert_same_rows(a: list[dict], b: list[dict]) -> None:
                 assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-6), (x["step"], key)
             else:
                 assert y[key] == x[key], (x["step"], key)
+
+
+def final_weights(run: Path, step: int) -> dict:
+    """The policy's tensors (weights and optimizer state) in the checkpoint of ``step``."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = run.parent / f"{run.name}_weights.pt"
+    dcp_to_torch_save(run / "checkpoints" / f"step_{step:06d}" / "policy", out)
+    return {k: v for k, v in torch.load(out, weights_only=False).items() if torch.is_tensor(v)}
 
 
 def train(run_dir: Path, *args: str, timeout: int = 400) -> tuple[int, str]:

@@ -18,6 +18,22 @@ def test_attempt_reads_torchruns_environment(monkeypatch):
     assert not Attempt(1, 2, "job7").last and Attempt(2, 2, "job7").last
 
 
+def test_across_nodes_the_attempt_is_the_agreed_one_and_the_last_is_the_nodes(monkeypatch):
+    """A node whose ranks did not fail keeps its TORCHELASTIC_RESTART_COUNT: the attempt is
+    the one agreed through the store (distributed/setup.py), and whether no restart is left
+    is this node's torchrun's count, the one that stops the job."""
+    from megatron_grpo.distributed import setup
+
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.setattr(setup, "_job_attempt", 2)
+    attempt = Attempt.current()
+    assert attempt == Attempt(2, 2, "job7", node_restarts=0) and not attempt.last
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert Attempt.current() == Attempt(2, 2, "job7") and Attempt(2, 2, "job7").last
+
+
 def test_a_restart_loop_ends_with_one_line_naming_the_step_and_the_cause(tmp_path):
     run = tmp_path / "run"
     boom = RuntimeError("CUDA error: an illegal memory access\nsecond line")
