@@ -8,7 +8,10 @@ only bury it. Then it exits 2 with nothing more. Any other failure (a crash, a r
 exit 1 or 3) prints torchrun's report as torchrun does. A signal that stops torchrun itself
 (srun's TERM to the other nodes once one node's torchrun exited, a ``scancel``, a
 pre-emption warning it forwarded to its ranks) is one line, not the ~30-line traceback of
-its ``SignalException``, and exit 1 as torchrun's (the Slurm templates read no more into it);
+its ``SignalException``, and exit 1 as torchrun's (the Slurm templates read no more into it),
+unless torchrun had already seen each of its failed ranks exit 2: then the stop came while a
+refusal was ending (srun's TERM, once another node's torchrun exited first) and the exit is
+the refusal's 2, quietly;
 so is a lost rendezvous (``RendezvousError``: the node that held the store has stopped, or
 its address is wrong), which is how another node's torchrun often learns of the stop.
 
@@ -42,6 +45,11 @@ class _HoldStopLines(logging.Filter):
             self.held.append(record)
             return False
         return True
+
+    def refused(self) -> bool:
+        """Whether torchrun has said its ranks failed, each with the refusal's code."""
+        codes = [str(r.args[0]) for r in self.held if r.msg.startswith(self.HELD[1]) and r.args]
+        return bool(codes) and set(codes) == {str(REFUSED)}
 
 
 class _DropTracesOf(logging.Filter):
@@ -78,6 +86,11 @@ def main(argv: list[str]) -> int:
             return REFUSED
         raise
     except SignalException as e:
+        if hold.refused():
+            # Its ranks had refused and torchrun was ending when the stop came (srun's TERM
+            # once another node's torchrun exited first): the refusal's exit, quietly.
+            refused = True
+            return REFUSED
         name = signal.Signals(e.sigval).name
         print(f"torchrun: stopped by {name}; its ranks were sent {name} too", file=sys.stderr)
         return 1

@@ -68,6 +68,24 @@ def test_a_signal_that_stops_torchrun_is_one_line(monkeypatch, caplog, capsys):
     assert not logging.getLogger(TAIL).filters
 
 
+def test_a_signal_after_the_ranks_refused_is_the_refusal(monkeypatch, caplog, capsys):
+    """Two nodes, every rank refused: the other node's torchrun exited first and srun's TERM
+    reached this one while it was ending, after it had seen its ranks exit 2. The job's
+    status is srun's first node's, so this is still the refusal: exit 2, nothing said."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def ending(argv):
+        log = logging.getLogger(API)
+        log.warning("Sending process %s closing signal %s", 11, "SIGTERM")
+        log.error("failed (exitcode: %s) local_rank: %s", 2, 0)
+        raise SignalException("Process 7 got signal: 15", sigval=signal.SIGTERM)
+
+    caplog.set_level(logging.INFO, logger=API)
+    monkeypatch.setattr(torch_run, "main", ending)
+    assert quiet_torchrun.main([]) == 2
+    assert capsys.readouterr().err == "" and caplog.records == []
+
+
 def test_a_lost_rendezvous_is_one_line(monkeypatch, capsys):
     """Another node's torchrun held the store and exited (its ranks refused): one line."""
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
