@@ -48,7 +48,11 @@ class _HoldStopLines(logging.Filter):
 
     def refused(self) -> bool:
         """Whether torchrun has said its ranks failed, each with the refusal's code."""
-        codes = [str(r.args[0]) for r in self.held if r.msg.startswith(self.HELD[1]) and r.args]
+        codes = [
+            str(r.args[0])
+            for r in self.held
+            if r.msg.startswith(self.HELD[1]) and isinstance(r.args, tuple) and r.args
+        ]
         return bool(codes) and set(codes) == {str(REFUSED)}
 
 

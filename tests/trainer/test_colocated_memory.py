@@ -82,7 +82,7 @@ def _trainer(cfg: Config, memory: ColocatedMemory, calls: list, monkeypatch) -> 
         def share(self, fn):
             return fn()
 
-    ctx = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1)
+    ctx = SimpleNamespace(rank=0, world_size=1, tp=1, cp=1, pp=1, dp=1)
     policy = SimpleNamespace(sharded_state_dict=lambda *a: {})
     checkpointer = Checkpointer("unused", cfg.checkpoint, cfg.steps, ctx, policy, None, None,
                                 memory, 60.0, SimpleNamespace(agreed=lambda ctx: False))  # fmt: skip
