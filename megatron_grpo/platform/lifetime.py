@@ -62,9 +62,11 @@ _GROUP_SIGNALS = (signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM,
 
 
 def _manager_init(parent_pid: int) -> None:
-    for sig in _GROUP_SIGNALS:  # drops one pending from before the setsid
-        signal.signal(sig, signal.SIG_IGN)
+    # Ignoring drops one pending from before the setsid; the handlers are put back after.
+    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _GROUP_SIGNALS}
     os.setsid()  # out of the rank's process group: torchrun's group-wide signals miss it
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _GROUP_SIGNALS)
     die_with_parent(parent_pid)
 
