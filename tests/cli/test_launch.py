@@ -301,6 +301,7 @@ def test_refused_job_prints_one_line_whichever_rank_refuses_first(
         jobs.append(job)
         rc = job.wait(300)
         log = job.text()
+        print(f"--- job {i} log (shown when the test fails) ---\n{log[-8000:]}")
         case = (delays, preflight, rc, log[-3000:])
         assert sum(line in x for x in log.splitlines()) == 1, case
         assert rc == 2 and "srun step exited with status 2" in log, case
