@@ -118,6 +118,11 @@ _job_attempt: int | None = None
 torchrun restarts)."""
 
 
+def restarts_enabled() -> bool:
+    """This worker runs under torchrun ``--max-restarts`` >= 1 (TORCHELASTIC_MAX_RESTARTS)."""
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+
+
 def node_restart_count() -> int:
     """torchrun's restart count of this node's agent (TORCHELASTIC_RESTART_COUNT; 0: first
     start). Per node: an agent whose ranks did not fail restarts them with it unchanged
@@ -181,7 +186,7 @@ def attempt_store(store: Any, rank: int, world_size: int) -> Any:
     the node's TORCHELASTIC_RESTART_COUNT, which differs between nodes after one node's rank
     failed (``node_restart_count``): the restarted ranks of two nodes would never meet."""
     global _job_attempt
-    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) < 1:
+    if not restarts_enabled():
         return store  # nothing restarts: the store holds no earlier attempt
     if _job_attempt is None:
         _job_attempt = _agree_attempt(store, rank, world_size)
@@ -210,7 +215,7 @@ def _init_process_group(
         dist.init_process_group(
             backend=pg_backend, timeout=timeout, rank=rank, world_size=world_size, store=store
         )
-    elif int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+    elif restarts_enabled():
         store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
         dist.init_process_group(
             backend=pg_backend, timeout=timeout, rank=rank, world_size=world_size,

@@ -15,7 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_grpo.distributed.setup import node_restart_count, restart_attempt
+from megatron_grpo.distributed.setup import (
+    node_restart_count,
+    restart_attempt,
+    restarts_enabled,
+)
 from megatron_grpo.metrics.console import console_err
 
 RESTARTS_FILE = "restarts.jsonl"
@@ -37,7 +41,7 @@ class Attempt:
     def current(cls) -> Attempt | None:
         """None outside torchrun and under ``--max-restarts 0`` (nothing restarts)."""
         env = os.environ
-        if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) < 1:
+        if not restarts_enabled():
             return None
         number, node = restart_attempt(), node_restart_count()
         return cls(number, int(env["TORCHELASTIC_MAX_RESTARTS"]),
