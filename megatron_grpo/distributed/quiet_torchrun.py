@@ -2,7 +2,9 @@
 
 ``python -m megatron_grpo.distributed.quiet_torchrun ARGS`` is ``torchrun ARGS``
 (torch/distributed/run.py ``main``), except when every failed rank exited 2, the code of a
-refusal (cli/errors.py): rank 0 has printed the one ``error:`` line, and torchrun's
+refusal (cli/errors.py), or was one torchrun stopped itself once another had (a rank still
+importing when rank 0 refused ends by torchrun's SIGTERM, exit -15): rank 0 has printed the
+one ``error:`` line, and torchrun's
 ``failed (exitcode: 2)`` log line and its ``ChildFailedError`` traceback (~35 lines) would
 only bury it. Then it exits 2 with nothing more. Any other failure (a crash, a rank killed,
 exit 1 or 3) prints torchrun's report as torchrun does. A signal that stops torchrun itself
@@ -46,6 +48,14 @@ class _HoldStopLines(logging.Filter):
             return False
         return True
 
+    def closed_pids(self) -> set[str]:
+        """The ranks torchrun stopped itself, after another rank had failed."""
+        return {
+            str(r.args[0])
+            for r in self.held
+            if r.msg.startswith(self.HELD[0]) and isinstance(r.args, tuple) and r.args
+        }
+
     def refused(self) -> bool:
         """Whether torchrun has said its ranks failed, each with the refusal's code."""
         codes = [
@@ -85,7 +95,9 @@ def main(argv: list[str]) -> int:
     try:
         torchrun(argv)
     except ChildFailedError as e:
-        refused = {f.exitcode for f in e.failures.values()} == {REFUSED}
+        closed = hold.closed_pids()
+        causes = {f.exitcode for f in e.failures.values() if str(f.pid) not in closed}
+        refused = causes == {REFUSED}
         if refused:
             return REFUSED
         raise

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch.distributed.run as torch_run
@@ -42,6 +45,50 @@ def test_refusal_is_quiet_and_other_failures_keep_the_report(monkeypatch, caplog
         "failed (exitcode: 1) local_rank: 0",
     ]
     assert not logging.getLogger(API).filters  # the filter does not outlive the call
+
+
+def test_a_rank_torchrun_stopped_after_the_refusal_is_not_a_cause(monkeypatch, caplog):
+    """Rank 0 refused while rank 1 was still importing: torchrun stopped rank 1 itself (its
+    exit -15 is in the failures beside rank 0's 2). Still the refusal; a rank that failed
+    on its own with another code is not."""
+
+    def stopped_one(other: int):
+        def main(argv):
+            log = logging.getLogger(API)
+            log.warning("Sending process %s closing signal %s", 101, "SIGTERM")
+            log.error("failed (exitcode: %s) local_rank: %s", 2, 0)
+            failures = {0: ProcessFailure(0, 100, 2, "<N/A>"), 1: ProcessFailure(1, 101, -15, "<N/A>"),
+                        2: ProcessFailure(2, 102, other, "<N/A>")}  # fmt: skip
+            raise ChildFailedError("megatron_grpo.cli.main", failures)
+
+        return main
+
+    caplog.set_level(logging.INFO, logger=API)
+    monkeypatch.setattr(torch_run, "main", stopped_one(2))
+    assert quiet_torchrun.main([]) == 2
+    assert caplog.records == []
+    monkeypatch.setattr(torch_run, "main", stopped_one(-9))  # rank 2 killed by someone else
+    with pytest.raises(ChildFailedError):
+        quiet_torchrun.main([])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_refusal_before_the_other_rank_is_ready_is_quiet_under_real_torchrun(tmp_path):
+    """The race CI met (launchers/cpu_demo.sh): rank 0 exits 2 while rank 1 is still busy, so
+    torchrun sends rank 1 SIGTERM. Real torchrun, two ranks: nothing but rank 0's line."""
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['LOCAL_RANK'] == '0':\n"
+        "    print('error: refused.', file=sys.stderr); sys.exit(2)\n"
+        "time.sleep(100)\n"
+    )
+    argv = [sys.executable, "-m", "megatron_grpo.distributed.quiet_torchrun", "--standalone",
+            "--nproc-per-node=2", str(script)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=100, env=env)
+    assert (out.returncode, out.stdout, out.stderr) == (2, "", "error: refused.\n")
 
 
 def test_a_signal_that_stops_torchrun_is_one_line(monkeypatch, caplog, capsys):
