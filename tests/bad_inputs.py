@@ -166,7 +166,6 @@ HAND: list[tuple[str, list[str]]] = [
     ("train: vLLM expert parallelism with rollout.tp=1", [*T, "model.hf_path=tiny-moe", "rollout.expert_parallel=true"]),
     ("train: vLLM expert parallelism with a dense model", [*T, "rollout.expert_parallel=true", "rollout.tp=2", "parallel.dp=2"]),
     ("train: vLLM expert parallelism without a GPU", [*T, "model.hf_path=tiny-moe", "rollout.expert_parallel=true", "rollout.tp=2", "parallel.dp=2"]),
-    ("train: context parallelism with sequence parallelism", [*T, "parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true"]),
     ("train: context parallelism with Transformer Engine's attention", [*T, "parallel.cp=2", "model.transformer_impl=transformer_engine"]),
 ]
 # fmt: on

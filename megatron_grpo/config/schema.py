@@ -156,11 +156,15 @@ class ParallelConfig:
     """Context-parallel size: each packed micro-batch's tokens split over ``cp`` ranks (the
     zigzag share of every document), attention over the whole document through an
     all-gather of K/V per layer (padded rows are packed: ``policy.forward``); needs the SDPA
-    attention and packed RoPE, and (for now) ep=1 and no sequence parallelism.
-    docs/context-parallel.md."""
+    attention and packed RoPE, and (for now) no vpp. Runs with TP (with and without
+    sequence parallelism), PP, EP and DP. docs/context-parallel.md."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (requires tp > 1; GPU). Micro-batches are then padded
-    to a multiple of tp tokens (``policy/micro_batches.py`` ``micro_batches``)."""
+    """Megatron sequence parallelism (requires tp > 1): the norms and residuals of each layer
+    hold 1/tp of the tokens, gathered and scattered around attention and the MLP (the
+    activations outside them shrink by tp; needed by MoE layers at tp > 1). Runs on CPU and
+    GPU, with TE's layers or the local spec (``policy.model_builder.LocalRMSNorm``). Micro-
+    batches are padded to a multiple of tp tokens (``policy/micro_batches.py``), a pack's
+    share of each CP rank too."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend. ``auto``: nccl when CUDA is present, else gloo."""
     timeout_s: float = 600.0
@@ -907,14 +911,14 @@ def _check_context_parallel(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     if p.cp == 1:
         return
-    why = context_parallel_gap(m.transformer_impl, m.local_attention, m.kernels.packed_rope,
-                               p.vpp, p.sequence_parallel)  # fmt: skip
+    why = context_parallel_gap(m.transformer_impl, m.local_attention, m.kernels.packed_rope, p.vpp)
     if why is not None:
         raise ConfigError(f"parallel.cp={p.cp} does not run with {why} or parallel.cp=1.")
 
 
-def context_parallel_gap(transformer_impl: str, local_attention: str, packed_rope: bool,
-                         vpp: int | None, sequence_parallel: bool) -> str | None:  # fmt: skip
+def context_parallel_gap(
+    transformer_impl: str, local_attention: str, packed_rope: bool, vpp: int | None
+) -> str | None:
     """The first setting the context-parallel path does not run with yet, and its fix; None
     when it runs (the config's check and the policy's guard read this one list)."""
     if transformer_impl == "transformer_engine":
@@ -925,13 +929,6 @@ def context_parallel_gap(transformer_impl: str, local_attention: str, packed_rop
         return "model.kernels.packed_rope=false: set true (RoPE of each rank's positions)"
     if vpp:
         return f"parallel.vpp={vpp} (untested): set parallel.vpp=null"
-    if sequence_parallel:
-        # sequence parallelism needs TE's norms (policy.model_builder.check_sequence_parallel)
-        # and context parallelism the local spec's core attention: no spec has both yet
-        return (
-            "parallel.sequence_parallel=true (it needs Transformer-Engine layers, context "
-            "parallelism the local spec): set it false"
-        )
     return None
 
 

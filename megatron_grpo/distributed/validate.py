@@ -103,11 +103,6 @@ def _check_device_options(parallel: ParallelConfig, cuda: bool) -> None:
             "parallel.backend='nccl' needs CUDA, and no CUDA device is available: set "
             "parallel.backend=auto (gloo on CPU)."
         )
-    if parallel.sequence_parallel and not cuda:
-        raise ConfigError(
-            "parallel.sequence_parallel=true is a GPU memory optimisation and is not supported "
-            "on CPU: set parallel.sequence_parallel=false."
-        )
 
 
 def check_model_split(spec: ModelSpec, tp: int, pp: int, vpp: int | None) -> None:

@@ -236,7 +236,6 @@ def refuse_context_parallel(
     refuses the same before any work (``config.schema``), this guards policies built
     directly."""
     impl = resolve_transformer_impl(model_cfg, ctx.device)
-    why = context_parallel_gap(impl, model_cfg.local_attention, packed_rope, ctx.vpp,
-                               ctx.sequence_parallel)  # fmt: skip
+    why = context_parallel_gap(impl, model_cfg.local_attention, packed_rope, ctx.vpp)
     if why is not None:
         raise ConfigError(f"parallel.cp={ctx.cp} does not run with {why} or parallel.cp=1.")

@@ -274,10 +274,11 @@ def packed_micro_batches(
 def _rank_pack(ids: torch.Tensor, lengths: list[int], multiple: int, routed: torch.Tensor | None,
                cp: int, cp_rank: int) -> PackedRows:  # fmt: skip
     """``PackedRows.build`` of a rank: with ``cp`` > 1 every document padded to a multiple of
-    2*cp tokens and the pack cut to context-parallel rank ``cp_rank``'s share."""
+    2*cp tokens and the pack cut to context-parallel rank ``cp_rank``'s share, which is then
+    the ``multiple`` (sequence parallelism's tp) of tokens: the whole pack one of cp times it."""
     if cp == 1:
         return PackedRows.build(ids, lengths, multiple, routed)
-    pack = PackedRows.build(ids, lengths, multiple, routed, doc_multiple=2 * cp)
+    pack = PackedRows.build(ids, lengths, multiple * cp, routed, doc_multiple=2 * cp)
     return pack.split_for(cp, cp_rank)
 
 

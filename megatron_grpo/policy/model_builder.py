@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_grpo.config.schema import ConfigError, ModelConfig
+from megatron_grpo.config.schema import ModelConfig
 from megatron_grpo.distributed.setup import ParallelContext
 from megatron_grpo.models.spec import ModelSpec, megatron_padded_vocab
 from megatron_grpo.policy.attention import SDPAttention
@@ -62,17 +62,24 @@ def resolve_dtype(model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[model_cfg.dtype]
 
 
-def check_sequence_parallel(sequence_parallel: bool, impl: str) -> None:
-    """Sequence parallelism needs norms that handle a sequence-sharded input: TE's. The local
-    spec's RMSNorm is always ``WrappedTorchNorm`` (Apex's FusedLayerNorm has no RMSNorm), which
-    asserts ``not config.sequence_parallel`` (megatron/core/transformer/torch_norm.py)."""
-    if sequence_parallel and impl != "transformer_engine":
-        raise ConfigError(
-            f"parallel.sequence_parallel=true needs Transformer-Engine layers, but "
-            f"model.transformer_impl resolves to {impl!r} (megatron's local RMSNorm refuses "
-            "sequence parallelism): install transformer-engine (pip install -e '.[gpu]') or "
-            "set parallel.sequence_parallel=false."
-        )
+class LocalRMSNorm:
+    """The local spec's RMSNorm: a ``torch.nn.RMSNorm`` (what megatron's ``WrappedTorchNorm``
+    builds for it) that also runs under sequence parallelism, which ``WrappedTorchNorm``
+    refuses (megatron/core/transformer/torch_norm.py asserts ``not config.sequence_parallel``).
+
+    A norm is per token, so a sequence-sharded input changes nothing in its math; what
+    sequence parallelism needs of it is that its weight's gradient, which each TP rank then
+    has from its own share of the tokens, is summed over the TP group. Marking the weight
+    ``sequence_parallel`` asks megatron's ``finalize_model_grads`` for that all-reduce
+    (distributed/finalize_model_grads.py ``_allreduce_non_tensor_model_parallel_grads``), as
+    Transformer Engine's norms mark theirs. The q/k norms (Qwen3) run on the gathered
+    sequence; megatron all-reduces theirs over TP by name either way."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> Any:
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        if config.sequence_parallel:
+            norm.weight.sequence_parallel = True  # type: ignore[attr-defined]  # megatron reads it
+        return norm
 
 
 def padded_vocab_size(spec: ModelSpec, ctx: ParallelContext, model_cfg: ModelConfig) -> int:
@@ -307,13 +314,14 @@ def cast_params_(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def layer_spec(spec: ModelSpec, impl: str, local_attention: str = "sdpa") -> Any:
-    """megatron's GPT layer spec for ``impl``; on the local spec, the core attention is
-    ``policy.attention.SDPAttention`` unless ``local_attention="unfused"`` (megatron's
-    ``DotProductAttention``)."""
+    """megatron's GPT layer spec for ``impl``; on the local spec, the norms are
+    ``LocalRMSNorm`` and the core attention is ``policy.attention.SDPAttention`` unless
+    ``local_attention="unfused"`` (megatron's ``DotProductAttention``)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+    from megatron.core.transformer.identity_op import IdentityOp
 
     experts = spec.num_experts or None
     if impl == "transformer_engine":
@@ -326,10 +334,31 @@ def layer_spec(spec: ModelSpec, impl: str, local_attention: str = "sdpa") -> Any
         qk_layernorm=spec.qk_norm,
         normalization="RMSNorm",
     )
+    # the spec is built fresh by each call: replacing its submodules touches nothing shared
+    attention = layers.submodules.self_attention.submodules
+    for owner, name in ((layers.submodules, "input_layernorm"),
+                        (layers.submodules, "pre_mlp_layernorm"),
+                        (attention, "q_layernorm"), (attention, "k_layernorm")):  # fmt: skip
+        if getattr(owner, name) is not IdentityOp:
+            setattr(owner, name, LocalRMSNorm)
     if local_attention == "sdpa":
-        # the spec is built fresh by each call: replacing its submodule touches nothing shared
-        layers.submodules.self_attention.submodules.core_attention = SDPAttention
+        attention.core_attention = SDPAttention
     return layers
+
+
+def block_spec(layers: Any, config: Any, impl: str, vp_stage: int | None, pp_rank: int) -> Any:
+    """A chunk's ``TransformerBlockSubmodules``: its layers' spec, and on the local spec the
+    final norm a ``LocalRMSNorm`` (a plain layer spec would give megatron's module-level
+    ``LayerNormImpl``, ``WrappedTorchNorm`` without TE, transformer/transformer_block.py)."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    if impl == "transformer_engine":
+        return layers
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layers] * count, layer_norm=LocalRMSNorm)
 
 
 def build_model(
@@ -347,7 +376,6 @@ def build_model(
 
     kernels = kernels or resolve_kernels(model_cfg, ctx.device)
     log.info("layer kernels: %s", kernels.describe())
-    check_sequence_parallel(ctx.sequence_parallel, kernels.impl)
     config = transformer_config(spec, ctx, model_cfg, **kernels.config_args(),
                                 **recompute_args(model_cfg, kernels.impl))  # fmt: skip
     layers = layer_spec(spec, kernels.impl, model_cfg.local_attention)
@@ -359,7 +387,7 @@ def build_model(
         post = ctx.is_last_stage and (vp is None or is_vp_last_stage(vp, ctx.vpp))
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layers,
+            transformer_layer_spec=block_spec(layers, config, kernels.impl, vp, ctx.pp_rank),
             vocab_size=vocab,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=pre,

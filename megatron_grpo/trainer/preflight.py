@@ -94,9 +94,9 @@ def check_moe(spec: ModelSpec, cfg: Config, has_cuda: bool | None = None) -> Non
         # parallelism (transformer/moe/moe_layer.py); scoring alone would run
         raise ConfigError(
             f"parallel.tp({par.tp}) > 1 with an MoE model needs parallel.sequence_parallel="
-            "true (megatron's MoE layer refuses to train under TP without it; GPU with "
-            "Transformer Engine): set parallel.sequence_parallel=true, or parallel.tp=1 and "
-            "split the experts with parallel.ep."
+            "true (megatron's MoE layer refuses to train under TP without it): set "
+            "parallel.sequence_parallel=true, or parallel.tp=1 and split the experts with "
+            "parallel.ep."
         )
     widths = {
         "moe_intermediate_size": spec.moe_ffn_hidden_size,

@@ -9,7 +9,9 @@ Two runs cover the main paths, v=2 in both (a sync after steps 2 and 4, lag 0 an
   loss against pi_ref, DAPO overlong filter (steps 3-4 have truncated responses; without the
   filter their loss is 0.0555 / 0.1837), ``rollout.temperature=0.7``, ``sync.verify=true``;
 - ``TP2``: ``train --config configs/tiny_cpu.yaml`` as one process, which starts a torchrun
-  world of 2 (trainer TP=2, two colocated vLLM engines, every sync reshards),
+  world of 2 (trainer TP=2, two colocated vLLM engines, every sync reshards), with sequence
+  parallelism on (how TP runs on GPUs; the demo runs the same layout without it, and a
+  policy step is the same bit for bit with and without it, tests/policy/test_sequence_parallel.py),
   ``ratio_mode=one``, ``loss_agg=seq_mean_token_mean`` with ``loss_normalizer=all``
   (the paper configs' objective), DAPO overlong shaping, T=0.7, ``sync.verify=true``.
 
@@ -129,11 +131,12 @@ def test_golden_tp1_exact_ratio_kl_overlong_filter(tmp_path, impl):
 
 @pytest.mark.timeout(600)
 def test_golden_tp2_one_ratio_paper_normaliser_overlong(tmp_path):
-    """`train --config configs/tiny_cpu.yaml` (tp=2) as one process starts its 2 ranks;
-    library output (warnings, vLLM INFO, the config) goes to train.log, rank-prefixed, and
-    the console shows only our lines."""
+    """`train --config configs/tiny_cpu.yaml` (tp=2, with sequence parallelism) as one
+    process starts its 2 ranks; library output (warnings, vLLM INFO, the config) goes to
+    train.log, rank-prefixed, and the console shows only our lines."""
     run = tmp_path / "r"
-    rc, out, left = torchrun_train(run, *TP2_CONFIG, *COMMON, *TP2, timeout=500,
+    rc, out, left = torchrun_train(run, *TP2_CONFIG, *COMMON, *TP2,
+                                   "parallel.sequence_parallel=true", timeout=500,
                                    one_process=True)  # fmt: skip
     assert rc == 0, out[-3000:]
     assert not left, left

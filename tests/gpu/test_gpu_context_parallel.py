@@ -18,7 +18,8 @@ from tests.dist_utils import run_distributed
 from tests.policy.test_context_parallel import _batch, pg_loss
 
 
-def _worker(rank, world, cp, hf_dir):
+def _worker(rank, world, layout, hf_dir):
+    """One packed step at ``ParallelConfig(**layout, backend="nccl")``, fp32, local spec."""
     from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
     from megatron_grpo.distributed import distributed_context
     from megatron_grpo.layouts import load_hf_into_megatron
@@ -26,7 +27,7 @@ def _worker(rank, world, cp, hf_dir):
     from megatron_grpo.policy import build_policy
 
     spec = load_spec(hf_dir)
-    with distributed_context(ParallelConfig(cp=cp, backend="nccl"), spec, seed=1) as ctx:
+    with distributed_context(ParallelConfig(**layout, backend="nccl"), spec, seed=1) as ctx:
         batch = _batch(spec.vocab_size)
         policy = build_policy(
             spec, ctx, ModelConfig(dtype="float32", transformer_impl="local"),
@@ -47,8 +48,8 @@ def test_cp2_equals_cp1_on_cuda(tmp_path):
 
     hf_dir = str(tmp_path / "tiny")
     build_hf_model(hf_dir, "tiny", seed=3)
-    (want,) = run_distributed(_worker, 1, 1, hf_dir, timeout=280)
-    for r in run_distributed(_worker, 2, 2, hf_dir, timeout=280):
+    (want,) = run_distributed(_worker, 1, {"cp": 1}, hf_dir, timeout=280)
+    for r in run_distributed(_worker, 2, {"cp": 2}, hf_dir, timeout=280):
         torch.testing.assert_close(r["logp"], want["logp"], atol=1e-4, rtol=0)
         assert r["loss"] == pytest.approx(want["loss"], abs=1e-5)
         assert r["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)

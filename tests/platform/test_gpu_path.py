@@ -47,8 +47,7 @@ def test_context_parallel_is_refused_where_it_does_not_run_yet():
     Config(parallel=ParallelConfig(cp=2))
     Config(parallel=ParallelConfig(cp=2, pp=2))
     Config(parallel=ParallelConfig(cp=2, ep=2))  # experts run with CP (issue 42)
-    with pytest.raises(ConfigError, match=r"parallel.cp=2 does not run with parallel.sequence_"):
-        Config(parallel=ParallelConfig(cp=2, tp=2, sequence_parallel=True))
+    Config(parallel=ParallelConfig(cp=2, tp=2, sequence_parallel=True))  # and with SP
     with pytest.raises(ConfigError, match=r"packed_rope=false: set true .* or parallel.cp=1"):
         Config(
             parallel=ParallelConfig(cp=2),
@@ -75,18 +74,6 @@ def test_sequence_parallel_pads_micro_batches_to_a_multiple_of_tp(tp):
     # Without sequence parallelism nothing is padded.
     lengths = [mb.input_ids.shape[1] for _, _, mb in _micro_batches(batch, 2)]
     assert lengths == [3, 7, 7]
-
-
-def test_sequence_parallel_needs_transformer_engine_layers():
-    """megatron's local RMSNorm (WrappedTorchNorm) asserts on sequence parallelism: the build
-    refuses it in one line instead (the GPU path without TE would otherwise assert deep in
-    megatron)."""
-    from megatron_grpo.policy.model_builder import check_sequence_parallel
-
-    check_sequence_parallel(False, "local")
-    check_sequence_parallel(True, "transformer_engine")
-    with pytest.raises(ConfigError, match="sequence_parallel=true needs Transformer-Engine"):
-        check_sequence_parallel(True, "local")
 
 
 def test_phase_timer_synchronizes_the_cuda_device_only():

@@ -151,38 +151,51 @@ def pg_loss(logp, entropy, mb, *, n_tokens: float):
     return loss, {"tokens": mask.sum()}
 
 
-def _policy_worker(rank, world, tp, cp, hf_dir, budget, pp=1, dist_opt="off", model_kw=None):
-    from megatron_grpo.bench.ops.count import SavedBytes
-    from megatron_grpo.config.schema import ModelConfig, OptimConfig, ParallelConfig
+def _policy_worker(rank, world, tp, cp, hf_dir, budget, pp=1, dist_opt="off", model_kw=None,
+                   sp=False):  # fmt: skip
+    """One step of the tiny model at this layout (``sp``: sequence parallelism) on
+    ``_batch``: what ``_policy_step`` returns; a tuple of budgets: a dict of them by budget,
+    each from a policy of its own on the same ranks."""
+    from megatron_grpo.config.schema import ParallelConfig
     from megatron_grpo.distributed import distributed_context
-    from megatron_grpo.layouts import load_hf_into_megatron
     from megatron_grpo.models.spec import load_spec
-    from megatron_grpo.policy import build_policy
 
     spec = load_spec(hf_dir)
-    with distributed_context(ParallelConfig(tp=tp, cp=cp, pp=pp), spec, seed=1) as ctx:
-        batch = _batch(spec.vocab_size)
-        policy = build_policy(
-            spec, ctx, ModelConfig(**(model_kw or {})),
-            OptimConfig(lr=1e-2, clip_grad=0.0, adam_eps=1e-1, distributed_optimizer=dist_opt),
-            init_weights=lambda ch: load_hf_into_megatron(ch, hf_dir, spec, ctx),
-        )  # fmt: skip
-        lp = policy.compute_logprobs(batch, 2, token_budget=budget)
-        loss_fn = partial(pg_loss, n_tokens=float(batch.loss_mask.sum()))
-        with SavedBytes([p for m in policy.models for p in m.parameters()]) as saved:
-            metrics = policy.train_step(batch, loss_fn, 2, token_budget=budget)
-        return {
-            "tp_rank": (ctx.tp_rank, ctx.pp_rank),
-            # model.recompute=full with the local spec: each layer under torch's checkpoint
-            # (policy/model_builder.py checkpoint_layers), not megatron's recompute_granularity
-            "recompute": "full" if any(type(m).__name__.startswith("Checkpointed")
-                                       for m in policy.models[0].modules()) else None,  # fmt: skip
-            "saved_bytes": saved.bytes,
-            "logp": lp["logp"], "entropy": lp["entropy"],
-            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-            "grads": {n: p.main_grad.clone() for n, p in policy.models[0].named_parameters()},
-            "weights": {n: p.detach().clone() for n, p in policy.named_shards()},
-        }  # fmt: skip
+    par = ParallelConfig(tp=tp, cp=cp, pp=pp, sequence_parallel=sp)
+    with distributed_context(par, spec, seed=1) as ctx:
+        if isinstance(budget, tuple):
+            return {b: _policy_step(ctx, spec, hf_dir, b, dist_opt, model_kw) for b in budget}
+        return _policy_step(ctx, spec, hf_dir, budget, dist_opt, model_kw)
+
+
+def _policy_step(ctx, spec, hf_dir, budget, dist_opt, model_kw):
+    from megatron_grpo.bench.ops.count import SavedBytes
+    from megatron_grpo.config.schema import ModelConfig, OptimConfig
+    from megatron_grpo.layouts import load_hf_into_megatron
+    from megatron_grpo.policy import build_policy
+
+    batch = _batch(spec.vocab_size)
+    policy = build_policy(
+        spec, ctx, ModelConfig(**(model_kw or {})),
+        OptimConfig(lr=1e-2, clip_grad=0.0, adam_eps=1e-1, distributed_optimizer=dist_opt),
+        init_weights=lambda ch: load_hf_into_megatron(ch, hf_dir, spec, ctx),
+    )  # fmt: skip
+    lp = policy.compute_logprobs(batch, 2, token_budget=budget)
+    loss_fn = partial(pg_loss, n_tokens=float(batch.loss_mask.sum()))
+    with SavedBytes([p for m in policy.models for p in m.parameters()]) as saved:
+        metrics = policy.train_step(batch, loss_fn, 2, token_budget=budget)
+    return {
+        "tp_rank": (ctx.tp_rank, ctx.pp_rank),
+        # model.recompute=full with the local spec: each layer under torch's checkpoint
+        # (policy/model_builder.py checkpoint_layers), not megatron's recompute_granularity
+        "recompute": "full" if any(type(m).__name__.startswith("Checkpointed")
+                                   for m in policy.models[0].modules()) else None,  # fmt: skip
+        "saved_bytes": saved.bytes,
+        "logp": lp["logp"], "entropy": lp["entropy"],
+        "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+        "grads": {n: p.main_grad.clone() for n, p in policy.models[0].named_parameters()},
+        "weights": {n: p.detach().clone() for n, p in policy.named_shards()},
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
