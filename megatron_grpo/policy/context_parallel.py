@@ -121,12 +121,11 @@ class _GatherTokens(torch.autograd.Function):
         stacked = grad[shard.stacked].contiguous()  # rank-ordered rows
         if ctx.replicated_loss:
             return stacked[rank * ctx.n : (rank + 1) * ctx.n].clone(), None, None
-        if stacked.is_cuda:  # NCCL: reduce-scatter; gloo has none (all-reduce, then slice)
-            out = stacked.new_empty((ctx.n, *stacked.shape[1:]))
-            dist.reduce_scatter_tensor(out, stacked, group=shard.group)
-            return out, None, None
-        dist.all_reduce(stacked, group=shard.group)
-        return stacked[rank * ctx.n : (rank + 1) * ctx.n].clone(), None, None
+        # NCCL and gloo alike (gloo has it in the pinned torch; megatron's sequence parallelism
+        # reduce-scatters over gloo on CPU too): the branch a GPU run takes, run in CI
+        out = stacked.new_empty((ctx.n, *stacked.shape[1:]))
+        dist.reduce_scatter_tensor(out, stacked, group=shard.group)
+        return out, None, None
 
 
 def context_parallel_attention(
