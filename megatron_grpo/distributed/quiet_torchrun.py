@@ -48,22 +48,21 @@ class _HoldStopLines(logging.Filter):
             return False
         return True
 
-    def closed_pids(self) -> set[str]:
-        """The ranks torchrun stopped itself, after another rank had failed."""
+    def _first_args(self, msg: str) -> set[str]:
+        """The first argument (a pid, an exit code) of each held line of format ``msg``."""
         return {
             str(r.args[0])
             for r in self.held
-            if r.msg.startswith(self.HELD[0]) and isinstance(r.args, tuple) and r.args
+            if r.msg.startswith(msg) and isinstance(r.args, tuple) and r.args
         }
+
+    def closed_pids(self) -> set[str]:
+        """The ranks torchrun stopped itself, after another rank had failed."""
+        return self._first_args(self.HELD[0])
 
     def refused(self) -> bool:
         """Whether torchrun has said its ranks failed, each with the refusal's code."""
-        codes = [
-            str(r.args[0])
-            for r in self.held
-            if r.msg.startswith(self.HELD[1]) and isinstance(r.args, tuple) and r.args
-        ]
-        return bool(codes) and set(codes) == {str(REFUSED)}
+        return self._first_args(self.HELD[1]) == {str(REFUSED)}
 
 
 class _DropTracesOf(logging.Filter):
